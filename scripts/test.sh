@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command: install what the tests need, then run the whole suite on the CPU
+# (CUDA kernels under Numba's simulator and compiled for sm_90 without a GPU).
+# Usage: bash scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+set +e
+.venv/bin/python -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "scripts/test.sh: pytest collected no tests: that is a failure, not a pass" >&2
+    exit 1
+fi
+exit "$rc"

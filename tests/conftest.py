@@ -1,0 +1,35 @@
+"""Test configuration shared by every test package.
+
+CUDA kernels run under Numba's simulator in the main pytest process unless DS4_REQUIRE_CUDA=1
+(real GPU): the simulator must be switched on before the first `numba.cuda` import, so it is set here.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+OFFICIAL = GOLDEN / "official_v41_tiny"
+
+if os.environ.get("DS4_REQUIRE_CUDA", "0") in ("", "0"):
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    sys.setswitchinterval(1e-4)
+
+
+@pytest.fixture(scope="session")
+def official_dir():
+    return OFFICIAL
+
+
+@pytest.fixture(scope="session")
+def official_vectors():
+    import numpy as np
+    return {mode: dict(np.load(OFFICIAL / f"vectors_quant_{mode}.npz")) for mode in ("on", "off")}
+
+
+@pytest.fixture(scope="session")
+def official_models():
+    from ds4lib.ref import ReferenceModel
+    return {mode: ReferenceModel.load(OFFICIAL / "checkpoint", quant_sim=(mode == "on")) for mode in ("on", "off")}
