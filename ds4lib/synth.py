@@ -22,7 +22,7 @@ from ds4lib.formats.fp8 import e4m3_encode, fp8_weight_quantize, pow2_ceil_expon
 from ds4lib.formats.names import DT_BF16, DT_E4M3, DT_F32, DT_FP4
 from ds4lib.inventory import tensor_inventory
 
-__all__ = ["random_float", "random_stored", "write_random_checkpoint", "synthetic_token_map"]
+__all__ = ["random_float", "random_stored", "store_float", "write_random_checkpoint", "synthetic_token_map"]
 
 
 def _rng(seed: int, name: str):
@@ -58,7 +58,16 @@ def random_float(spec, seed: int, cfg) -> np.ndarray:
 
 def random_stored(spec, seed: int, cfg) -> dict:
     """{name: stored array} for a weight spec and its scale (if any)."""
-    w = random_float(spec, seed, cfg)
+    return store_float(spec, random_float(spec, seed, cfg), cfg)
+
+
+def store_float(spec, w, cfg) -> dict:
+    """Quantise a float32 master value into the spec's stored format: {name: array, [scale name: array]}.
+    FP8 linears use 32x32 blocks, FP4 experts groups of 32, Engram tables one scale per row and 32
+    columns; every scale is 2^ceil(log2(amax / max)) (the official convention)."""
+    w = np.asarray(w, dtype=np.float32)
+    if tuple(w.shape) != tuple(spec.logical):
+        raise ValueError(f"{spec.name}: value shape {list(w.shape)}, expected {list(spec.logical)}")
     base = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else spec.name
     if spec.dtype == DT_BF16:
         return {spec.name: f32_to_bf16_bits(w)}

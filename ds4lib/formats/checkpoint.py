@@ -200,10 +200,10 @@ class CheckpointWriter:
             raise CheckpointError(f"tensor {name!r} is {a.dtype}, expected the {spec.dtype} storage "
                                   f"{np.dtype(want[spec.dtype]).name}")
         self._next += 1
+        if self._pending and self._pending_bytes + a.nbytes > self.shard_bytes:
+            self._flush()          # a shard never exceeds shard_bytes unless one tensor alone does
         self._pending.append((name, spec.dtype, a))
         self._pending_bytes += a.nbytes
-        if self._pending_bytes >= self.shard_bytes:
-            self._flush()
 
     def add_float(self, name: str, value) -> None:
         """Convenience for plain tensors: BF16 or F32 storage from float values."""
