@@ -1,0 +1,61 @@
+"""Export the training model to the official checkpoint format, and load an official checkpoint back into it.
+
+FP8 linears and FP4 experts are quantised exactly as QAT simulated them (ds4lib.synth.store_float), so the
+exported FP4/FP8 model is the one the training forward computed with. Only the training run imports this.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from ds4lib.formats.checkpoint import CheckpointReader, CheckpointWriter
+from ds4lib.inventory import tensor_inventory
+from ds4lib.synth import store_float
+
+SKIP_BUFFERS = ("load",)
+
+
+def official_state(model) -> dict:
+    """{official name: float32 numpy} for every inventory tensor (scales excluded)."""
+    sd = model.state_dict()
+    out = {}
+    for spec in tensor_inventory(model.cfg).values():
+        if spec.is_scale:
+            continue
+        if spec.name not in sd:
+            raise KeyError(f"training model has no parameter {spec.name}")
+        out[spec.name] = sd[spec.name].detach().float().cpu().numpy()
+    return out
+
+
+def export_checkpoint(model, out_dir, extra_files=None, shard_bytes=15 << 20, metadata=None):
+    cfg = model.cfg
+    values = official_state(model)
+    writer = CheckpointWriter(out_dir, cfg, shard_bytes=shard_bytes, metadata=metadata)
+    pending = {}
+    for spec in tensor_inventory(cfg).values():
+        if spec.is_scale:
+            writer.add(spec.name, pending.pop(spec.name))
+            continue
+        arrays = store_float(spec, values[spec.name], cfg)
+        writer.add(spec.name, arrays.pop(spec.name))
+        pending.update(arrays)
+    return writer.close(extra_files or {})
+
+
+@torch.no_grad()
+def load_official(model, ckpt_dir):
+    """Set every parameter from a checkpoint (dequantised float32 values)."""
+    r = CheckpointReader.open(ckpt_dir)
+    sd = model.state_dict()
+    for spec in tensor_inventory(model.cfg).values():
+        if spec.is_scale:
+            continue
+        sd[spec.name].copy_(torch.from_numpy(np.ascontiguousarray(r.weight(spec.name))))
+    return model
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj, indent=2) + "\n")
