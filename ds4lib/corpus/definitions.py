@@ -1,0 +1,70 @@
+"""Dictionary definitions as chat exchanges: "What does 'ledger' mean?" -> the entry.
+
+Owns: turning dictionary documents (GCIDE entries of any domain, WordNet synsets; `meta` has
+headword and pos) into conversations for the training set's chat part, rendered with the chat
+encoding of `ds4lib.chat`.
+
+Deterministic rules: documents are ordered by sha256("ds4-chat:" + key); every 8th conversation has
+two turns (two consecutive documents), the others one. A quarter of the conversations (by the hash
+of their first document) use thinking mode, with a short reasoning built from the entry itself
+(part of speech, number of senses); the rest are non-thinking. The question template is picked by
+the same hash. The answer is the dictionary document's text.
+
+Does not own: which documents are allowed (`training.Exclusion`), tokenization (`training`).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator
+
+from ..chat import render_chat
+from .document import Document
+
+__all__ = ["definition_turn", "definition_conversations", "render_definition_chats"]
+
+_QUESTIONS = ("What does '{w}' mean?", "Define '{w}'.", "What is the meaning of the word '{w}'?",
+              "Give the dictionary definition of '{w}'.")
+_DOMAIN_QUESTION = "What does '{w}' mean in {d}?"
+_POS_WORDS = {"n.": "a noun", "n. pl.": "a plural noun", "prop. n.": "a proper noun", "v.": "a verb",
+              "v. t.": "a transitive verb", "v. i.": "an intransitive verb", "a.": "an adjective",
+              "adj.": "an adjective", "adv.": "an adverb", "prep.": "a preposition", "conj.": "a conjunction",
+              "interj.": "an interjection", "pron.": "a pronoun", "p. p.": "a past participle",
+              "p. pr.": "a present participle", "vb. n.": "a verbal noun"}
+_DOMAIN_NAMES = {"finance": "finance", "law": "law", "medicine": "medicine", "science": "science"}
+
+
+def _hash(doc: Document) -> int:
+    return int.from_bytes(hashlib.sha256(f"ds4-chat:{doc.key}".encode()).digest()[:8], "big")
+
+
+def definition_turn(doc: Document) -> tuple[dict, dict]:
+    """(user message, assistant message with reasoning_content) for one dictionary document."""
+    word, pos = doc.meta["headword"], doc.meta.get("pos", "")
+    domain = doc.source.split("/", 1)[0]
+    h = _hash(doc)
+    if domain in _DOMAIN_NAMES:
+        question = _DOMAIN_QUESTION.format(w=word, d=_DOMAIN_NAMES[domain])
+    else:
+        question = _QUESTIONS[h % len(_QUESTIONS)].format(w=word)
+    n_senses = max(1, sum(1 for ln in doc.text.split("\n")[1:] if not ln.startswith(("Syn:", "Note:"))))
+    kind = _POS_WORDS.get(pos, "a word")
+    reasoning = (f"The user asks what '{word}' means. It is {kind}, and the dictionary entry gives "
+                 f"{n_senses} sense{'s' if n_senses > 1 else ''}; I will quote the entry.")
+    return ({"role": "user", "content": question},
+            {"role": "assistant", "content": doc.text, "reasoning_content": reasoning})
+
+
+def definition_conversations(docs: Iterable[Document]) -> Iterator[tuple[list[dict], bool]]:
+    """(messages, thinking) per conversation; see the module docstring for the rules."""
+    ordered = sorted(docs, key=lambda d: (_hash(d), d.key))
+    i, k = 0, 0
+    while i < len(ordered):
+        turns = 2 if k % 8 == 7 and i + 1 < len(ordered) else 1
+        messages = [m for d in ordered[i:i + turns] for m in definition_turn(d)]
+        yield messages, _hash(ordered[i]) % 4 == 0
+        i, k = i + turns, k + 1
+
+
+def render_definition_chats(docs: Iterable[Document]) -> Iterator[str]:
+    for messages, thinking in definition_conversations(docs):
+        yield render_chat(messages, thinking=thinking, add_generation_prompt=False)
