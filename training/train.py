@@ -125,11 +125,15 @@ def main(argv=None):
     total_steps = args.max_steps or 10 ** 9
     step, tokens, t_loop = 0, 0, time.time()
     moes = [b.ffn for b in list(model.layers) + list(model.mtp)]
+    t_mark = None
     while step < total_steps:
-        if step == 10 and not args.max_steps:
-            per_step = (time.time() - t_loop) / 10
-            total_steps = max(20, int(args.budget / per_step))
+        if step == 5:
+            t_mark = time.time()
+        if step == 15 and not args.max_steps:
+            per_step = (time.time() - t_mark) / 10           # steady-state step time (after warm-up)
+            total_steps = max(20, int((args.budget - (time.time() - t_loop)) / per_step) + step)
             log["planned_steps"] = total_steps
+            log["step_seconds"] = per_step
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         if step >= args.warmup and total_steps < 10 ** 9:
             prog = (step - args.warmup) / max(1, total_steps - args.warmup)
@@ -144,19 +148,25 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if not torch.isfinite(gn):              # skip a step whose gradient is not finite; keep training
+            log.setdefault("skipped_steps", []).append(step)
+            opt.zero_grad(set_to_none=True)
+        else:
+            opt.step()
         for moe in moes:
             moe.balance(args.balance_rate)
         step += 1
         tokens += batch.numel() - len(batch)
         if step % 25 == 0 or step == 1:
             el = time.time() - t_loop
-            rec = {"step": step, "lr": lr, "loss": float(loss), "ce": float(ce), "indexer_kl": float(kl),
-                   "dspark_ce": float(losses["dspark"]), "dspark_acc": [float(a) for a in losses["dspark_acc"]],
+            rec = {"step": step, "lr": lr, "loss": float(loss.detach()), "ce": float(ce.detach()), "indexer_kl": float(kl.detach()),
+                   "dspark_ce": float(losses["dspark"].detach()), "dspark_acc": [float(a) for a in losses["dspark_acc"]],
                    "grad_norm": float(gn), "tokens": tokens, "elapsed": el, "tok_per_s": tokens / el}
             log["steps"].append(rec)
             print(json.dumps(rec), flush=True)
     log["train_seconds"] = time.time() - t_loop
+    if device == "cuda":
+        log["max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     log["train_tokens"] = tokens
     model.eval()
     log["judge_ppl_torch"] = slice_ppl(model, args.slices, device)
