@@ -7,6 +7,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, numpy, tokenizers; print('torch', torch.__version__, 'numpy', numpy.__version__, 'tokenizers', tokenizers.__version__)"
 mkdir -p "$OUT/run"
 python3 -m training.train --data .train_data --config training/ds4_tiny_config.json \
-    --tokenizer data/tokenizer/tokenizer.json --slices data/slices --out "$OUT/run" --budget "${BUDGET:-440}" \
+    --tokenizer data/tokenizer/tokenizer.json --slices data/slices --out "$OUT/run" --budget "${BUDGET:-440}" ${TRAIN_ARGS:-} \
     2>&1 | tee "$OUT/train_stdout.txt"
 ls -la "$OUT/run" "$OUT/run/ckpt"

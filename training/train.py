@@ -103,6 +103,8 @@ def main(argv=None):
     ap.add_argument("--balance-rate", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int, default=0, help="cap (0 = set by the budget)")
+    ap.add_argument("--init", type=Path, default=None, help="continue from an official-format checkpoint")
+    ap.add_argument("--weights", default="", help="override mixing weights, e.g. chat=0.15,dictionary=0.07")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -114,13 +116,19 @@ def main(argv=None):
     tmap, n_c = compressed_token_map(Tokenizer.from_file(str(args.tokenizer)))
     # the compressed vocabulary (and with it the hash multipliers) is derived from the tokenizer, never typed in
     cfg = ModelConfig.from_dict({**cfg.to_flat_dict(), "engram_compressed_vocab_size": n_c})
-    model = Model(cfg, qat=True, max_pos=max(args.seq, 4096)).to(device)
+    model = Model(cfg, qat=True, max_pos=max(args.seq, 4096))
     model.set_token_map(tmap)
+    if args.init:
+        load_official(model, args.init)          # QAT weights are already on the FP4/FP8 grid: nothing is lost
+    model = model.to(device)
     parts, weights = load_parts(args.data)
+    for item in filter(None, args.weights.split(",")):
+        k, v = item.split("=")
+        weights[k] = float(v)
     batcher = Batcher(parts, weights, args.seq, args.batch, args.seed, device)
     opt = torch.optim.AdamW(param_groups(model, args.wd), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device == "cuda")
-    log = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device,
+    log = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device, "weights": weights,
            "params": sum(p.numel() for p in model.parameters()), "steps": []}
     total_steps = args.max_steps or 10 ** 9
     step, tokens, t_loop = 0, 0, time.time()

@@ -70,13 +70,16 @@ class Call:
 
 
 class ReferenceModel:
-    def __init__(self, reader: CheckpointReader, quant_sim: bool = True, cache_bytes: int = 4 << 30):
-        self.reader, self.cfg, self.quant_sim = reader, reader.cfg, quant_sim
-        cfg = self.cfg
+    """The forward over any weight source with RefWeights' interface (`layer(l)`, `global_(name)`,
+    `engram_rows(l, hashes)`): the checkpoint itself (`load`), or the engine's dequantised base stack."""
+
+    def __init__(self, cfg, weights, token_map=None, quant_sim: bool = True):
+        self.cfg, self.w, self.quant_sim = cfg, weights, quant_sim
         self.roles = layer_roles(cfg)
-        self.w = RefWeights(reader, cache_bytes)
         self.geometry = engram_geometry(cfg) if cfg.engram_layer_ids else None
-        self.token_map = load_token_map(reader.root, cfg) if cfg.engram_layer_ids else None
+        if self.geometry is not None and token_map is None:
+            raise ValueError("a model with Engram layers needs the compressed token map")
+        self.token_map = token_map
         self.pad_cid = int(self.token_map[cfg.engram_pad_id]) if self.token_map is not None else 0
         args = (cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
         self.freqs = {False: rope_freqs(cfg.rope_head_dim, cfg.rope_theta, False, *args),
@@ -84,7 +87,12 @@ class ReferenceModel:
 
     @classmethod
     def load(cls, checkpoint_dir, quant_sim: bool = True, cache_bytes: int = 4 << 30) -> "ReferenceModel":
-        return cls(CheckpointReader.open(Path(checkpoint_dir)), quant_sim, cache_bytes)
+        reader = CheckpointReader.open(Path(checkpoint_dir))
+        cfg = reader.cfg
+        tmap = load_token_map(reader.root, cfg) if cfg.engram_layer_ids else None
+        model = cls(cfg, RefWeights(reader, cache_bytes), tmap, quant_sim)
+        model.reader = reader
+        return model
 
     def new_state(self) -> State:
         return State(self.cfg, self.roles, max(self.cfg.engram_max_ngram_size - 1, 1))
