@@ -11,7 +11,7 @@ from numba import cuda
 
 from kernels.bf16 import round_bf16_device
 
-__all__ = ["rms_norm", "rms_norm_kernel", "SIGNATURES"]
+__all__ = ["rms_norm", "rms_norm_kernel", "block_sum_rows_f64_device", "SIGNATURES"]
 
 WARP = 32
 ROWS_PER_BLOCK = 4
@@ -51,3 +51,20 @@ def rms_norm(x, w, eps, out=None, stream=0):
     grid = (x.shape[0] + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
     rms_norm_kernel[grid, WARP * ROWS_PER_BLOCK, stream](x, w, np.float32(eps), out)
     return out
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum_rows_f64_device(sh, n_rows):
+    """Sum sh[r, :blockDim.x] into sh[r, 0] for r < n_rows with a shared-memory tree (blockDim.x a power of
+    two). Deterministic: the order depends only on the block size. Every thread of the block must call it;
+    it ends with a barrier, so sh[r, 0] is then readable by all threads."""
+    tid = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    cuda.syncthreads()
+    s = n // 2
+    while s > 0:
+        if tid < s:
+            for r in range(n_rows):
+                sh[r, tid] += sh[r, tid + s]
+        cuda.syncthreads()
+        s //= 2

@@ -11,7 +11,6 @@ Defaults: corpus in `<cache>/corpus`, package cache in `<cache>/sources`, traini
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time

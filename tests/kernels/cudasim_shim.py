@@ -4,7 +4,11 @@ Each call publishes the lane's value in a per-block table keyed by thread id, wa
 reads the source lane, and waits again. Semantics therefore need every live thread of the block to
 reach the call, which holds for the warp-synchronous kernels of this project.
 """
+import sys
 import threading
+import traceback
+
+import numpy as np
 
 _installed = False
 
@@ -97,6 +101,38 @@ def activemask():
     return _live_mask()
 
 
+def lock_simulator_shared_arrays():
+    """Work around a data race in numba-cuda 0.30.4's simulator: FakeCUDAShared.array looks up and creates a
+    block's shared array without a lock, so two threads of a launch's first block can receive *different*
+    arrays (seen as random wrong results with sys.setswitchinterval(1e-4)). This replaces it with the same
+    code under a lock. Installed by install()."""
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+    if getattr(kernelapi.FakeCUDAShared, "_ds4_locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:
+            count = self._dynshared_size // dtype.itemsize
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        caller = traceback.extract_stack(sys._getframe())[-2][0:2]      # allocations are keyed by call site
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+    kernelapi.FakeCUDAShared._ds4_locked = True
+
+
 def install():
     global _installed
     if _installed:
@@ -105,4 +141,5 @@ def install():
     for name in ("shfl_sync", "shfl_up_sync", "shfl_down_sync", "shfl_xor_sync", "ballot_sync", "all_sync",
                  "any_sync", "syncwarp", "activemask"):
         setattr(kernelapi.FakeCUDAModule, name, staticmethod(globals()[name]))
+    lock_simulator_shared_arrays()
     _installed = True

@@ -1,0 +1,374 @@
+"""Sparse attention with a per-head sink over index lists, and the window ring (ds4lib.ref.attention; ARCHITECTURE.md
+§4.4.2, §4.4.6, erratum E2 and E4).
+
+Owns:
+- `window_write`: the layer's window ring [W, Dh] (BF16 bits) and the position of each slot; a chunk writes
+  its last min(T, W) rows at slot p mod W. Call it after attending (erratum E2, "write after reading").
+- `window_indices`: the window rows of each query as an index list into the key buffer [ring (W rows);
+  chunk (T rows)]: positions p-W+1 .. p, from the chunk when p >= start_pos, else from the ring when the
+  slot still holds that position; -1 otherwise. Decode, chunked prefill and the first prefill are the same.
+- `cache_write`: pack float32 rows (BF16 values) into a BF16 cache at given rows (compressed KV, index keys,
+  the chunk rows of the window key buffer).
+- `sparse_attention`: one softmax per (query, head) over window rows + selected compressed rows plus the
+  sink (denominator only). The row max covers valid rows only; exp weights are rounded to BF16 before the
+  value product; the denominator sums the unrounded weights (float64) and adds exp(sink - max); a query with
+  no valid row outputs 0. K = V: the cached 512-vector is both key and value.
+Does not own: the query/KV projections (gemv), RoPE (rope), the grouped output projection (gemv with
+rows_per_group).
+
+Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for prefill chunks):
+1. scores: a block owns 128 rows x 4 heads; the four heads' queries sit in shared memory, each row's key is
+   read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
+2. softmax: one warp per (query, head): max, BF16-rounded weights written in place, float64 denominator.
+3. values: a block owns 4 heads x all Dh dims of a split of the rows; each thread accumulates 4 dims x 4
+   heads while streaming key words; weights come from shared memory. Splits give decode enough blocks.
+4. combine: sums the splits in a fixed order, divides, rounds to BF16.
+
+Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
+Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+
+__all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", "window_write_kernel",
+           "window_index_kernel", "cache_write_kernel", "attn_score_kernel", "attn_softmax_kernel",
+           "attn_value_kernel", "attn_combine_kernel", "SIGNATURES"]
+
+THREADS = 128
+WARP = 32
+HEADS_PER_BLOCK = 4          # heads sharing each key load (scores and values)
+ROWS_PER_QUAD = 4            # rows per quad of lanes in the score kernel
+SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # 128 rows per score block
+QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
+DH_MAX = 512
+VALUE_TILE = 128             # rows staged per step of the value kernel
+NEG_BIG = np.float32(-1e30)  # the row max of a query with no valid row (the reference's value)
+NEG_INF = np.float32(-np.inf)
+
+
+# ------------------------------------------------------------------------------------------- window ring
+@cuda.jit
+def window_write_kernel(kv, positions, ring, ring_pos):
+    """ring[p mod W] = bf16(kv[t]) for the last min(T, W) rows; ring_pos[p mod W] = p."""
+    n_tok, dh = kv.shape
+    w = ring.shape[0]
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    first = max(0, n_tok - w)
+    if g >= (n_tok - first) * dh:
+        return
+    t = first + g // dh
+    d = g % dh
+    slot = positions[t] % w
+    ring[slot, d] = bf16_bits_device(kv[t, d])
+    if d == 0:
+        ring_pos[slot] = positions[t]
+
+
+@cuda.jit
+def window_index_kernel(ring_pos, positions, start_pos, idx):
+    """idx[t, j] = key-buffer row of position positions[t] - W + 1 + j, or -1."""
+    n_tok, w = idx.shape
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g >= n_tok * w:
+        return
+    t = g // w
+    j = g % w
+    q = positions[t] - (w - 1) + j
+    r = -1
+    if q >= start_pos:
+        r = w + (q - start_pos)
+    elif q >= 0:
+        slot = q % w
+        if ring_pos[slot] == q:
+            r = slot
+    idx[t, j] = r
+
+
+@cuda.jit
+def cache_write_kernel(src, rows, dst):
+    """dst[rows[r]] = bf16 bits of src[r] (rows[r] < 0: skipped)."""
+    n, dh = src.shape
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g >= n * dh:
+        return
+    r = g // dh
+    if rows[r] >= 0:
+        dst[rows[r], g % dh] = bf16_bits_device(src[r, g % dh])
+
+
+# --------------------------------------------------------------------------------------- sparse attention
+@cuda.jit(device=True, inline=True)
+def _key_row_device(win_idx, cmp_idx, t, r):
+    """Key row of slot r of query t: (index, from_window); index -1 when invalid."""
+    kw = win_idx.shape[1]
+    if r >= kw + cmp_idx.shape[1]:
+        return -1, True
+    if r < kw:
+        return win_idx[t, r], True
+    return cmp_idx[t, r - kw], False
+
+
+@cuda.jit
+def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
+    """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x 128 rows per block; -inf for invalid rows."""
+    tid = cuda.threadIdx.x
+    quad = tid // 4
+    qd = tid % 4
+    t = cuda.blockIdx.z
+    h0 = cuda.blockIdx.y * HEADS_PER_BLOCK
+    dh = q.shape[2]
+    nw = dh // 4
+    n_rows = z.shape[2]
+    q_sh = cuda.shared.array((HEADS_PER_BLOCK, DH_MAX), np.float32)
+    red = cuda.shared.array((QUAD_SUMS, THREADS), np.float32)
+    for k in range(tid, HEADS_PER_BLOCK * dh, THREADS):
+        q_sh[k // dh, k % dh] = q[t, h0 + k // dh, k % dh]
+    cuda.syncthreads()
+    r0 = cuda.blockIdx.x * SCORE_ROWS + quad * ROWS_PER_QUAD
+    kidx = cuda.local.array(ROWS_PER_QUAD, np.int64)
+    kwin = cuda.local.array(ROWS_PER_QUAD, np.bool_)
+    acc = cuda.local.array((ROWS_PER_QUAD, HEADS_PER_BLOCK), np.float32)
+    for rr in range(ROWS_PER_QUAD):
+        kidx[rr], kwin[rr] = _key_row_device(win_idx, cmp_idx, t, r0 + rr)
+        for hh in range(HEADS_PER_BLOCK):
+            acc[rr, hh] = np.float32(0.0)
+    for w in range(qd, nw, 4):
+        for rr in range(ROWS_PER_QUAD):
+            if kidx[rr] >= 0:
+                word = win_keys[kidx[rr], w] if kwin[rr] else cmp_keys[kidx[rr], w]
+                k0 = bf16x4_device(word, 0)
+                k1 = bf16x4_device(word, 1)
+                k2 = bf16x4_device(word, 2)
+                k3 = bf16x4_device(word, 3)
+                for hh in range(HEADS_PER_BLOCK):
+                    acc[rr, hh] += (q_sh[hh, 4 * w] * k0 + q_sh[hh, 4 * w + 1] * k1
+                                    + q_sh[hh, 4 * w + 2] * k2 + q_sh[hh, 4 * w + 3] * k3)
+    for rr in range(ROWS_PER_QUAD):
+        for hh in range(HEADS_PER_BLOCK):
+            red[rr * HEADS_PER_BLOCK + hh, tid] = acc[rr, hh]
+    cuda.syncthreads()
+    r = r0 + qd                                       # lane qd of the quad finishes row r0 + qd
+    if r < n_rows:
+        valid = _key_row_device(win_idx, cmp_idx, t, r)[0] >= 0
+        base = quad * 4
+        for hh in range(HEADS_PER_BLOCK):
+            v = red[qd * HEADS_PER_BLOCK + hh, base]
+            for k in range(1, 4):
+                v += red[qd * HEADS_PER_BLOCK + hh, base + k]
+            z[t, h0 + hh, r] = v * scale if valid else NEG_INF
+
+
+@cuda.jit
+def attn_softmax_kernel(z, sink, den):
+    """Per (t, h): z <- bf16(exp(z - max)) in place; den = float64 sum of the exp weights + exp(sink - max),
+    or 0 when no row is valid."""
+    lane = cuda.threadIdx.x % WARP
+    g = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
+    n_tok, n_heads, n_rows = z.shape
+    if g >= n_tok * n_heads:
+        return                                       # warp-uniform
+    t = g // n_heads
+    h = g % n_heads
+    m = NEG_INF
+    for r in range(lane, n_rows, WARP):
+        m = max(m, z[t, h, r])
+    off = WARP // 2
+    while off > 0:
+        m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
+        off //= 2
+    has = m > NEG_INF
+    if not has:
+        m = NEG_BIG
+    s = 0.0
+    for r in range(lane, n_rows, WARP):
+        e = exp_f32_device(z[t, h, r] - m)
+        s += np.float64(e)
+        z[t, h, r] = round_bf16_device(e)
+    off = WARP // 2
+    while off > 0:
+        s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
+        off //= 2
+    if lane == 0:
+        den[t, h] = np.float32(s) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+
+
+@cuda.jit
+def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
+    """part[t, s, h, :] = sum over rows of split s of bf16 weight z[t, h, r] * key(r); one thread per 4 dims."""
+    tid = cuda.threadIdx.x
+    s = cuda.blockIdx.x
+    h0 = cuda.blockIdx.y * HEADS_PER_BLOCK
+    t = cuda.blockIdx.z
+    n_split = part.shape[1]
+    nw = part.shape[3] // 4
+    n_rows = z.shape[2]
+    per = (n_rows + n_split - 1) // n_split
+    r_lo = s * per
+    r_hi = min(n_rows, r_lo + per)
+    e_sh = cuda.shared.array((HEADS_PER_BLOCK, VALUE_TILE), np.float32)
+    k_sh = cuda.shared.array(VALUE_TILE, np.int64)
+    w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
+    acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
+    for hh in range(HEADS_PER_BLOCK):
+        for i in range(4):
+            acc[hh, i] = np.float32(0.0)
+    for base in range(r_lo, r_hi, VALUE_TILE):
+        n = min(VALUE_TILE, r_hi - base)
+        for k in range(tid, n, THREADS):
+            k_sh[k], w_sh[k] = _key_row_device(win_idx, cmp_idx, t, base + k)
+        for k in range(tid, HEADS_PER_BLOCK * n, THREADS):
+            e_sh[k // n, k % n] = z[t, h0 + k // n, base + k % n]
+        cuda.syncthreads()
+        if tid < nw:
+            for k in range(n):
+                kr = k_sh[k]
+                if kr >= 0:
+                    word = win_keys[kr, tid] if w_sh[k] else cmp_keys[kr, tid]
+                    v0 = bf16x4_device(word, 0)
+                    v1 = bf16x4_device(word, 1)
+                    v2 = bf16x4_device(word, 2)
+                    v3 = bf16x4_device(word, 3)
+                    for hh in range(HEADS_PER_BLOCK):
+                        e = e_sh[hh, k]
+                        acc[hh, 0] += e * v0
+                        acc[hh, 1] += e * v1
+                        acc[hh, 2] += e * v2
+                        acc[hh, 3] += e * v3
+        cuda.syncthreads()
+    if tid < nw:
+        for hh in range(HEADS_PER_BLOCK):
+            for i in range(4):
+                part[t, s, h0 + hh, 4 * tid + i] = acc[hh, i]
+
+
+@cuda.jit
+def attn_combine_kernel(part, den, out):
+    """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row)."""
+    n_tok, n_split, n_heads, dh = part.shape
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g >= n_tok * n_heads * dh:
+        return
+    d = g % dh
+    h = (g // dh) % n_heads
+    t = g // (dh * n_heads)
+    num = part[t, 0, h, d]
+    for s in range(1, n_split):
+        num += part[t, s, h, d]
+    dv = den[t, h]
+    out[t, h, d] = round_bf16_device(num / dv) if dv > np.float32(0.0) else np.float32(0.0)
+
+
+SIGNATURES = {
+    "window_write_kernel": "void(float32[:, :], int64[:], uint16[:, :], int64[:])",
+    "window_index_kernel": "void(int64[:], int64[:], int64, int32[:, :])",
+    "cache_write_kernel": "void(float32[:, :], int64[:], uint16[:, :])",
+    "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, "
+                         "float32[:, :, :])",
+    "attn_softmax_kernel": "void(float32[:, :, :], float32[:], float32[:, :])",
+    "attn_value_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
+                         "float32[:, :, :, :])",
+    "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], float32[:, :, :])",
+}
+
+
+def _scratch(scratch, name, shape, dtype, stream):
+    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
+    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
+    if scratch is None:
+        return cuda.device_array(shape, dtype, stream=stream)
+    key = (name, tuple(shape), np.dtype(dtype).str)
+    if key not in scratch:
+        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
+    return scratch[key]
+
+
+def _blocks(n):
+    return (n + THREADS - 1) // THREADS
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def window_write(kv, positions, ring, ring_pos, stream=0):
+    """kv [T, Dh] float32 (BF16 values) at consecutive positions [T] int64 -> ring [W, Dh] uint16, ring_pos [W]."""
+    if len(kv.shape) != 2 or tuple(ring.shape)[1:] != tuple(kv.shape)[1:] or ring.dtype != np.uint16:
+        raise ValueError(f"window_write: kv {kv.shape} does not fit ring {ring.shape} (uint16)")
+    if tuple(ring_pos.shape) != (ring.shape[0],) or tuple(positions.shape) != (kv.shape[0],):
+        raise ValueError("window_write: ring_pos must be [W] and positions [T]")
+    n = min(kv.shape[0], ring.shape[0]) * kv.shape[1]
+    if n:
+        window_write_kernel[_blocks(n), THREADS, stream](kv, positions, ring, ring_pos)
+
+
+def window_indices(ring_pos, positions, start_pos, out=None, stream=0):
+    """Window rows of each query into the key buffer [ring (W); chunk rows (T)] -> int32 [T, W]."""
+    w = ring_pos.shape[0]
+    n_tok = positions.shape[0]
+    if out is None:
+        out = cuda.device_array((n_tok, w), np.int32, stream=stream)
+    elif tuple(out.shape) != (n_tok, w):
+        raise ValueError(f"window_indices: out {out.shape} must be {(n_tok, w)}")
+    if n_tok * w:
+        window_index_kernel[_blocks(n_tok * w), THREADS, stream](ring_pos, positions, int(start_pos), out)
+    return out
+
+
+def cache_write(src, rows, dst, stream=0):
+    """src [n, Dh] float32 (BF16 values) -> dst[rows[i]] (uint16 [N, Dh]); rows [n] int64, negative = skip."""
+    if len(src.shape) != 2 or dst.dtype != np.uint16 or tuple(dst.shape)[1:] != tuple(src.shape)[1:]:
+        raise ValueError(f"cache_write: src {src.shape} does not fit dst {dst.shape} (uint16)")
+    if tuple(rows.shape) != (src.shape[0],):
+        raise ValueError("cache_write: rows must be [n]")
+    n = src.shape[0] * src.shape[1]
+    if n:
+        cache_write_kernel[_blocks(n), THREADS, stream](src, rows, dst)
+
+
+def _value_splits(n_tok, n_heads, n_rows):
+    """Row splits so that a decode step still fills the GPU (~256 blocks), at least 32 rows per split."""
+    blocks = n_tok * (n_heads // HEADS_PER_BLOCK)
+    return max(1, min(256 // max(blocks, 1), (n_rows + 31) // 32))
+
+
+def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=None, n_split=None, scratch=None,
+                     stream=0):
+    """q [T, H, Dh] float32; win_keys [Nw, Dh] uint16 (BF16 bits) with win_idx [T, Kw] int32 rows (-1 invalid);
+    cmp_keys [Nc, Dh] uint16 with cmp_idx [T, Kc] int32 (or both None); sink [H] float32 -> out [T, H, Dh].
+    `scratch` (a dict kept by the caller) holds the temporaries across calls."""
+    n_tok, n_heads, dh = tuple(q.shape)
+    if q.dtype != np.float32 or dh % 4 or dh > DH_MAX or n_heads % HEADS_PER_BLOCK:
+        raise ValueError(f"sparse_attention: q must be float32 [T, H, Dh] with H % {HEADS_PER_BLOCK} == 0, "
+                         f"Dh % 4 == 0 and Dh <= {DH_MAX}, got {q.dtype} {q.shape}")
+    if cmp_keys is None:
+        cmp_keys = _scratch(scratch, "no_keys", (1, dh), np.uint16, stream)
+        cmp_idx = _scratch(scratch, "no_idx", (n_tok, 0), np.int32, stream)
+    for keys, idx, name in ((win_keys, win_idx, "window"), (cmp_keys, cmp_idx, "compressed")):
+        if keys.dtype != np.uint16 or tuple(keys.shape)[1:] != (dh,) or idx.dtype != np.int32 \
+                or len(idx.shape) != 2 or idx.shape[0] != n_tok:
+            raise ValueError(f"sparse_attention: {name} keys {keys.dtype} {keys.shape} / index {idx.dtype} "
+                             f"{idx.shape} do not fit q {q.shape}")
+    if tuple(sink.shape) != (n_heads,):
+        raise ValueError(f"sparse_attention: sink must be [{n_heads}]")
+    n_rows = win_idx.shape[1] + cmp_idx.shape[1]
+    if out is None:
+        out = cuda.device_array((n_tok, n_heads, dh), np.float32, stream=stream)
+    if n_tok == 0:
+        return out
+    if n_rows == 0:
+        n_rows_z = 1                                 # one invalid row: every output is 0
+    else:
+        n_rows_z = n_rows
+    hb = n_heads // HEADS_PER_BLOCK
+    split = n_split or _value_splits(n_tok, n_heads, n_rows_z)
+    z = _scratch(scratch, "z", (n_tok, n_heads, n_rows_z), np.float32, stream)
+    den = _scratch(scratch, "den", (n_tok, n_heads), np.float32, stream)
+    part = _scratch(scratch, "part", (n_tok, split, n_heads, dh), np.float32, stream)
+    wk, ck = win_keys.view(np.uint64), cmp_keys.view(np.uint64)
+    grid = (math.ceil(n_rows_z / SCORE_ROWS), hb, n_tok)
+    attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), z)
+    attn_softmax_kernel[math.ceil(n_tok * n_heads / (THREADS // WARP)), THREADS, stream](z, sink, den)
+    attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, wk, win_idx, ck, cmp_idx, part)
+    attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, out)
+    return out

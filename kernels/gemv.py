@@ -1,0 +1,298 @@
+"""Dense GEMV / small-batch GEMM with BF16 weights, and the activation quantise-dequantise kernels.
+
+Owns:
+- `gemv`: y[t, n] = sum_k W[n, k] x[t, g(n)*K + k] with W held as BF16 bit patterns (uint16 [N, K]; FP8
+  checkpoint weights dequantise exactly to BF16, since E4M3 x UE8M0 has 4 significant bits) or as float32
+  (twice the bytes; for weights that are not BF16 values), FP32 accumulation, and a BF16-rounded (ds4lib.ref.linear.linear_bf16, linear_q after act_quant_fp8) or FP32
+  (linear_f32: router, ratio-2 compressor, head) output. Rows of group g read the g-th K-slice of x
+  (`rows_per_group`), which is attention's grouped wo_a (ds4lib.ref.attention.output_projection); a dense
+  linear is one group.
+- `act_quant_fp8` (block 32), `act_quant_fp4_pow2` (block 32), `act_quant_fp4_e4m3` (block 16): bit-exact
+  with ds4lib.formats.actquant (ARCHITECTURE.md §3.3, errata E1/N3).
+Does not own: FP4 / VQ / q4_K weight formats and their GEMVs.
+
+Numerics: every product of a BF16 weight and a BF16 or quantised activation is exact in FP32; the FP32
+sums differ from the reference's exact (float64) block sums only in rounding order, so outputs agree to
+~1e-7 relative before the BF16 rounding (tests/kernels/tolerances.py).
+
+Speed: one warp per output row, each lane issuing UNROLL independent 8-byte weight loads (4 BF16 or 2 FP32)
+per step, so a warp streams 1 KiB of a row per step with all loads coalesced; x is small and stays in L1.
+Tokens are processed TOKENS_WIDE at a time, so a prefill chunk reads each weight row once from DRAM.
+
+Shapes: T tokens, K input features per group, N output rows, G groups (N = G * rows_per_group).
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+
+__all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel",
+           "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
+           "e4m3_round_device", "e2m1_round_device", "pow2_ceil_device", "SIGNATURES"]
+
+WARP = 32
+WARPS_PER_BLOCK = 4          # one row per warp
+UNROLL = 4                   # independent 8-byte weight loads per lane per step
+TOKENS_WIDE = 4              # tokens per pass of the batched kernel
+THREADS_ACT = 128
+
+E4M3_MAX = np.float32(448.0)
+E2M1_MAX = np.float32(6.0)
+_INV448 = np.float32(1.0) / np.float32(448.0)
+_INV6 = np.float32(1.0) / np.float32(6.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_bf16_device(w, x64, t, j, xw0):
+    """Products of weight word j (four BF16) with x[t] at the same K offset (two float32 pairs)."""
+    a = x64[t, xw0 + 2 * j]
+    b = x64[t, xw0 + 2 * j + 1]
+    return (bf16x4_device(w, 0) * f32x2_device(a, 0) + bf16x4_device(w, 1) * f32x2_device(a, 1)
+            + bf16x4_device(w, 2) * f32x2_device(b, 0) + bf16x4_device(w, 3) * f32x2_device(b, 1))
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_f32_device(w, x64, t, j, xw0):
+    """Products of weight word j (two float32) with x[t] at the same K offset (one float32 pair)."""
+    a = x64[t, xw0 + j]
+    return f32x2_device(w, 0) * f32x2_device(a, 0) + f32x2_device(w, 1) * f32x2_device(a, 1)
+
+
+def _make_gemv_kernel(tt, dot, per_word):
+    """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`."""
+    @cuda.jit
+    def gemv_kernel(x64, w64, rows_per_group, out_bf16, out):
+        lane = cuda.threadIdx.x % WARP
+        row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
+        n_rows, nw = w64.shape
+        n_tok = x64.shape[0]
+        if row >= n_rows:
+            return                                   # warp-uniform: a warp owns one row
+        xw0 = (row // rows_per_group) * nw * per_word // 2     # first x word (2 floats) of the row's group
+        acc = cuda.local.array(tt, np.float32)
+        for t0 in range(0, n_tok, tt):
+            for i in range(tt):
+                acc[i] = np.float32(0.0)
+            j = lane
+            while j + WARP * (UNROLL - 1) < nw:
+                w0 = w64[row, j]
+                w1 = w64[row, j + WARP]
+                w2 = w64[row, j + 2 * WARP]
+                w3 = w64[row, j + 3 * WARP]
+                for i in range(tt):
+                    if t0 + i < n_tok:
+                        acc[i] += (dot(w0, x64, t0 + i, j, xw0) + dot(w1, x64, t0 + i, j + WARP, xw0)
+                                   + dot(w2, x64, t0 + i, j + 2 * WARP, xw0)
+                                   + dot(w3, x64, t0 + i, j + 3 * WARP, xw0))
+                j += WARP * UNROLL
+            while j < nw:
+                w0 = w64[row, j]
+                for i in range(tt):
+                    if t0 + i < n_tok:
+                        acc[i] += dot(w0, x64, t0 + i, j, xw0)
+                j += WARP
+            for i in range(tt):
+                if t0 + i < n_tok:                   # block-uniform: every warp has the same tokens
+                    v = acc[i]
+                    off = WARP // 2
+                    while off > 0:
+                        v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
+                        off //= 2
+                    if lane == 0:
+                        out[t0 + i, row] = round_bf16_device(v) if out_bf16 else v
+    return gemv_kernel
+
+
+gemv_t1_kernel = _make_gemv_kernel(1, _dot_bf16_device, 4)
+gemv_t4_kernel = _make_gemv_kernel(TOKENS_WIDE, _dot_bf16_device, 4)
+gemv_f32w_t1_kernel = _make_gemv_kernel(1, _dot_f32_device, 2)
+gemv_f32w_t4_kernel = _make_gemv_kernel(TOKENS_WIDE, _dot_f32_device, 2)
+
+
+# ----------------------------------------------------------------------------------- quantise-dequantise
+@cuda.jit(device=True, inline=True)
+def pow2_ceil_device(x):
+    """2^ceil(log2(x)) for a positive normal float32, from the exponent bits (ds4lib.formats.fp8.pow2_ceil_exponent)."""
+    u = f32_bits(x)
+    e = np.int32((u >> np.uint32(23)) & np.uint32(0xFF))
+    if (u & np.uint32(0x7FFFFF)) != np.uint32(0):
+        e += 1
+    return bits_f32(np.uint32(e) << np.uint32(23))
+
+
+@cuda.jit(device=True, inline=True)
+def _rint_step_device(ax, magic):
+    """Round a non-negative float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to
+    even: the FP32 add rounds at exactly that bit."""
+    return (ax + magic) - magic
+
+
+@cuda.jit(device=True, inline=True)
+def _with_sign_device(mag, x):
+    return bits_f32(f32_bits(mag) | (f32_bits(x) & np.uint32(0x80000000)))
+
+
+@cuda.jit(device=True, inline=True)
+def e4m3_round_device(x):
+    """Nearest E4M3 value of |x| <= 448 (ties to even), sign kept (ds4lib.formats.fp8.e4m3_round)."""
+    ax = abs(x)
+    if ax < np.float32(0.015625):                                   # subnormal grid: step 2^-9
+        r = _rint_step_device(ax, np.float32(24576.0))
+    else:                                                           # 3 mantissa bits, ties to even
+        u = f32_bits(ax)
+        lsb = (u >> np.uint32(20)) & np.uint32(1)
+        r = bits_f32((u + np.uint32(0x7FFFF) + lsb) & np.uint32(0xFFF00000))
+    return _with_sign_device(r, x)
+
+
+@cuda.jit(device=True, inline=True)
+def e2m1_round_device(x):
+    """Nearest E2M1 value of |x| <= 6 (ties to the even code), sign kept (ds4lib.formats.fp4.e2m1_round)."""
+    ax = abs(x)
+    if ax < np.float32(2.0):
+        r = _rint_step_device(ax, np.float32(6291456.0))            # step 0.5
+    elif ax < np.float32(4.0):
+        r = _rint_step_device(ax, np.float32(12582912.0))           # step 1
+    else:
+        r = _rint_step_device(ax, np.float32(25165824.0))           # step 2
+    return _with_sign_device(min(r, E2M1_MAX), x)
+
+
+@cuda.jit(device=True, inline=True)
+def _group_amax_device(v, width):
+    """max |v| over aligned groups of `width` lanes (16 or 32) of the warp."""
+    a = abs(v)
+    off = width // 2
+    while off > 0:
+        a = max(a, cuda.shfl_xor_sync(0xFFFFFFFF, a, off))
+        off //= 2
+    return a
+
+
+@cuda.jit
+def act_quant_fp8_kernel(x, out):
+    """x, out [n] float32, n % 32 == 0; one element per thread, one quantisation block per warp."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    lane = cuda.threadIdx.x % WARP
+    n = x.shape[0]
+    if i - lane >= n:
+        return
+    v = x[i] if i < n else np.float32(0.0)
+    amax = max(_group_amax_device(v, 32), np.float32(1e-4))
+    s = pow2_ceil_device(mul_rn_device(amax, _INV448))
+    y = min(max(v / s, -E4M3_MAX), E4M3_MAX)
+    if i < n:
+        out[i] = e4m3_round_device(y) * s
+
+
+@cuda.jit
+def act_quant_fp4_pow2_kernel(x, out):
+    """x, out [n] float32, n % 32 == 0; scale 2^ceil(log2(amax/6)) per block of 32."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    lane = cuda.threadIdx.x % WARP
+    n = x.shape[0]
+    if i - lane >= n:
+        return
+    v = x[i] if i < n else np.float32(0.0)
+    amax = max(_group_amax_device(v, 32), np.float32(6.0 * 2.0 ** -126))
+    s = pow2_ceil_device(mul_rn_device(amax, _INV6))
+    y = min(max(v / s, -E2M1_MAX), E2M1_MAX)
+    if i < n:
+        out[i] = e2m1_round_device(y) * s
+
+
+@cuda.jit
+def act_quant_fp4_e4m3_kernel(x, out):
+    """x, out [n] float32, n % 16 == 0; scale e4m3(amax/6) per block of 16."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    lane = cuda.threadIdx.x % WARP
+    n = x.shape[0]
+    if i - lane >= n:
+        return
+    v = x[i] if i < n else np.float32(0.0)
+    amax = max(_group_amax_device(v, 16), np.float32(6.0 * 2.0 ** -9))
+    s = e4m3_round_device(min(amax / np.float32(6.0), E4M3_MAX))
+    y = min(max(v / s, -E2M1_MAX), E2M1_MAX)
+    if i < n:
+        out[i] = e2m1_round_device(y) * s
+
+
+SIGNATURES = {
+    "gemv_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
+    "gemv_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
+    "gemv_f32w_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
+    "gemv_f32w_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
+    "act_quant_fp8_kernel": "void(float32[::1], float32[::1])",
+    "act_quant_fp4_pow2_kernel": "void(float32[::1], float32[::1])",
+    "act_quant_fp4_e4m3_kernel": "void(float32[::1], float32[::1])",
+}
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def gemv(x, w, *, out_bf16=True, rows_per_group=None, out=None, stream=0):
+    """x [T, G*K] float32 (C-contiguous), w [N, K] uint16 BF16 bits or float32 (C-contiguous) -> out [T, N]
+    float32.
+
+    `out_bf16` rounds the result to BF16 (linear_bf16); False keeps FP32 (linear_f32). `rows_per_group`
+    (default N) maps row n to input group n // rows_per_group. BF16 weights move half the bytes: keep every
+    BF16-exact weight (BF16 and dequantised FP8 checkpoint tensors) as uint16.
+    """
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"gemv: x {x.shape} and w {w.shape} must be 2-D")
+    if w.dtype not in (np.uint16, np.float32) or x.dtype != np.float32:
+        raise ValueError(f"gemv: w must be uint16 BF16 bits or float32 and x float32, got {w.dtype}, {x.dtype}")
+    n_rows, k = w.shape
+    rpg = n_rows if rows_per_group is None else int(rows_per_group)
+    if k % 4 or rpg <= 0 or n_rows % rpg or x.shape[1] != (n_rows // rpg) * k:
+        raise ValueError(f"gemv: x {x.shape} does not fit w {w.shape} with {rpg} rows per group (K % 4 == 0)")
+    if out is None:
+        out = cuda.device_array((x.shape[0], n_rows), dtype=np.float32, stream=stream)
+    elif tuple(out.shape) != (x.shape[0], n_rows):
+        raise ValueError(f"gemv: out {out.shape} must be {(x.shape[0], n_rows)}")
+    if x.shape[0] == 0 or n_rows == 0:
+        return out
+    if w.dtype == np.uint16:
+        kernel = gemv_t1_kernel if x.shape[0] == 1 else gemv_t4_kernel
+    else:
+        kernel = gemv_f32w_t1_kernel if x.shape[0] == 1 else gemv_f32w_t4_kernel
+    grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    kernel[grid, WARP * WARPS_PER_BLOCK, stream](x.view(np.uint64), w.view(np.uint64), rpg, bool(out_bf16), out)
+    return out
+
+
+def _act_quant(kernel, block, name, x, out, stream):
+    shape = tuple(x.shape)            # the simulator's shapes do not take negative indices
+    if x.dtype != np.float32 or not shape or shape[-1] % block:
+        raise ValueError(f"{name}: float32 input with a last axis divisible by {block} expected, got "
+                         f"{x.dtype} {x.shape}")
+    if out is None:
+        out = cuda.device_array(shape, dtype=np.float32, stream=stream)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"{name}: out {out.shape} must be {shape}")
+    n = math.prod(shape)
+    if n:
+        kernel[(n + THREADS_ACT - 1) // THREADS_ACT, THREADS_ACT, stream](x.reshape(n), out.reshape(n))
+    return out
+
+
+def act_quant_fp8(x, block=32, out=None, stream=0):
+    """FP8 E4M3 quantise-dequantise with power-of-two scales per block of 32 (x [..., K], K % 32 == 0)."""
+    if block != 32:
+        raise ValueError("act_quant_fp8: V4.1 uses block 32")
+    return _act_quant(act_quant_fp8_kernel, 32, "act_quant_fp8", x, out, stream)
+
+
+def act_quant_fp4_pow2(x, block=32, out=None, stream=0):
+    """FP4 E2M1 quantise-dequantise with power-of-two scales per block of 32."""
+    if block != 32:
+        raise ValueError("act_quant_fp4_pow2: V4.1 uses block 32")
+    return _act_quant(act_quant_fp4_pow2_kernel, 32, "act_quant_fp4_pow2", x, out, stream)
+
+
+def act_quant_fp4_e4m3(x, block=16, out=None, stream=0):
+    """FP4 E2M1 quantise-dequantise with E4M3 scales per block of 16."""
+    if block != 16:
+        raise ValueError("act_quant_fp4_e4m3: V4.1 uses block 16")
+    return _act_quant(act_quant_fp4_e4m3_kernel, 16, "act_quant_fp4_e4m3", x, out, stream)

@@ -1,0 +1,438 @@
+"""The V4.1 indexer on the device: index scores, candidate blocks, top-k (ds4lib.ref.indexer; ARCHITECTURE.md §4.4.5,
+errata N1 and N2).
+
+Owns:
+- `index_scores`: score[t, s] = bf16(sum_h bf16(relu(bf16(q[t, h] . K[s])) * w[t, h])), the head sum in FP32 in
+  head order, w = bf16(weights_proj(x) * scale); -inf where s >= (pos_t + 1) // ratio or where the candidate
+  mask (per block of `cand_block` positions) is off. A thread owns two key rows; the queries of all heads
+  sit in shared memory as float pairs (one 8-byte load feeds two FMAs per row), keys are read once as
+  8-byte words of BF16. With FP4-simulated q and keys every product and partial sum is exact in FP32, so
+  the scores are bit-exact.
+- `select_topk`: the k best per row by (score descending, lower index first), returned in ascending index
+  order, entries >= the row's reach replaced by -1, -1 padded: a two-pass radix select on the 16-bit
+  order key of the BF16 scores (histograms merged with one global atomic per non-empty bin and block),
+  then a compaction in index order (per-block counts, prefix over earlier blocks, ballot ranks).
+- `candidate_blocks`: block scores (max over blocks of `block_size` positions, the newest reachable block
+  pinned to +inf), the best `topk_blocks` blocks by the same selection, kept if their score is > -inf ->
+  uint8 [T, nb] (per block; index_scores takes it with cand_block = block_size).
+Does not own: the projections (gemv), RoPE (rope), the FP4 simulation (gemv.act_quant_fp4_pow2), the index-key
+cache write (attention.cache_write).
+
+Scores must be BF16 values or +-inf (index_scores guarantees it): the selection orders by their upper 16 bits.
+
+Shapes: T queries, nI index heads (<= 32), dI index head dim (<= 128, % 16 == 0), S compressed rows,
+nb = ceil(S / block_size) blocks, k = index_topk, NB = ceil(S / chunk) selection blocks per row.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+
+__all__ = ["index_scores", "select_topk", "candidate_blocks", "index_score_kernel", "topk_init_kernel",
+           "topk_hist_kernel", "topk_scan_kernel", "topk_count_kernel", "topk_write_kernel", "block_max_kernel",
+           "candidate_keep_kernel", "SIGNATURES"]
+
+THREADS = 128
+WARP = 32
+NI_MAX = 32
+DI_MAX = 128
+SCORE_ROWS = 2 * THREADS            # rows per index-score block (two per thread)
+DI_PAIRS = DI_MAX // 2
+HEAD_GROUP = 8                      # heads accumulated together (registers)
+CHUNK = 4096                        # scores per selection block (launch parameter `chunk` overrides)
+BINS = 256
+WARPS = THREADS // WARP
+NEG_INF = np.float32(-np.inf)
+POS_INF = np.float32(np.inf)
+# selection state per row: [hi byte of the threshold, count above it, threshold key, how many ties to take]
+ST_HI, ST_ABOVE, ST_THETA, ST_NEED = 0, 1, 2, 3
+
+
+# ------------------------------------------------------------------------------------------ index scores
+@cuda.jit
+def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block, use_cand, out):
+    """out[t, s] for s in a block of 256 rows: thread rows s0 + tid and s0 + 128 + tid. Heads go in groups of
+    HEAD_GROUP so the accumulators stay in registers; a group re-reads the rows' keys from L1."""
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    n_heads, di = q.shape[1], q.shape[2]
+    n_rows = keys.shape[0]
+    q_sh = cuda.shared.array((NI_MAX, DI_PAIRS), np.uint64)
+    w_sh = cuda.shared.array(NI_MAX, np.float32)
+    for k in range(tid, NI_MAX * (di // 2), THREADS):           # heads past n_heads are zero: they add +0
+        h = k // (di // 2)
+        c = k % (di // 2)
+        v = np.uint64(0)
+        if h < n_heads:
+            v = np.uint64(f32_bits(q[t, h, 2 * c])) | (np.uint64(f32_bits(q[t, h, 2 * c + 1])) << np.uint64(32))
+        q_sh[h, c] = v
+    if tid < NI_MAX:
+        w_sh[tid] = round_bf16_device(mul_rn_device(wts[t, tid], wscale)) if tid < n_heads else np.float32(0.0)
+    cuda.syncthreads()
+    sa = cuda.blockIdx.x * SCORE_ROWS + tid
+    sb = sa + THREADS
+    ra = min(sa, n_rows - 1)                      # clamped rows load valid memory; results are dropped
+    rb = min(sb, n_rows - 1)
+    acc_a = cuda.local.array(HEAD_GROUP, np.float32)
+    acc_b = cuda.local.array(HEAD_GROUP, np.float32)
+    ka = cuda.local.array(16, np.float32)
+    kb = cuda.local.array(16, np.float32)
+    tot_a = np.float32(0.0)
+    tot_b = np.float32(0.0)
+    for h0 in range(0, n_heads, HEAD_GROUP):
+        for hh in range(HEAD_GROUP):
+            acc_a[hh] = np.float32(0.0)
+            acc_b[hh] = np.float32(0.0)
+        for c in range(0, di // 4, 4):             # 16 dims per step: 4 words per row
+            for u in range(4):
+                wa = keys[ra, c + u]
+                wb = keys[rb, c + u]
+                for i in range(4):
+                    ka[4 * u + i] = bf16x4_device(wa, i)
+                    kb[4 * u + i] = bf16x4_device(wb, i)
+            for hh in range(HEAD_GROUP):
+                for p in range(8):
+                    qp = q_sh[h0 + hh, 2 * c + p]
+                    q0 = f32x2_device(qp, 0)
+                    q1 = f32x2_device(qp, 1)
+                    acc_a[hh] += q0 * ka[2 * p] + q1 * ka[2 * p + 1]
+                    acc_b[hh] += q0 * kb[2 * p] + q1 * kb[2 * p + 1]
+        for hh in range(HEAD_GROUP):               # head sum in head order, as the reference
+            w = w_sh[h0 + hh]
+            tot_a += round_bf16_device(max(round_bf16_device(acc_a[hh]), np.float32(0.0)) * w)
+            tot_b += round_bf16_device(max(round_bf16_device(acc_b[hh]), np.float32(0.0)) * w)
+    lim = (positions[t] + 1) // ratio
+    for rr in range(2):
+        s = sa if rr == 0 else sb
+        if s < n_rows:
+            v = round_bf16_device(tot_a if rr == 0 else tot_b)
+            if s >= lim or (use_cand and cand[t, s // cand_block] == 0):
+                v = NEG_INF
+            out[t, s] = v
+
+
+# --------------------------------------------------------------------------------------------- selection
+@cuda.jit(device=True, inline=True)
+def _key16_device(v):
+    """Order key of a BF16 value: larger value -> larger key; -0 and +0 share a key."""
+    u = f32_bits(v)
+    if (u & np.uint32(0x7FFFFFFF)) == np.uint32(0):
+        u = np.uint32(0)
+    h = np.int32(u >> np.uint32(16))
+    return (h ^ 0xFFFF) if (h & 0x8000) else (h | 0x8000)
+
+
+@cuda.jit
+def topk_init_kernel(hist, st, out):
+    """Zero the histograms and state; -1 into every output slot (slots past min(k, S) stay -1)."""
+    t = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, hist.shape[1] * BINS, cuda.blockDim.x):
+        hist[t, i // BINS, i % BINS] = 0
+    for i in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[t, i] = -1
+    if cuda.threadIdx.x < st.shape[1]:
+        st[t, cuda.threadIdx.x] = 0
+
+
+@cuda.jit
+def topk_hist_kernel(scores, chunk, pass_id, st, hist):
+    """Pass 0: histogram of the high byte of every key. Pass 1: of the low byte among keys whose high byte is
+    the pass-0 choice. One shared histogram per block, merged with one atomic per non-empty bin."""
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    sh = cuda.shared.array(BINS, np.int32)
+    for b in range(tid, BINS, THREADS):
+        sh[b] = 0
+    cuda.syncthreads()
+    lo = cuda.blockIdx.x * chunk
+    hi = min(lo + chunk, scores.shape[1])
+    want_hi = st[t, ST_HI]
+    for i in range(lo + tid, hi, THREADS):
+        k = _key16_device(scores[t, i])
+        if pass_id == 0:
+            cuda.atomic.add(sh, k >> 8, 1)
+        elif (k >> 8) == want_hi:
+            cuda.atomic.add(sh, k & 0xFF, 1)
+    cuda.syncthreads()
+    for b in range(tid, BINS, THREADS):
+        if sh[b]:
+            cuda.atomic.add(hist, (t, pass_id, b), sh[b])
+
+
+@cuda.jit
+def topk_scan_kernel(hist, k, pass_id, st):
+    """Per row: the lowest non-empty bin (scanning from the top) with fewer than k keys above it. Thread i
+    owns bins 255 - 2i and 254 - 2i; a warp-shuffle scan plus one shared step gives the counts above."""
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    b0 = BINS - 1 - 2 * tid
+    c0 = hist[t, pass_id, b0]
+    c1 = hist[t, pass_id, b0 - 1]
+    base = np.int64(st[t, ST_ABOVE]) if pass_id == 1 else np.int64(0)
+    incl = np.int64(c0 + c1)
+    off = 1
+    while off < WARP:
+        v = cuda.shfl_up_sync(0xFFFFFFFF, incl, off)
+        if lane >= off:
+            incl += v
+        off *= 2
+    wsum = cuda.shared.array(WARPS, np.int64)
+    best = cuda.shared.array(1, np.int32)
+    if lane == WARP - 1:
+        wsum[warp] = incl
+    if tid == 0:
+        best[0] = -1
+    cuda.syncthreads()
+    before = base + incl - (c0 + c1)
+    for w in range(warp):
+        before += wsum[w]
+    # bins in descending order: b0 (count above = before), then b0 - 1 (above = before + c0)
+    if c0 > 0 and before < k:
+        cuda.atomic.max(best, 0, 2 * tid)
+    if c1 > 0 and before + c0 < k:
+        cuda.atomic.max(best, 0, 2 * tid + 1)
+    cuda.syncthreads()
+    j = best[0]
+    if j >= 0 and j // 2 == tid:                   # the owner of the chosen bin records the step
+        b = BINS - 1 - j
+        above = before if j % 2 == 0 else before + c0
+        if pass_id == 0:
+            st[t, ST_HI] = b
+            st[t, ST_ABOVE] = above
+        else:
+            st[t, ST_THETA] = (st[t, ST_HI] << 8) | b
+            st[t, ST_NEED] = k - above
+    if j < 0 and tid == 0 and pass_id == 1:        # empty row: select nothing
+        st[t, ST_THETA] = 0x10000
+        st[t, ST_NEED] = 0
+
+
+@cuda.jit
+def topk_count_kernel(scores, chunk, st, cnt):
+    """cnt[t, blk] = (keys above the threshold, keys equal to it) in the block's chunk."""
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    sh = cuda.shared.array(2, np.int32)
+    if tid < 2:
+        sh[tid] = 0
+    cuda.syncthreads()
+    lo = cuda.blockIdx.x * chunk
+    hi = min(lo + chunk, scores.shape[1])
+    theta = st[t, ST_THETA]
+    n_gt = np.int32(0)
+    n_eq = np.int32(0)
+    for i in range(lo + tid, hi, THREADS):
+        k = _key16_device(scores[t, i])
+        if k > theta:
+            n_gt += np.int32(1)
+        elif k == theta:
+            n_eq += np.int32(1)
+    if n_gt:
+        cuda.atomic.add(sh, 0, n_gt)
+    if n_eq:
+        cuda.atomic.add(sh, 1, n_eq)
+    cuda.syncthreads()
+    if tid < 2:
+        cnt[t, cuda.blockIdx.x, tid] = sh[tid]
+
+
+@cuda.jit(device=True, inline=True)
+def _block_rank_device(flag, wtot):
+    """(exclusive rank of this thread among flagged threads of the block, block total); thread order."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    bal = cuda.ballot_sync(0xFFFFFFFF, flag)
+    below = cuda.popc(bal & ((np.uint32(1) << np.uint32(lane)) - np.uint32(1)))
+    if lane == 0:
+        wtot[warp] = cuda.popc(bal)
+    cuda.syncthreads()
+    rank = below
+    total = 0
+    for w in range(WARPS):
+        if w < warp:
+            rank += wtot[w]
+        total += wtot[w]
+    cuda.syncthreads()
+    return rank, total
+
+
+@cuda.jit
+def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
+    """Selected indices of the block's chunk, in index order, at their global output slots."""
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    blk = cuda.blockIdx.x
+    off = cuda.shared.array(2, np.int64)
+    wtot = cuda.shared.array(WARPS, np.int32)
+    if tid < 2:
+        off[tid] = 0
+    cuda.syncthreads()
+    a_gt = 0
+    a_eq = 0
+    for b in range(tid, blk, THREADS):
+        a_gt += cnt[t, b, 0]
+        a_eq += cnt[t, b, 1]
+    if a_gt:
+        cuda.atomic.add(off, 0, a_gt)
+    if a_eq:
+        cuda.atomic.add(off, 1, a_eq)
+    cuda.syncthreads()
+    theta = st[t, ST_THETA]
+    need = st[t, ST_NEED]
+    eq_run = off[1]
+    sel_run = off[0] + min(off[1], need)
+    lim = (positions[t] + 1) // ratio if use_reach else scores.shape[1]
+    lo = blk * chunk
+    hi = min(lo + chunk, scores.shape[1])
+    for base in range(lo, hi, THREADS):                # block-uniform trip count
+        i = base + tid
+        k = _key16_device(scores[t, i]) if i < hi else -1
+        eq = k == theta
+        r_eq, n_eq = _block_rank_device(eq, wtot)
+        sel = k > theta or (eq and eq_run + r_eq < need)
+        r_sel, n_sel = _block_rank_device(sel, wtot)
+        if sel:
+            out[t, sel_run + r_sel] = i if i < lim else -1
+        eq_run += n_eq
+        sel_run += n_sel
+
+
+@cuda.jit
+def block_max_kernel(scores, positions, ratio, block_size, out):
+    """out[t, b] = max over block b of scores[t] (missing positions -inf); the newest reachable block +inf."""
+    n_tok, n_rows = scores.shape
+    nb = out.shape[1]
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g >= n_tok * nb:
+        return
+    t = g // nb
+    b = g % nb
+    m = NEG_INF
+    for s in range(b * block_size, min((b + 1) * block_size, n_rows)):
+        m = max(m, scores[t, s])
+    newest = ((positions[t] + 1) // ratio - 1) // block_size
+    out[t, b] = POS_INF if b == newest else m
+
+
+@cuda.jit
+def candidate_keep_kernel(block_scores, ids, keep):
+    """keep[t, b] = 1 if block b is among the row's selected ids (ascending, -1 at the end) and > -inf."""
+    n_tok, nb = block_scores.shape
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g >= n_tok * nb:
+        return
+    t = g // nb
+    b = g % nb
+    lo = 0
+    hi = ids.shape[1]
+    while lo < hi:                                 # first slot whose id is >= b (-1 counts as +inf)
+        mid = (lo + hi) // 2
+        v = ids[t, mid]
+        if v >= 0 and v < b:
+            lo = mid + 1
+        else:
+            hi = mid
+    found = lo < ids.shape[1] and ids[t, lo] == b
+    keep[t, b] = 1 if found and block_scores[t, b] > NEG_INF else 0
+
+
+SIGNATURES = {
+    "index_score_kernel": "void(float32[:, :, :], float32[:, :], float32, uint64[:, :], int64[:], int64, "
+                          "uint8[:, :], int64, boolean, float32[:, :])",
+    "topk_init_kernel": "void(int32[:, :, :], int64[:, :], int32[:, :])",
+    "topk_hist_kernel": "void(float32[:, :], int64, int64, int64[:, :], int32[:, :, :])",
+    "topk_scan_kernel": "void(int32[:, :, :], int64, int64, int64[:, :])",
+    "topk_count_kernel": "void(float32[:, :], int64, int64[:, :], int32[:, :, :])",
+    "topk_write_kernel": "void(float32[:, :], int64, int64[:, :], int32[:, :, :], int64[:], int64, boolean, "
+                         "int32[:, :])",
+    "block_max_kernel": "void(float32[:, :], int64[:], int64, int64, float32[:, :])",
+    "candidate_keep_kernel": "void(float32[:, :], int32[:, :], uint8[:, :])",
+}
+
+
+def _scratch(scratch, name, shape, dtype, stream):
+    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
+    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
+    if scratch is None:
+        return cuda.device_array(shape, dtype, stream=stream)
+    key = (name, tuple(shape), np.dtype(dtype).str)
+    if key not in scratch:
+        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
+    return scratch[key]
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+def index_scores(q, wts, wscale, keys, positions, ratio, cand=None, cand_block=1, out=None, scratch=None,
+                 stream=0):
+    """q [T, nI, dI] float32 (RoPE'd, FP4-simulated); wts [T, nI] float32 (weights_proj output, BF16 values);
+    keys [S, dI] uint16 BF16 bits; positions [T] int64 -> scores [T, S] float32 (BF16 values, -inf masked).
+    `cand` uint8 [T, ceil(S / cand_block)] from candidate_blocks masks positions of dropped blocks."""
+    n_tok, n_heads, di = tuple(q.shape)
+    if q.dtype != np.float32 or n_heads > NI_MAX or di > DI_MAX or di % 16:
+        raise ValueError(f"index_scores: q must be float32 [T, nI <= {NI_MAX}, dI <= {DI_MAX}, dI % 16 == 0]")
+    if keys.dtype != np.uint16 or tuple(keys.shape)[1:] != (di,) or tuple(wts.shape) != (n_tok, n_heads):
+        raise ValueError(f"index_scores: keys {keys.dtype} {keys.shape} / wts {wts.shape} do not fit q {q.shape}")
+    n_rows = keys.shape[0]
+    use_cand = cand is not None
+    if use_cand and tuple(cand.shape) != (n_tok, -(-n_rows // cand_block)):
+        raise ValueError(f"index_scores: cand {cand.shape} must be [T, ceil(S / {cand_block})]")
+    if not use_cand:
+        cand = _scratch(scratch, "no_cand", (1, 1), np.uint8, stream)
+    if out is None:
+        out = cuda.device_array((n_tok, n_rows), np.float32, stream=stream)
+    if n_tok * n_rows:
+        grid = (math.ceil(n_rows / SCORE_ROWS), n_tok)
+        index_score_kernel[grid, THREADS, stream](q, wts, np.float32(wscale), keys.view(np.uint64), positions,
+                                                  int(ratio), cand, int(cand_block), use_cand, out)
+    return out
+
+
+def select_topk(scores, k, positions=None, ratio=1, chunk=CHUNK, out=None, scratch=None, stream=0):
+    """scores [T, S] float32 (BF16 values or -inf) -> int32 [T, k]: the k best by (score desc, index asc) in
+    ascending index order; with `positions`, indices >= (pos + 1) // ratio become -1; -1 padded."""
+    n_tok, n_rows = tuple(scores.shape)
+    if scores.dtype != np.float32 or k < 0 or chunk % THREADS:
+        raise ValueError("select_topk: float32 scores, k >= 0 and a chunk multiple of 128 expected")
+    if out is None:
+        out = cuda.device_array((n_tok, k), np.int32, stream=stream)
+    elif tuple(out.shape) != (n_tok, k):
+        raise ValueError(f"select_topk: out {out.shape} must be {(n_tok, k)}")
+    if n_tok == 0 or k == 0:
+        return out
+    use_reach = positions is not None
+    if not use_reach:
+        positions = _scratch(scratch, "no_positions", (n_tok,), np.int64, stream)
+    nb = max(1, math.ceil(n_rows / chunk))
+    hist = _scratch(scratch, "topk_hist", (n_tok, 2, BINS), np.int32, stream)
+    st = _scratch(scratch, "topk_state", (n_tok, 4), np.int64, stream)
+    cnt = _scratch(scratch, "topk_counts", (n_tok, nb, 2), np.int32, stream)
+    topk_init_kernel[n_tok, THREADS, stream](hist, st, out)
+    for pass_id in (0, 1):
+        topk_hist_kernel[(nb, n_tok), THREADS, stream](scores, chunk, pass_id, st, hist)
+        topk_scan_kernel[n_tok, THREADS, stream](hist, int(k), pass_id, st)
+    topk_count_kernel[(nb, n_tok), THREADS, stream](scores, chunk, st, cnt)
+    topk_write_kernel[(nb, n_tok), THREADS, stream](scores, chunk, st, cnt, positions, int(ratio), use_reach, out)
+    return out
+
+
+def candidate_blocks(scores, positions, ratio, topk_blocks, block_size, chunk=CHUNK, out=None, scratch=None,
+                     stream=0):
+    """scores [T, S] (index_scores of the candidate source) -> keep uint8 [T, ceil(S / block_size)]."""
+    n_tok, n_rows = tuple(scores.shape)
+    nb = -(-n_rows // block_size)
+    if out is None:
+        out = cuda.device_array((n_tok, nb), np.uint8, stream=stream)
+    if n_tok * nb == 0:
+        return out
+    bs = _scratch(scratch, "block_scores", (n_tok, nb), np.float32, stream)
+    grid = math.ceil(n_tok * nb / THREADS)
+    block_max_kernel[grid, THREADS, stream](scores, positions, int(ratio), int(block_size), bs)
+    kb = min(int(topk_blocks), nb)
+    ids = select_topk(bs, kb, chunk=chunk, out=_scratch(scratch, "block_ids", (n_tok, kb), np.int32, stream),
+                      scratch=scratch, stream=stream)
+    candidate_keep_kernel[grid, THREADS, stream](bs, ids, out)
+    return out

@@ -1,0 +1,404 @@
+"""Token sampling on the device: Gumbel-max with exact top-k / top-p / min-p truncation (ds4lib.ref.sampling).
+
+The host reads back only the token ids [B]. Semantics are those of ds4lib.ref.sampling: z = (l - max) / T
+in float64, integer fixed-point weights W = floor(exp(z) 2^32), kept sets defined by value thresholds on the
+logits (top-k: >= the k-th largest; top-p: weight strictly above < P; min-p: W >= min_p 2^32), Philox-4x32-10
+uniforms of (seed, step, index), argmax of z + Gumbel over kept tokens.
+
+How (per row, rows in parallel through grid.y):
+1. `sample_max_kernel` / `sample_reduce_kernel`: max logit and first argmax (temperature 0 stops here).
+2. Radix search for a threshold: three digit passes (11, 11, 10 bits of the order-preserving 32-bit key of
+   the logit). `sample_hist_kernel` builds per-block shared histograms of count and integer weight for the
+   keys matching the digits chosen so far and merges them with one global atomic per non-empty bin;
+   `sample_scan_kernel` (one block) scans the bins from the top and picks the lowest non-empty bin whose
+   count (top-k) or weight (top-p) strictly above it is still below the target. After three passes the
+   digits are one logit value: the threshold. Top-k runs first; its kept weight sets P for top-p. Integer
+   sums make this exact and independent of block order.
+3. `sample_gumbel_kernel`: per block, the best kept z + g; `sample_pick_kernel` reduces the blocks in order.
+
+Shapes: B rows, V vocab, NB = ceil(V / chunk) blocks per row.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from kernels.bf16 import f32_bits
+
+__all__ = ["sample", "sample_max_kernel", "sample_reduce_kernel", "sample_hist_kernel", "sample_scan_kernel",
+           "sample_gumbel_kernel", "sample_pick_kernel", "philox_uniform_device", "SIGNATURES"]
+
+THREADS = 128
+WARP = 32
+CHUNK = 2048                      # logits per block (V = 129280: 64 blocks per row)
+BINS = 2048
+BINS_PER_THREAD = BINS // THREADS
+WARPS = THREADS // WARP
+SHIFTS = (21, 10, 0)              # digit passes: bits 31..21, 20..10, 9..0
+WIDTHS = (11, 11, 10)
+FIXED_ONE = 4294967296.0          # 2^32
+NEG_INF64 = -np.inf
+M0 = np.uint64(0xD2511F53)
+M1 = np.uint64(0xCD9E8D57)
+W0 = np.uint64(0x9E3779B9)
+W1 = np.uint64(0xBB67AE85)
+LO32 = np.uint64(0xFFFFFFFF)
+# per-row integer state
+S_PREFIX, S_ACNT, S_AW, S_THETA_K, S_WK, S_THETA_P, S_ARGMAX = range(7)
+N_STATE = 8
+# per-row float state
+F_MAX, F_P = 0, 1
+PHASE_K, PHASE_P = 0, 1
+
+
+@cuda.jit(device=True, inline=True)
+def _order_key_device(v):
+    """Order-preserving uint32 key of a float32 (-0 and +0 share one); returned in an int64."""
+    u = f32_bits(v)
+    if (u & np.uint32(0x7FFFFFFF)) == np.uint32(0):
+        u = np.uint32(0)
+    k = np.int64(u)
+    return (k ^ 0xFFFFFFFF) if (k >> 31) else (k | 0x80000000)
+
+
+@cuda.jit(device=True, inline=True)
+def philox_uniform_device(seed, step, index):
+    """The uniform in (0, 1) of counter (index, step) under key seed (Philox-4x32-10), as ref.sampling.uniforms."""
+    s = np.uint64(seed)
+    st = np.uint64(step)
+    i = np.uint64(index)
+    c0 = i & LO32
+    c1 = i >> np.uint64(32)
+    c2 = st & LO32
+    c3 = st >> np.uint64(32)
+    k0 = s & LO32
+    k1 = (s >> np.uint64(32)) & LO32
+    for r in range(10):
+        if r > 0:
+            k0 = (k0 + W0) & LO32
+            k1 = (k1 + W1) & LO32
+        p0 = M0 * c0
+        p1 = M1 * c2
+        n0 = (p1 >> np.uint64(32)) ^ c1 ^ k0
+        n1 = p1 & LO32
+        n2 = (p0 >> np.uint64(32)) ^ c3 ^ k1
+        n3 = p0 & LO32
+        c0, c1, c2, c3 = n0, n1, n2, n3
+    a = np.float64(c0 >> np.uint64(6))
+    b = np.float64(c1 >> np.uint64(6))
+    return (a * 67108864.0 + b + 0.5) * (2.0 ** -52)
+
+
+@cuda.jit(device=True, inline=True)
+def _weight_device(v, m, temperature):
+    """(z, W): z = (v - m) / T in float64 and W = floor(exp(z) 2^32)."""
+    z = (np.float64(v) - np.float64(m)) / temperature
+    return z, np.int64(math.floor(math.exp(z) * FIXED_ONE))
+
+
+@cuda.jit(device=True, inline=True)
+def _block_best_device(v, i, sh_v, sh_i):
+    """Block-wide (max v, then lowest i) through a shared-memory tree; result in sh_v[0], sh_i[0]."""
+    tid = cuda.threadIdx.x
+    sh_v[tid] = v
+    sh_i[tid] = i
+    cuda.syncthreads()
+    s = THREADS // 2
+    while s > 0:
+        if tid < s:
+            v2 = sh_v[tid + s]
+            i2 = sh_i[tid + s]
+            if v2 > sh_v[tid] or (v2 == sh_v[tid] and i2 < sh_i[tid]):
+                sh_v[tid] = v2
+                sh_i[tid] = i2
+        cuda.syncthreads()
+        s //= 2
+
+
+@cuda.jit
+def sample_max_kernel(logits, chunk, part_v, part_i):
+    """Per block: the largest logit of its chunk and its first index."""
+    b = cuda.blockIdx.y
+    blk = cuda.blockIdx.x
+    n = logits.shape[1]
+    bv = NEG_INF64
+    bi = np.int64(n)
+    for i in range(blk * chunk + cuda.threadIdx.x, min(n, (blk + 1) * chunk), THREADS):
+        v = np.float64(logits[b, i])
+        if v > bv or bi == n:
+            bv = v
+            bi = i
+    sh_v = cuda.shared.array(THREADS, np.float64)
+    sh_i = cuda.shared.array(THREADS, np.int64)
+    _block_best_device(bv, bi, sh_v, sh_i)
+    if cuda.threadIdx.x == 0:
+        part_v[b, blk] = sh_v[0]
+        part_i[b, blk] = sh_i[0]
+
+
+@cuda.jit
+def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
+    """Per row: max and argmax over the blocks (token for temperature 0); reset the state and histograms."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    bv = NEG_INF64
+    bi = np.int64(0x7FFFFFFFFFFFFFFF)
+    for k in range(tid, part_v.shape[1], THREADS):
+        if part_v[b, k] > bv or (part_v[b, k] == bv and part_i[b, k] < bi):
+            bv = part_v[b, k]
+            bi = part_i[b, k]
+    sh_v = cuda.shared.array(THREADS, np.float64)
+    sh_i = cuda.shared.array(THREADS, np.int64)
+    _block_best_device(bv, bi, sh_v, sh_i)
+    for k in range(tid, BINS, THREADS):
+        hist_cnt[b, k] = 0
+        hist_w[b, k] = 0
+    if tid < N_STATE:
+        st[b, tid] = 0
+    cuda.syncthreads()
+    if tid == 0:
+        stf[b, F_MAX] = sh_v[0]
+        st[b, S_ARGMAX] = sh_i[0]
+        tokens[b] = sh_i[0]
+
+
+@cuda.jit
+def sample_hist_kernel(logits, chunk, temperature, st, stf, pass_id, hist_cnt, hist_w):
+    """Count and weight histograms of the current digit over keys matching the chosen higher digits."""
+    b = cuda.blockIdx.y
+    blk = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n = logits.shape[1]
+    sh_c = cuda.shared.array(BINS, np.int32)
+    sh_w = cuda.shared.array(BINS, np.int64)
+    for k in range(tid, BINS, THREADS):
+        sh_c[k] = 0
+        sh_w[k] = 0
+    cuda.syncthreads()
+    shift = SHIFTS[0] if pass_id == 0 else (SHIFTS[1] if pass_id == 1 else SHIFTS[2])
+    width = WIDTHS[0] if pass_id == 0 else (WIDTHS[1] if pass_id == 1 else WIDTHS[2])
+    top = shift + width                              # bits above the current digit must match the prefix
+    prefix = st[b, S_PREFIX]
+    m = stf[b, F_MAX]
+    for i in range(blk * chunk + tid, min(n, (blk + 1) * chunk), THREADS):
+        v = logits[b, i]
+        key = _order_key_device(v)
+        if top >= 32 or (key >> top) == (prefix >> top):
+            bin_ = (key >> shift) & ((1 << width) - 1)
+            cuda.atomic.add(sh_c, bin_, 1)
+            cuda.atomic.add(sh_w, bin_, _weight_device(v, m, temperature)[1])
+    cuda.syncthreads()
+    for k in range(tid, BINS, THREADS):
+        if sh_c[k]:
+            cuda.atomic.add(hist_cnt, (b, k), sh_c[k])
+            cuda.atomic.add(hist_w, (b, k), sh_w[k])
+
+
+@cuda.jit
+def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k, st, stf):
+    """Pick the digit of this pass (see module docstring); record thresholds after the last pass."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    shift = SHIFTS[0] if pass_id == 0 else (SHIFTS[1] if pass_id == 1 else SHIFTS[2])
+    hi_bin = BINS - 1 - BINS_PER_THREAD * tid            # this thread's bins, descending
+    c_loc = np.int64(0)
+    w_loc = np.int64(0)
+    for j in range(BINS_PER_THREAD):
+        c_loc += hist_cnt[b, hi_bin - j]
+        w_loc += hist_w[b, hi_bin - j]
+    c_inc = c_loc
+    w_inc = w_loc
+    off = 1
+    while off < WARP:
+        c2 = cuda.shfl_up_sync(0xFFFFFFFF, c_inc, off)
+        w2 = cuda.shfl_up_sync(0xFFFFFFFF, w_inc, off)
+        if lane >= off:
+            c_inc += c2
+            w_inc += w2
+        off *= 2
+    sh_c = cuda.shared.array(WARPS, np.int64)
+    sh_w = cuda.shared.array(WARPS, np.int64)
+    best = cuda.shared.array(1, np.int64)
+    if lane == WARP - 1:
+        sh_c[warp] = c_inc
+        sh_w[warp] = w_inc
+    if tid == 0:
+        best[0] = -1
+    cuda.syncthreads()
+    c_above = c_inc - c_loc + st[b, S_ACNT]
+    w_above = w_inc - w_loc + st[b, S_AW]
+    w_total = np.int64(0)
+    for w in range(WARPS):
+        if w < warp:
+            c_above += sh_c[w]
+            w_above += sh_w[w]
+        w_total += sh_w[w]
+    if phase == PHASE_P and pass_id == 0:            # the first top-p pass fixes P
+        base = st[b, S_WK] if use_top_k else w_total
+        target_p = np.float64(base) * top_p
+    else:
+        target_p = stf[b, F_P]
+    mine = np.int64(-1)
+    ca = c_above
+    wa = w_above
+    for j in range(BINS_PER_THREAD):
+        cnt = hist_cnt[b, hi_bin - j]
+        if cnt > 0:
+            ok = ca < top_k if phase == PHASE_K else np.float64(wa) < target_p
+            if ok:
+                mine = BINS_PER_THREAD * tid + j
+        ca += cnt
+        wa += hist_w[b, hi_bin - j]
+    if mine >= 0:
+        cuda.atomic.max(best, 0, mine)
+    cuda.syncthreads()
+    pick = best[0]
+    if pick // BINS_PER_THREAD == tid:               # the owner records the step
+        j = pick % BINS_PER_THREAD
+        ca = c_above
+        wa = w_above
+        for jj in range(j):
+            ca += hist_cnt[b, hi_bin - jj]
+            wa += hist_w[b, hi_bin - jj]
+        bin_ = np.int64(hi_bin - j)
+        prefix = st[b, S_PREFIX] | (bin_ << shift)
+        if pass_id < 2:
+            st[b, S_PREFIX] = prefix
+            st[b, S_ACNT] = ca
+            st[b, S_AW] = wa
+        else:                                        # a full key: the threshold; reset for the next phase
+            if phase == PHASE_K:
+                st[b, S_THETA_K] = prefix
+                st[b, S_WK] = wa + hist_w[b, bin_]
+            else:
+                st[b, S_THETA_P] = prefix
+            st[b, S_PREFIX] = 0
+            st[b, S_ACNT] = 0
+            st[b, S_AW] = 0
+        if phase == PHASE_P and pass_id == 0:
+            stf[b, F_P] = target_p
+    cuda.syncthreads()
+    for j in range(BINS_PER_THREAD):                 # clear for the next pass
+        hist_cnt[b, hi_bin - j] = 0
+        hist_w[b, hi_bin - j] = 0
+
+
+@cuda.jit
+def sample_gumbel_kernel(logits, chunk, temperature, min_p, seeds, steps, st, stf, part_v, part_i, kept,
+                         write_kept):
+    """Per block: the kept token with the largest z + Gumbel noise."""
+    b = cuda.blockIdx.y
+    blk = cuda.blockIdx.x
+    n = logits.shape[1]
+    theta = max(st[b, S_THETA_K], st[b, S_THETA_P])
+    m = stf[b, F_MAX]
+    w_min = min_p * FIXED_ONE
+    bv = NEG_INF64
+    bi = np.int64(n)
+    for i in range(blk * chunk + cuda.threadIdx.x, min(n, (blk + 1) * chunk), THREADS):
+        v = logits[b, i]
+        z, w = _weight_device(v, m, temperature)
+        keep = _order_key_device(v) >= theta and (min_p <= 0.0 or np.float64(w) >= w_min)
+        if write_kept:
+            kept[b, i] = 1 if keep else 0
+        if keep:
+            g = z - math.log(-math.log(philox_uniform_device(seeds[b], steps[b], i)))
+            if g > bv or (g == bv and i < bi):
+                bv = g
+                bi = i
+    sh_v = cuda.shared.array(THREADS, np.float64)
+    sh_i = cuda.shared.array(THREADS, np.int64)
+    _block_best_device(bv, bi, sh_v, sh_i)
+    if cuda.threadIdx.x == 0:
+        part_v[b, blk] = sh_v[0]
+        part_i[b, blk] = sh_i[0]
+
+
+@cuda.jit
+def sample_pick_kernel(part_v, part_i, tokens):
+    """Per row: the best block result, blocks in order (lowest index on ties)."""
+    b = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if b >= tokens.shape[0]:
+        return
+    bv = part_v[b, 0]
+    bi = part_i[b, 0]
+    for k in range(1, part_v.shape[1]):
+        if part_v[b, k] > bv or (part_v[b, k] == bv and part_i[b, k] < bi):
+            bv = part_v[b, k]
+            bi = part_i[b, k]
+    tokens[b] = bi
+
+
+SIGNATURES = {
+    "sample_max_kernel": "void(float32[:, :], int64, float64[:, :], int64[:, :])",
+    "sample_reduce_kernel": "void(float64[:, :], int64[:, :], int64[:, :], float64[:, :], int32[:, :], "
+                            "int64[:, :], int64[:])",
+    "sample_hist_kernel": "void(float32[:, :], int64, float64, int64[:, :], float64[:, :], int64, int32[:, :], "
+                          "int64[:, :])",
+    "sample_scan_kernel": "void(int32[:, :], int64[:, :], int64, int64, int64, float64, boolean, int64[:, :], "
+                          "float64[:, :])",
+    "sample_gumbel_kernel": "void(float32[:, :], int64, float64, float64, int64[:], int64[:], int64[:, :], "
+                            "float64[:, :], float64[:, :], int64[:, :], uint8[:, :], boolean)",
+    "sample_pick_kernel": "void(float64[:, :], int64[:, :], int64[:])",
+}
+
+
+def _scratch(scratch, name, shape, dtype, stream):
+    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
+    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
+    if scratch is None:
+        return cuda.device_array(shape, dtype, stream=stream)
+    key = (name, tuple(shape), np.dtype(dtype).str)
+    if key not in scratch:
+        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
+    return scratch[key]
+
+
+def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, chunk=CHUNK, out=None,
+           kept=None, scratch=None, stream=0):
+    """logits [B, V] float32, seeds [B] and steps [B] int64 (>= 0) -> tokens [B] int64 on the device.
+
+    One parameter set for the batch (launch once per distinct set). `kept` (uint8 [B, V], optional) receives
+    the truncation mask, for tests and diagnostics.
+    """
+    n_rows, n_vocab = tuple(logits.shape)
+    if logits.dtype != np.float32 or n_vocab == 0 or chunk % THREADS or temperature < 0:
+        raise ValueError("sample: float32 logits [B, V > 0], temperature >= 0 and a chunk multiple of 128")
+    if tuple(seeds.shape) != (n_rows,) or tuple(steps.shape) != (n_rows,):
+        raise ValueError(f"sample: seeds and steps must be [{n_rows}]")
+    if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
+        raise ValueError("sample: top_p in (0, 1], min_p in [0, 1], top_k >= 0")
+    if out is None:
+        out = cuda.device_array(n_rows, np.int64, stream=stream)
+    if n_rows == 0:
+        return out
+    nb = math.ceil(n_vocab / chunk)
+    part_v = _scratch(scratch, "part_v", (n_rows, nb), np.float64, stream)
+    part_i = _scratch(scratch, "part_i", (n_rows, nb), np.int64, stream)
+    st = _scratch(scratch, "state", (n_rows, N_STATE), np.int64, stream)
+    stf = _scratch(scratch, "state_f", (n_rows, 2), np.float64, stream)
+    hist_cnt = _scratch(scratch, "hist_cnt", (n_rows, BINS), np.int32, stream)
+    hist_w = _scratch(scratch, "hist_w", (n_rows, BINS), np.int64, stream)
+    sample_max_kernel[(nb, n_rows), THREADS, stream](logits, chunk, part_v, part_i)
+    sample_reduce_kernel[n_rows, THREADS, stream](part_v, part_i, st, stf, hist_cnt, hist_w, out)
+    if temperature == 0:
+        return out
+    use_top_k = 0 < top_k < n_vocab
+    phases = ([PHASE_K] if use_top_k else []) + ([PHASE_P] if top_p < 1.0 else [])
+    for phase in phases:
+        for pass_id in range(3):
+            sample_hist_kernel[(nb, n_rows), THREADS, stream](logits, chunk, float(temperature), st, stf, pass_id,
+                                                              hist_cnt, hist_w)
+            sample_scan_kernel[n_rows, THREADS, stream](hist_cnt, hist_w, pass_id, phase, int(top_k), float(top_p),
+                                                        use_top_k, st, stf)
+    write_kept = kept is not None
+    if write_kept and tuple(kept.shape) != (n_rows, n_vocab):
+        raise ValueError(f"sample: kept must be uint8 [{n_rows}, {n_vocab}]")
+    if not write_kept:
+        kept = _scratch(scratch, "no_kept", (1, 1), np.uint8, stream)
+    sample_gumbel_kernel[(nb, n_rows), THREADS, stream](logits, chunk, float(temperature), float(min_p), seeds,
+                                                        steps, st, stf, part_v, part_i, kept, write_kept)
+    sample_pick_kernel[math.ceil(n_rows / THREADS), THREADS, stream](part_v, part_i, out)
+    return out

@@ -1,0 +1,99 @@
+"""kernels/attention.py against ds4lib.ref.attention.sparse_attention and the reference's window rule."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ds4lib.config import ModelConfig
+from ds4lib.formats.actquant import act_quant_fp8
+from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
+from ds4lib.ref.attention import sparse_attention as ref_attention
+from ds4lib.ref.model import ReferenceModel
+from tests.kernels.tolerances import assert_matches
+
+CFG = ModelConfig.tiny()
+W, DH, H = CFG.window_size, CFG.head_dim, CFG.n_heads
+
+
+def _rows(rng, n):
+    return act_quant_fp8(round_bf16(rng.standard_normal((n, DH)) * 2), 32)       # cached rows are FP8-simulated
+
+
+def _setup(cuda, rng, start, T):
+    """A window state holding positions max(0, start-W)..start-1, a chunk of T new rows; both sides' views."""
+    hist_pos = np.arange(max(0, start - W), start, dtype=np.int64)
+    hist = _rows(rng, len(hist_pos))
+    ring = np.zeros((W, DH), np.uint16)
+    ring_pos = np.full(W, -1, np.int64)
+    ring[hist_pos % W], ring_pos[hist_pos % W] = f32_to_bf16_bits(hist), hist_pos
+    kv = _rows(rng, T)
+    P = np.arange(start, start + T, dtype=np.int64)
+    state = SimpleNamespace(win_kv=[hist], win_pos=[hist_pos])
+    keys, mask = ReferenceModel._window(SimpleNamespace(cfg=CFG), 0, kv, P, state)     # the reference's rule
+    return ring, ring_pos, kv, P, keys, mask
+
+
+def _kernel_window(cuda, ring, ring_pos, kv, P, start):
+    """Key buffer [ring; chunk] (chunk rows packed by cache_write) and the window index lists."""
+    from kernels.attention import cache_write, window_indices
+    buf = cuda.to_device(np.concatenate([ring, np.zeros((len(kv), DH), np.uint16)]))
+    cache_write(cuda.to_device(kv), cuda.to_device(np.arange(W, W + len(kv), dtype=np.int64)), buf)
+    idx = window_indices(cuda.to_device(ring_pos), cuda.to_device(P), start)
+    return buf, idx
+
+
+@pytest.mark.parametrize("start,T,heads,n_cmp,k,n_split", [
+    (40, 1, H, 20, CFG.index_topk, None),   # decode: window from the ring + the new row, 8 compressed rows
+    (14, 3, 4, 6, 4, 2),                    # chunked prefill: early queries read ring rows the chunk has not replaced
+    (3000, 1, 4, 300, 200, 3),              # longest here: 216 rows (2 score blocks), 3 value splits, 2 tiles
+])
+def test_sparse_attention_matches_ref(cuda_ready, start, T, heads, n_cmp, k, n_split):
+    from kernels.attention import sparse_attention
+    rng = np.random.default_rng(start)
+    ring, ring_pos, kv, P, keys, mask = _setup(cuda_ready, rng, start, T)
+    buf, win_idx = _kernel_window(cuda_ready, ring, ring_pos, kv, P, start)
+    cmp = _rows(rng, n_cmp)
+    idx = np.stack([np.sort(rng.choice(n_cmp, k, replace=False)) for _ in range(T)]).astype(np.int32)
+    idx[:, -2:] = -1                                                              # padded top-k slots
+    q = round_bf16(rng.standard_normal((T, heads, DH)))
+    sink = rng.standard_normal(heads).astype(np.float32)
+    scale = DH ** -0.5
+    got = sparse_attention(cuda_ready.to_device(q), buf, win_idx, cuda_ready.to_device(f32_to_bf16_bits(cmp)),
+                           cuda_ready.to_device(idx), cuda_ready.to_device(sink), scale, n_split=n_split)
+    want = ref_attention(q, keys, mask, cmp[np.maximum(idx, 0)], idx >= 0, sink, scale)
+    assert_matches("sparse_attention", got.copy_to_host(), want)
+
+
+def test_no_valid_rows_give_zero_and_window_only(cuda_ready):
+    from kernels.attention import sparse_attention
+    rng = np.random.default_rng(5)
+    keys = _rows(rng, 6)
+    q = round_bf16(rng.standard_normal((2, 4, DH)))
+    idx = np.array([[0, 3, 5, -1], [-1, -1, -1, -1]], np.int32)                   # query 1 sees nothing
+    sink = np.zeros(4, np.float32)
+    got = sparse_attention(cuda_ready.to_device(q), cuda_ready.to_device(f32_to_bf16_bits(keys)),
+                           cuda_ready.to_device(idx), None, None, cuda_ready.to_device(sink), 0.125).copy_to_host()
+    mask = np.zeros((2, 6), bool)
+    mask[0, [0, 3, 5]] = True
+    with np.errstate(over="ignore"):                                             # exp(sink + 1e30) in the ref
+        want = ref_attention(q, keys, mask, None, None, sink, 0.125)
+    assert_matches("sparse_attention", got, want)
+    assert not got[1].any()
+
+
+def test_window_write_ring(cuda_ready):
+    """Prefill longer than the window keeps the last W rows; a decode step replaces the oldest slot."""
+    from kernels.attention import window_write
+    from ds4lib.formats.floats import bf16_bits_to_f32
+    rng = np.random.default_rng(9)
+    ring = cuda_ready.to_device(np.zeros((W, DH), np.uint16))
+    ring_pos = cuda_ready.to_device(np.full(W, -1, np.int64))
+    kv = _rows(rng, W + 5)
+    window_write(cuda_ready.to_device(kv), cuda_ready.to_device(np.arange(W + 5, dtype=np.int64)), ring, ring_pos)
+    nxt = _rows(rng, 1)
+    window_write(cuda_ready.to_device(nxt), cuda_ready.to_device(np.array([W + 5], np.int64)), ring, ring_pos)
+    pos = ring_pos.copy_to_host()
+    np.testing.assert_array_equal(np.sort(pos), np.arange(6, W + 6))
+    rows = bf16_bits_to_f32(ring.copy_to_host())
+    allkv = np.concatenate([kv, nxt])
+    assert_matches("window", rows, allkv[pos])
