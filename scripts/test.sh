@@ -4,6 +4,12 @@
 # Usage: bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# tests/server/test_chat_page.py drives Debian's headless Chromium (it fails, not skips, without it)
+if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 bash scripts/setup.sh
 set +e
 .venv/bin/python -m pytest -q "$@"

@@ -33,3 +33,17 @@ def official_vectors():
 def official_models():
     from ds4lib.ref import ReferenceModel
     return {mode: ReferenceModel.load(OFFICIAL / "checkpoint", quant_sim=(mode == "on")) for mode in ("on", "off")}
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(tmp_path_factory):
+    """A random tiny checkpoint and its ① base file (2 Lloyd rounds), built once per test session:
+    (checkpoint_dir, base_path). Shared by the engine, eval and server tests."""
+    from ds4lib.config import ModelConfig
+    from ds4lib.quant.base_file import quantize_checkpoint
+    from ds4lib.synth import write_random_checkpoint
+    root = tmp_path_factory.mktemp("tiny_stack")
+    ckpt = write_random_checkpoint(root / "ckpt", ModelConfig.tiny(), seed=0)
+    base = root / "base.gguf"
+    quantize_checkpoint(checkpoint=ckpt, out=base, rounds=2, progress=False)
+    return ckpt, base

@@ -54,9 +54,8 @@ def generate(model, ids, n, temperature=0.0, seed=0, stop=(1,)):
         if temperature == 0:
             t = int(np.argmax(out.logits[-1]))
         else:
-            from ds4lib.ref.sampling import sample_token
-            t = sample_token(out.logits[-1], temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                             seed=seed, step=step)
+            from ds4lib.ref.sampling import sample
+            t = sample(out.logits[-1], temperature=temperature, seed=seed, step=step)
         res.append(t)
         if t in stop:
             break

@@ -1,0 +1,49 @@
+"""The CPU backend: the reference forward (ds4lib.ref) over the quantised stack's values, with the official
+activation quantise-dequantise on. Sampling by ds4lib.ref.sampling (the device sampler's specification)."""
+from __future__ import annotations
+
+from ds4lib.engine.weights import StackWeights
+from ds4lib.ref import ReferenceModel
+from ds4lib.ref.sampling import sample
+
+__all__ = ["CpuBackend"]
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, engine, gains, bias):
+        self.engine = engine
+        self.weights = StackWeights(engine.base, engine.engram_reader, gains, bias)
+        self.model = ReferenceModel(engine.cfg, self.weights, engine.token_map, quant_sim=True)
+
+    def new_state(self):
+        return self.model.new_state()
+
+    def forward(self, state, tokens, last_only=False, observer=None):
+        return self.model.forward(tokens, state, last_only=last_only, observer=observer)
+
+    def to_host(self, logits):
+        return logits
+
+    def sample(self, logits, params, seed, step) -> int:
+        return int(sample(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                min_p=params.min_p, seed=seed, step=step))
+
+    def memory_plan(self):
+        from ds4lib.engine.engine import MemoryPlan
+        cfg = self.engine.cfg
+        ctx = self.engine.context_length
+        f32 = 4
+        state = 0
+        for r in self.model.roles:
+            state += cfg.window_size * cfg.head_dim * f32
+            if r.owns_compressor:
+                rows = -(-ctx // r.ratio)
+                state += rows * cfg.head_dim * f32 * 2            # doubling growth: up to 2x the rows in use
+                if r.indexer_owns_k:
+                    state += rows * cfg.index_head_dim * f32 * 2
+        B = self.engine.prefill_block
+        scratch = f32 * B * (8 * cfg.hc_mult * cfg.dim + 3 * cfg.n_heads * (cfg.window_size + B + cfg.index_topk)
+                             + 2 * cfg.vocab_size + 4 * cfg.moe_inter_dim * cfg.n_activated_experts)
+        return MemoryPlan(weights=self.weights.dequantized_bytes(), state=state, scratch=scratch)

@@ -1,0 +1,292 @@
+"""The engine: loads the stack (① base GGUF, optional ② sidecar, optional ③ post-training file, the Engram
+tables from the original checkpoint directory) and runs sessions on a backend.
+
+Public API (the server and notebooks use nothing else): `Engine`, `Session`, `SamplingParams`,
+`EngineError`. A session holds one request's state (window rings, compressed rows, index keys, Engram
+history) that grows with the positions actually used, up to the context bound from the model metadata.
+Prefill runs in blocks, decode one token at a time, both on the same forward; scoring uses the same
+paths (`logits(..., split=P)`: P tokens by prefill, the rest one at a time).
+
+Shapes: T tokens, V vocab.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ds4lib.engine.backend import make_backend
+from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
+from ds4lib.formats.gguf import BaseFile, BaseFileError
+from ds4lib.formats.names import KEY_SOURCE_DIR
+from ds4lib.formats.sidecar import SidecarError, read_sidecar
+from ds4lib.tokenmap import TokenMapError, load_token_map
+
+__all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan"]
+
+EOS = 1
+
+
+class EngineError(RuntimeError):
+    """The stack cannot be loaded or a request cannot be served as asked."""
+
+
+class Cancelled(EngineError):
+    """The caller asked to stop (e.g. the client went away) while a prefill was running."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple = ()
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@dataclass
+class MemoryPlan:
+    weights: int
+    state: int
+    scratch: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.scratch
+
+    def table(self) -> str:
+        mb = 1 << 20
+        return (f"weights {self.weights / mb:,.1f} MB + per-request state at full context {self.state / mb:,.1f} MB "
+                f"+ scratch {self.scratch / mb:,.1f} MB = {self.total / mb:,.1f} MB")
+
+
+@dataclass
+class Session:
+    """One request's state on the engine's backend."""
+    engine: "Engine"
+    state: object
+    tokens: list = field(default_factory=list)
+    features: list = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+
+class Engine:
+    def __init__(self, base_path, *, zchain=None, posttrain=None, engram_dir=None, backend: str = "cpu",
+                 mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None):
+        try:
+            self.base = BaseFile.open(base_path)
+        except BaseFileError as e:
+            raise EngineError(str(e)) from None
+        self.cfg = cfg = self.base.config
+        self.context_length = cfg.max_position_embeddings
+        self.prefill_block = prefill_block
+        self.sidecar = self.posttrain = None
+        try:
+            if zchain:
+                self.sidecar = read_sidecar(zchain, cfg, expect_kind="sidecar")
+            if posttrain:
+                self.posttrain = read_sidecar(posttrain, cfg, expect_kind="posttrain")
+                if self.sidecar is None:
+                    raise EngineError(f"{posttrain}: a post-training file stacks on a sidecar; pass --zchain too")
+                if self.posttrain.base_fnv != self.sidecar.fingerprint:
+                    raise EngineError(f"{posttrain}: solved against sidecar {self.posttrain.base_fnv}, but the "
+                                      f"loaded sidecar is {self.sidecar.fingerprint}; refusing the mismatched pair")
+        except SidecarError as e:
+            raise EngineError(str(e)) from None
+        gains, bias = {}, {}
+        for sc in filter(None, (self.sidecar, self.posttrain)):
+            for l, g in sc.gains.items():
+                gains[l] = gains[l] * g if l in gains else g
+            for l, b in sc.bias.items():
+                bias[l] = bias[l] + b if l in bias else b
+        self.engram_dir = Path(engram_dir or self.base.metadata.get(KEY_SOURCE_DIR, ""))
+        self.engram_reader, self.token_map = self._open_engram(cfg)
+        self.tokenizer = self._open_tokenizer(tokenizer_path)
+        self.backend = make_backend(backend, self, gains, bias)
+        self.memory = self.backend.memory_plan()
+        if mem_budget_mb is not None and self.memory.total > mem_budget_mb * (1 << 20):
+            raise EngineError(f"the stack does not fit --mem-budget-mb {mem_budget_mb:,.0f}: {self.memory.table()}")
+
+    # ------------------------------------------------------------------ loading
+    def _open_engram(self, cfg):
+        if not cfg.engram_layer_ids:
+            return None, None
+        d = self.engram_dir
+        if not d or not d.is_dir():
+            raise EngineError(f"Engram tables: directory {str(d) or '(none)'} does not exist; pass --engram-dir "
+                              f"with the original checkpoint")
+        try:
+            reader = CheckpointReader.open(d, validate=False)
+            for l in cfg.engram_layer_ids:
+                for suffix in ("weight", "scale"):
+                    name = f"layers.{l}.engram.embed.{suffix}"
+                    if not reader.has(name):
+                        raise EngineError(f"Engram table {name} is missing from {d}")
+                    want = reader.inventory[name].shape
+                    if tuple(reader.raw(name).shape) != want:
+                        raise EngineError(f"Engram table {name} in {d} has shape {list(reader.raw(name).shape)}, "
+                                          f"expected {list(want)}")
+            if reader.cfg.to_flat_dict() != cfg.to_flat_dict():
+                raise EngineError(f"{d} holds a different model than the base file (configs differ)")
+            tmap = load_token_map(d, cfg)
+        except (CheckpointError, TokenMapError) as e:
+            raise EngineError(f"Engram tables: {e}") from None
+        return reader, tmap
+
+    def _open_tokenizer(self, path):
+        from tokenizers import Tokenizer
+        candidates = [Path(path)] if path else [self.engram_dir / "tokenizer.json",
+                                               Path(self.base.path).with_name("tokenizer.json")]
+        for p in candidates:
+            if p.is_file():
+                return Tokenizer.from_file(str(p))
+        raise EngineError(f"no tokenizer.json (looked in {', '.join(map(str, candidates))})")
+
+    # ------------------------------------------------------------------ sessions and forward
+    def new_session(self) -> Session:
+        return Session(self, self.backend.new_state())
+
+    def _check_tokens(self, toks):
+        bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"token id {bad[0]} is outside the model's vocabulary [0, {self.cfg.vocab_size})")
+
+    def _check_room(self, session, n):
+        if session.position + n > self.context_length:
+            raise EngineError(f"request needs {session.position + n} positions; the model's context is "
+                              f"{self.context_length}")
+
+    def prefill(self, session: Session, tokens, *, all_logits: bool = False, observer=None, should_stop=None):
+        """Feed tokens in blocks of `prefill_block`; returns the last position's logits [V] (or all [T, V]).
+        With all_logits the result is a host array; otherwise it stays where the backend keeps it (the CUDA
+        backend samples on the device and reads back only the token)."""
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise EngineError("prefill needs at least one token")
+        self._check_tokens(toks)
+        self._check_room(session, len(toks))
+        outs = []
+        for i in range(0, len(toks), self.prefill_block):
+            if should_stop is not None and i and should_stop():
+                raise Cancelled("cancelled during prefill")
+            chunk = toks[i:i + self.prefill_block]
+            out = self.backend.forward(session.state, chunk, last_only=not all_logits, observer=observer)
+            session.tokens.extend(chunk)
+            if out.features is not None and self.backend.name == "cpu":
+                session.features.append(out.features)
+            outs.append(self.backend.to_host(out.logits) if all_logits else out.logits)
+        return np.concatenate(outs) if all_logits else outs[-1][-1]
+
+    def decode(self, session: Session, token: int, observer=None) -> np.ndarray:
+        """One token at the session's position; returns its logits [V]."""
+        self._check_tokens([int(token)])
+        self._check_room(session, 1)
+        out = self.backend.forward(session.state, [int(token)], last_only=True, observer=observer)
+        session.tokens.append(int(token))
+        return out.logits[-1]
+
+    def logits(self, tokens, split: int | None = None, observer=None) -> np.ndarray:
+        """Teacher-forced logits [T, V] of a fresh sequence: all by prefill, or with `split`=P the first P
+        tokens by prefill and the rest one at a time through the decode path."""
+        toks = [int(t) for t in tokens]
+        s = self.new_session()
+        if split is None or split >= len(toks):
+            return self.prefill(s, toks, all_logits=True, observer=observer)
+        parts = [self.prefill(s, toks[:split], all_logits=True, observer=observer)] if split > 0 else []
+        for t in toks[max(split, 0):]:
+            parts.append(self.backend.to_host(self.decode(s, t, observer=observer))[None])
+        return np.concatenate(parts)
+
+    def score(self, tokens, split: int | None = None) -> np.ndarray:
+        """log p(token[i] | tokens[:i]) for i >= 1, float64 [T-1]."""
+        lg = self.logits(tokens, split).astype(np.float64)
+        lse = np.log(np.exp(lg - lg.max(-1, keepdims=True)).sum(-1)) + lg.max(-1)
+        t = np.asarray(tokens[1:], dtype=np.int64)
+        return lg[np.arange(len(t)), t] - lse[:-1]
+
+    # ------------------------------------------------------------------ generation
+    def generate_ids(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
+        """Yield generated token ids (EOS included, then stop) up to params.max_tokens. `should_stop()` is polled
+        between prefill blocks (raising Cancelled); between tokens the caller simply stops iterating."""
+        s = session or self.new_session()
+        if not prompt_ids:
+            raise EngineError("the prompt is empty")
+        self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
+        logits = self.prefill(s, prompt_ids, should_stop=should_stop)
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+        for step in range(params.max_tokens):
+            tok = self.backend.sample(logits, params, seed, step)
+            yield tok
+            if tok == EOS or step == params.max_tokens - 1:
+                return
+            logits = self.decode(s, tok)
+
+    def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
+        """Yield one {"type": "token", "id", "text"} event per generated token (EOS excepted), `text` being the new
+        text, possibly empty (held back while it may be an incomplete UTF-8 character or the start of a stop
+        string); at the end, held-back text that turned out not to start a stop string comes as one more event with
+        id None; then {"type": "done", "finish_reason": "stop" | "length", "stop": the matched stop string or None,
+        "completion_tokens", "text"}. A stop string ends generation and is not emitted; EOS is not counted."""
+        stops = tuple(s for s in params.stop if s)
+        ids, emitted, finish, matched = [], "", "length", None
+        decode = self.tokenizer.decode
+        for tok in self.generate_ids(prompt_ids, params, session, should_stop):
+            if tok == EOS:
+                finish = "stop"
+                break
+            ids.append(tok)
+            text = decode(ids, skip_special_tokens=False)
+            hits = sorted((text.find(s), s) for s in stops if s in text)
+            if hits:
+                finish, matched = "stop", hits[0][1]
+                target = text[:hits[0][0]]
+            else:
+                target = text.rstrip("\ufffd")
+                for s in stops:                   # hold back a tail that may grow into a stop string
+                    for k in range(min(len(s) - 1, len(target)), 0, -1):
+                        if target.endswith(s[:k]):
+                            target = target[:-k]
+                            break
+            delta = ""
+            if len(target) > len(emitted) and target.startswith(emitted):
+                delta, emitted = target[len(emitted):], target
+            yield {"type": "token", "id": tok, "text": delta}
+            if matched is not None:
+                break
+        if matched is None:
+            text = decode(ids, skip_special_tokens=False)
+            if len(text) > len(emitted) and text.startswith(emitted):
+                yield {"type": "token", "id": None, "text": text[len(emitted):]}
+                emitted = text
+        yield {"type": "done", "finish_reason": finish, "stop": matched, "completion_tokens": len(ids),
+               "text": emitted}
+
+    def encode(self, text: str) -> list:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def describe(self) -> dict:
+        return {"base": str(self.base.path), "backend": self.backend.name,
+                "sidecar": self.sidecar.fingerprint if self.sidecar else None,
+                "posttrain": self.posttrain.fingerprint if self.posttrain else None,
+                "context_length": self.context_length, "memory": self.memory.table(),
+                "config": json.loads(json.dumps(self.cfg.to_flat_dict()))}

@@ -1,0 +1,20 @@
+"""Command-line flags that open an engine stack, shared by `ds4`, `ds4 score`, `ds4 eval` and `ds4-server`."""
+from __future__ import annotations
+
+__all__ = ["add_engine_args", "open_engine"]
+
+
+def add_engine_args(p, model_required: bool = True):
+    p.add_argument("-m", "--model", required=model_required, help="the ① base GGUF file")
+    p.add_argument("--zchain", default=None, help="② sidecar directory")
+    p.add_argument("--posttrain", default=None, help="③ post-training directory (needs --zchain)")
+    p.add_argument("--engram-dir", default=None, help="original checkpoint directory holding the Engram tables "
+                                                      "(default: the one recorded in the base file)")
+    p.add_argument("--cuda", action="store_true", help="run on the GPU (Numba CUDA kernels)")
+    p.add_argument("--mem-budget-mb", type=float, default=None, help="refuse to start if the stack needs more")
+
+
+def open_engine(args):
+    from ds4lib.engine import Engine
+    return Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
+                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb)

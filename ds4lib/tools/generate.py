@@ -1,0 +1,66 @@
+"""`ds4 -m base.gguf [--zchain DIR] [--posttrain DIR] [--engram-dir DIR] [--cuda] -p PROMPT [--temp T]
+[--top-p P] [--top-k K] [--min-p M] [-n N] [--seed S] [--think] [--raw]`: stream a generation.
+
+The prompt is chat-encoded (non-thinking by default, `--think` for thinking mode); `--raw` feeds it as plain
+text after BOS. Sampling defaults follow the model card (temperature 1.0, top_p 1.0); `--temp 0` is greedy.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ds4lib.tools.engine_args import add_engine_args, open_engine
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="ds4", description="Generate with a ds4 stack (subcommands: ds4 inspect | "
+                                "tiny | corpus | tokenizer | quantize | score | eval)")
+    add_engine_args(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("--temp", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--think", action="store_true", help="thinking mode (reasoning before </think>)")
+    p.add_argument("--raw", action="store_true", help="no chat template: BOS + prompt")
+    p.add_argument("--stats", action="store_true", help="print tokens/s to stderr")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ds4lib.chat import encode_chat
+    from ds4lib.engine import EngineError, SamplingParams
+    try:
+        engine = open_engine(args)
+        params = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
+    except (EngineError, ValueError) as e:
+        print(f"ds4: {e}", file=sys.stderr)
+        return 2
+    if args.raw:
+        ids = [0] + engine.encode(args.prompt)
+    else:
+        ids = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}], thinking=args.think)
+    t0, n = time.time(), 0
+    try:
+        for ev in engine.generate(ids, params):
+            if ev["type"] == "token":
+                n += 1
+                sys.stdout.write(ev["text"])
+                sys.stdout.flush()
+            else:
+                sys.stdout.write("\n")
+    except EngineError as e:
+        print(f"ds4: {e}", file=sys.stderr)
+        return 2
+    if args.stats:
+        dt = time.time() - t0
+        print(f"[{n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s, prompt {len(ids)} tokens]",
+              file=sys.stderr)
+    return 0

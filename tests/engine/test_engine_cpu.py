@@ -1,0 +1,141 @@
+"""Engine gates on the CPU backend (issue 5 item 7) and load-time refusals, on a random tiny stack."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from ds4lib.engine import Engine, EngineError, SamplingParams
+from ds4lib.formats.sidecar import read_sidecar, write_sidecar
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_stack):
+    ckpt, base = tiny_stack
+    return Engine(base, engram_dir=ckpt, tokenizer_path=None) if (ckpt / "tokenizer.json").exists() \
+        else Engine(base, engram_dir=ckpt, tokenizer_path=_tok())
+
+
+def _tok():
+    from pathlib import Path
+    return Path(__file__).resolve().parents[2] / "data" / "tokenizer" / "tokenizer.json"
+
+
+PROMPT = list(np.random.default_rng(5).integers(9, 1000, 40))
+
+
+def test_greedy_is_byte_identical_across_runs(engine):
+    p = SamplingParams(temperature=0, max_tokens=12)
+    a = [e for e in engine.generate(PROMPT, p)]
+    b = [e for e in engine.generate(PROMPT, p)]
+    assert [e.get("id") for e in a] == [e.get("id") for e in b]
+    assert a[-1]["text"] == b[-1]["text"] and a[-1]["type"] == "done"
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=3)
+    assert list(engine.generate_ids(PROMPT, p)) == list(engine.generate_ids(PROMPT, p))
+
+
+def test_decode_path_equals_prefill_path(engine):
+    full = engine.logits(PROMPT)
+    mixed = engine.logits(PROMPT, split=15)
+    one = engine.logits(PROMPT, split=0)
+    np.testing.assert_array_equal(mixed, full)
+    np.testing.assert_array_equal(one, full)
+    np.testing.assert_array_equal(engine.score(PROMPT, split=20), engine.score(PROMPT))
+
+
+def test_chunked_prefill_equals_single(engine, tiny_stack):
+    ckpt, base = tiny_stack
+    small = Engine(base, engram_dir=ckpt, tokenizer_path=_tok(), prefill_block=7)
+    np.testing.assert_array_equal(small.logits(PROMPT), engine.logits(PROMPT))
+
+
+def test_engine_matches_reference_on_its_own_values(engine):
+    """The CPU engine is the reference forward over the quantised values: check one layer's routed expert."""
+    w = engine.backend.weights.layer(3)
+    d = engine.base.dequant_expert(3, 5, "w2")
+    np.testing.assert_array_equal(w["ffn.experts.5.w2.weight"], d)
+
+
+def test_identity_sidecar_equals_no_sidecar(engine, tiny_stack, tmp_path):
+    ckpt, base = tiny_stack
+    cfg = engine.cfg
+    sc = write_sidecar(tmp_path / "sc", cfg, kind="sidecar",
+                       gain_deltas={l: np.zeros((cfg.moe_shape(l)[0], cfg.dim)) for l in range(cfg.n_layers)},
+                       bias={l: np.zeros(cfg.moe_shape(l)[0]) for l in range(cfg.n_layers)})
+    e2 = Engine(base, zchain=sc, engram_dir=ckpt, tokenizer_path=_tok())
+    np.testing.assert_array_equal(e2.logits(PROMPT), engine.logits(PROMPT))
+
+
+def test_sidecar_changes_output_and_posttrain_pairing(engine, tiny_stack, tmp_path):
+    ckpt, base = tiny_stack
+    cfg = engine.cfg
+    rng = np.random.default_rng(0)
+    sc = write_sidecar(tmp_path / "sc", cfg, kind="sidecar",
+                       gain_deltas={2: rng.normal(0, 0.2, (cfg.moe_shape(2)[0], cfg.dim))},
+                       bias={2: rng.normal(0, 0.5, cfg.moe_shape(2)[0])})
+    e2 = Engine(base, zchain=sc, engram_dir=ckpt, tokenizer_path=_tok())
+    assert not np.array_equal(e2.logits(PROMPT[:10]), engine.logits(PROMPT[:10]))
+    side = read_sidecar(sc, cfg)
+    pt = write_sidecar(tmp_path / "pt", cfg, kind="posttrain", gain_deltas={7: np.zeros((32, cfg.dim))}, base=side)
+    Engine(base, zchain=sc, posttrain=pt, engram_dir=ckpt, tokenizer_path=_tok())     # the right pair loads
+    other = write_sidecar(tmp_path / "sc2", cfg, kind="sidecar", bias={1: np.ones(32)})
+    with pytest.raises(EngineError, match="refusing the mismatched pair"):
+        Engine(base, zchain=other, posttrain=pt, engram_dir=ckpt, tokenizer_path=_tok())
+    with pytest.raises(EngineError, match="stacks on a sidecar"):
+        Engine(base, posttrain=pt, engram_dir=ckpt, tokenizer_path=_tok())
+
+
+def test_sidecar_files_are_validated(engine, tmp_path):
+    cfg = engine.cfg
+    sc = write_sidecar(tmp_path / "sc", cfg, kind="sidecar", gain_deltas={2: np.zeros((32, cfg.dim))})
+    f = sc / "gr_L02.bin"
+    f.write_bytes(f.read_bytes()[:-5])
+    with pytest.raises(Exception, match="truncated"):
+        read_sidecar(sc, cfg)
+    man = json.loads((sc / "manifest.json").read_text())
+    man["version"] = 99
+    (sc / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(Exception, match="format version 99"):
+        read_sidecar(sc, cfg)
+
+
+def test_missing_engram_table_is_an_error_at_load(tiny_stack, tmp_path):
+    ckpt, base = tiny_stack
+    with pytest.raises(EngineError, match="does not exist"):
+        Engine(base, engram_dir=tmp_path / "nowhere", tokenizer_path=_tok())
+    empty = tmp_path / "no_tables"
+    empty.mkdir()
+    shutil.copy(ckpt / "config.json", empty / "config.json")
+    with pytest.raises(EngineError, match="Engram tables"):
+        Engine(base, engram_dir=empty, tokenizer_path=_tok())
+
+
+def test_memory_budget_refusal_names_the_figures(tiny_stack):
+    ckpt, base = tiny_stack
+    with pytest.raises(EngineError, match=r"does not fit --mem-budget-mb 1: weights .* MB"):
+        Engine(base, engram_dir=ckpt, tokenizer_path=_tok(), mem_budget_mb=1)
+
+
+def test_context_bound_and_bad_requests(engine):
+    s = engine.new_session()
+    with pytest.raises(EngineError, match="context"):
+        engine.prefill(s, [5] * (engine.context_length + 1))
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(EngineError, match="empty"):
+        list(engine.generate_ids([], SamplingParams()))
+
+
+def test_stop_strings_are_cut(engine):
+    p = SamplingParams(temperature=0, max_tokens=20)
+    full = [e for e in engine.generate(PROMPT, p)][-1]["text"]
+    if len(full) < 4:
+        pytest.skip("the random model produced too little text to cut")
+    stop = full[2:4]
+    out = [e for e in engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))]
+    assert out[-1]["finish_reason"] == "stop"
+    assert out[-1]["text"] == full[:full.find(stop)]
+    assert "".join(e["text"] for e in out if e["type"] == "token") == out[-1]["text"]

@@ -1,0 +1,71 @@
+"""The comparator's five numbers on known inputs, and `ds4 eval` / `ds4 score` / `ds4 -p` on a tiny stack."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ds4lib.eval import compare, merge, per_position
+
+ROOT = Path(__file__).resolve().parents[2]
+TOK = ROOT / "data" / "tokenizer" / "tokenizer.json"
+
+
+def test_identical_distributions():
+    rng = np.random.default_rng(0)
+    lg = rng.standard_normal((50, 30)).astype(np.float32)
+    t = rng.integers(0, 30, 50)
+    c = compare(lg, lg, t)
+    assert c.same_top1 == 1 and abs(c.sigma_min_mean - 1) < 1e-12 and abs(c.kl_mean) < 1e-12 and c.ppl_ratio == 1
+
+
+def test_known_two_token_case():
+    p = np.log(np.array([[0.75, 0.25]]))
+    q = np.log(np.array([[0.25, 0.75]]))
+    c = compare(p, q, [0])
+    assert c.same_top1 == 0
+    assert abs(c.sigma_min_mean - 0.5) < 1e-12
+    assert abs(c.kl_mean - (0.75 * np.log(3) + 0.25 * np.log(1 / 3))) < 1e-12
+    assert abs(c.ppl_ratio - 3.0) < 1e-9
+    both = merge([per_position(p, q, [0]), per_position(p, p, [0])])
+    assert both.n == 2 and abs(both.sigma_min_mean - 0.75) < 1e-12
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, "-m", "ds4lib.tools.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def test_score_and_generate_cli(tiny_stack):
+    ckpt, base = tiny_stack
+    (ckpt / "tokenizer.json").write_bytes(TOK.read_bytes())     # the random model's stack needs a tokenizer
+    p = _run(["score", "-m", str(base), "--tokens", "0,10,20,30,40,50", "--json"])
+    assert p.returncode == 0, p.stderr
+    rec = json.loads(p.stdout)
+    assert len(rec["logprobs"]) == 5 and all(x < 0 for x in rec["logprobs"])
+    p2 = _run(["score", "-m", str(base), "--tokens", "0,10,20,30,40,50", "--json", "--score-split", "2"])
+    assert json.loads(p2.stdout)["logprobs"] == rec["logprobs"]
+    # byte tokens of control characters have ids below the random model's 1024
+    g = _run(["-m", str(base), "-p", "\x05\x06\x07", "--temp", "0", "-n", "5", "--raw"])
+    assert g.returncode == 0, g.stderr
+    g2 = _run(["-m", str(base), "-p", "\x05\x06\x07", "--temp", "0", "-n", "5", "--raw"])
+    assert g.stdout == g2.stdout
+    oov = _run(["-m", str(base), "-p", "hello world", "--temp", "0", "-n", "5", "--raw"])
+    assert oov.returncode == 2 and "outside the model's vocabulary" in oov.stderr
+    bad = _run(["score", "-m", str(base.with_name("missing.gguf")), "--tokens", "1,2"])
+    assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_eval_cli_reports_five_numbers(tiny_stack, tmp_path):
+    ckpt, base = tiny_stack
+    (ckpt / "tokenizer.json").write_bytes(TOK.read_bytes())
+    env = {**__import__("os").environ, "DS4_CACHE_DIR": str(tmp_path)}
+    # the committed slices are ds4-tiny tokens (vocab 8192): this random model (vocab 1024) gets its own windows
+    win = tmp_path / "windows.npy"
+    np.save(win, np.random.default_rng(1).integers(9, 1000, (2, 64)))
+    p = _run(["eval", "-m", str(base), "--windows-file", str(win), "--json"], env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(p.stdout)
+    c = rec["slices"][str(win)]
+    assert c["n"] == 128 and 0 < c["sigma_min_mean"] <= 1 and c["kl_mean"] >= 0 and 0 <= c["same_top1"] <= 1
