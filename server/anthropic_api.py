@@ -1,0 +1,93 @@
+"""Anthropic-style response bodies and SSE streams: messages, count_tokens, the model list; the error body.
+
+Owns: the message a finished job becomes (`message_body`: a thinking block apart from the text block,
+stop_reason end_turn | max_tokens | stop_sequence with the matched `stop_sequence`, usage of emitted tokens),
+the streamed event sequence (`message_stream`: message_start, content_block_start / _delta / _stop per block,
+message_delta with stop reason and output tokens, message_stop; an `error` event on failure), and the error
+body {"type": "error", "error": {"type", "message"}}.
+
+Does not own: validation (schemas.py) or generation (worker.py).
+"""
+from __future__ import annotations
+
+from ds4lib.chat import parse_reply
+
+from server.reply import ANSWER, REASONING, split_events
+from server.schemas import RequestError
+from server.sse import frame
+from server.worker import JobError
+
+__all__ = ["error_body", "message_body", "message_stream", "models_body"]
+
+
+def error_body(e: RequestError | JobError) -> dict:
+    if isinstance(e, JobError):
+        return {"type": "error", "error": {"type": "api_error" if e.status >= 500 else "invalid_request_error",
+                                           "message": e.message}}
+    return {"type": "error", "error": {"type": e.kind, "message": e.message}}
+
+
+def _stop(done: dict) -> tuple:
+    if done["finish_reason"] == "length":
+        return "max_tokens", None
+    if done.get("stop_sequence") is not None:
+        return "stop_sequence", done["stop_sequence"]
+    return "end_turn", None
+
+
+def _usage(job, output_tokens: int) -> dict:
+    return {"input_tokens": job.prompt_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0}
+
+
+def message_body(req, job, model: str, done: dict) -> dict:
+    reasoning, answer = parse_reply(done["text"], thinking=job.thinking_open)
+    content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if (req.thinking or reasoning) else []
+    content.append({"type": "text", "text": answer})
+    stop_reason, stop_sequence = _stop(done)
+    return {"id": f"msg_{job.id}", "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(job, done["completion_tokens"])}
+
+
+def message_stream(req, job, model: str, disconnected):
+    start = {"id": f"msg_{job.id}", "type": "message", "role": "assistant", "model": model, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": _usage(job, 0)}
+    yield frame({"type": "message_start", "message": start}, event="message_start")
+    yield frame({"type": "ping"}, event="ping")
+    blocks = []                                        # kinds of the blocks opened so far; the last one is open
+
+    def open_block(kind):
+        if kind == ANSWER and req.thinking and not blocks:
+            yield from open_block(REASONING)            # as the non-streamed body: a thinking block, maybe empty
+        if blocks:
+            yield frame({"type": "content_block_stop", "index": len(blocks) - 1}, event="content_block_stop")
+        blocks.append(kind)
+        block = ({"type": "thinking", "thinking": "", "signature": ""} if kind == REASONING else
+                 {"type": "text", "text": ""})
+        yield frame({"type": "content_block_start", "index": len(blocks) - 1, "content_block": block},
+                    event="content_block_start")
+
+    try:
+        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+            if kind in (REASONING, ANSWER):
+                if not blocks or blocks[-1] != kind:
+                    yield from open_block(kind)
+                delta = ({"type": "thinking_delta", "thinking": value} if kind == REASONING else
+                         {"type": "text_delta", "text": value})
+                yield frame({"type": "content_block_delta", "index": len(blocks) - 1, "delta": delta},
+                            event="content_block_delta")
+                continue
+            if not blocks or blocks[-1] != ANSWER:
+                yield from open_block(ANSWER)          # the text block always exists, even when empty
+            yield frame({"type": "content_block_stop", "index": len(blocks) - 1}, event="content_block_stop")
+            stop_reason, stop_sequence = _stop(value)
+            yield frame({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                         "usage": {"output_tokens": value["completion_tokens"]}}, event="message_delta")
+            yield frame({"type": "message_stop"}, event="message_stop")
+    except JobError as e:
+        yield frame(error_body(e), event="error")
+
+
+def models_body(model_ids: list, created: str) -> dict:
+    data = [{"type": "model", "id": m, "display_name": m, "created_at": created} for m in model_ids]
+    return {"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}

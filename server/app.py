@@ -1,0 +1,118 @@
+"""The Flask application: `create_app(engine)` wires the worker, the routes, the metrics and the error bodies.
+
+Owns: `create_app` (takes a loaded Engine, or `load=` a callable the worker thread runs so that /health
+answers 503 while the engine loads), `ServerState` (what the routes share: the worker, the metrics, the served
+model name, the default generation length) and the error handlers, which answer every failure under /v1 in
+the calling API's own error shape (Anthropic's under /v1/messages, OpenAI's elsewhere) and never let an
+exception escape to the WSGI server.
+
+Imports ds4lib.engine's public API (SamplingParams) and ds4lib.chat through prompts.py; nothing imports server.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flask import Flask, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from ds4lib.engine import SamplingParams
+
+from server import anthropic_api, openai_api
+from server.metrics import Metrics
+from server.prompts import build_prompt, plan_max_tokens
+from server.routes import bp
+from server.schemas import GenerationRequest, RequestError
+from server.worker import Job, JobError, Worker
+
+__all__ = ["create_app", "ServerState", "STATIC_DIR"]
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+log = logging.getLogger("ds4.server")
+_MAX_TOKENS_PARAM = {"chat": "max_tokens", "completions": "max_tokens", "responses": "max_output_tokens",
+                     "messages": "max_tokens"}
+_HTTP_KINDS = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+@dataclass
+class ServerState:
+    worker: Worker
+    metrics: Metrics
+    model_name: str
+    default_max_tokens: int
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def prompt_tokens(self, req: GenerationRequest) -> int:
+        return len(build_prompt(req, self.worker.require_ready().tokenizer).ids)
+
+    def submit(self, req: GenerationRequest) -> Job:
+        """Tokenize on the request thread, check the context, then queue for the worker."""
+        engine = self.worker.require_ready()
+        prompt = build_prompt(req, engine.tokenizer)
+        s = req.sampling
+        n = plan_max_tokens(len(prompt.ids), s.max_tokens, default=self.default_max_tokens,
+                            context=engine.context_length, param=_MAX_TOKENS_PARAM[req.api])
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                                max_tokens=n, seed=s.seed, stop=s.stop)
+        return self.worker.submit(prompt.ids, params, thinking_open=prompt.thinking_open)
+
+
+def _is_anthropic() -> bool:
+    return request.path.startswith("/v1/messages") or (request.path.startswith("/v1/models")
+                                                       and "anthropic-version" in request.headers)
+
+
+def _error_response(e: RequestError | JobError, status: int):
+    body = anthropic_api.error_body(e) if _is_anthropic() else openai_api.error_body(e)
+    return jsonify(body), status
+
+
+def _register_errors(app: Flask) -> None:
+    @app.errorhandler(RequestError)
+    def request_error(e):
+        return _error_response(e, e.status)
+
+    @app.errorhandler(JobError)
+    def job_error(e):
+        return _error_response(e, e.status)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e):
+        if not request.path.startswith("/v1/"):
+            return e
+        err = RequestError(f"{e.name}: {request.method} {request.path}", status=e.code,
+                           kind=_HTTP_KINDS.get(e.code, "invalid_request_error"), code=e.name.lower().replace(" ", "_"))
+        return _error_response(err, e.code)
+
+    @app.errorhandler(Exception)
+    def unexpected(e):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                            kind="api_error", code="internal_error"), 500)
+
+
+def create_app(engine=None, *, load=None, model_name: str = "ds4", default_max_tokens: int = 4096,
+               max_queue: int = 32, on_fatal=None) -> Flask:
+    """Exactly one of `engine` (loaded) or `load` (a callable returning one, run on the worker thread)."""
+    if (engine is None) == (load is None):
+        raise ValueError("pass exactly one of engine= or load=")
+    app = Flask(__name__, static_folder=str(STATIC_DIR), static_url_path="/static")
+    app.json.sort_keys = False
+    app.json.ensure_ascii = False
+    metrics = Metrics()
+    worker = Worker(load if load is not None else (lambda: engine), metrics=metrics, max_queue=max_queue,
+                    on_fatal=on_fatal).start()
+    app.extensions["ds4"] = ServerState(worker, metrics, model_name, default_max_tokens)
+    app.register_blueprint(bp)
+    _register_errors(app)
+
+    @app.after_request
+    def count(response):
+        if request.path.startswith("/v1/"):
+            rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+            metrics.count_request(rule, response.status_code)
+        return response
+
+    return app

@@ -1,0 +1,103 @@
+"""`ds4-server -m BASE.gguf [--zchain DIR] [--posttrain DIR] [--engram-dir DIR] [--mem-budget-mb MB] [--cuda]
+[--host 127.0.0.1] [--port 8000] [--alias NAME] [--max-queue N] [--threads N] [--default-max-tokens N]`
+
+Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at
+once and /health answers 503 while the engine loads on the worker thread; if loading fails the process exits
+with status 1 and the reason. SIGTERM and Ctrl-C stop it: running and queued requests get a 503 error.
+The engine flags are the seed's, shared with `ds4` (ds4lib.tools.engine_args).
+"""
+from __future__ import annotations
+
+import _thread
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from ds4lib.tools.engine_args import add_engine_args, open_engine
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("ds4.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds4-server", description="Serve a ds4 stack over OpenAI- and Anthropic-style "
+                                "HTTP APIs, with a chat page at /.")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = LAN)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--alias", default=None, help="model name the API reports (default: the base file's stem)")
+    p.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait for the engine; more get a 503")
+    p.add_argument("--threads", type=int, default=None,
+                   help="HTTP threads (default: max-queue + 8, since each waiting request holds one and /health, "
+                        "/metrics and the page need a few more)")
+    p.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="generation length when a request gives none (capped by the context)")
+    return p
+
+
+def _load(args):
+    def load():
+        t0 = time.perf_counter()
+        log.info("loading %s (%s backend) ...", args.model, "cuda" if args.cuda else "cpu")
+        engine = open_engine(args)
+        log.info("loaded in %.1f s: context %d tokens; %s", time.perf_counter() - t0, engine.context_length,
+                 engine.memory.table())
+        return engine
+    return load
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    if not Path(args.model).is_file():
+        print(f"ds4-server: {args.model}: no such base file", file=sys.stderr)
+        return 2
+    import waitress
+    from server.app import create_app
+
+    fatal = []
+
+    def on_fatal(exc):
+        fatal.append(exc)
+        _thread.interrupt_main()
+
+    app = None
+
+    def on_term(signum, frame):
+        if app is not None:
+            app.extensions["ds4"].worker.stop()   # end running streams now, not after waitress's grace period
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    # a failed load interrupts the main thread (on_fatal) wherever it is, possibly before server.run()
+    try:
+        app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem,
+                         default_max_tokens=args.default_max_tokens, max_queue=args.max_queue, on_fatal=on_fatal)
+        threads = args.threads or args.max_queue + 8
+        server = waitress.create_server(app, host=args.host, port=args.port, threads=threads,
+                                        channel_request_lookahead=1, ident="ds4-server",
+                                        clear_untrusted_proxy_headers=True)
+        log.info("listening on http://%s:%s (/health answers 503 until the model is loaded)", args.host,
+                 server.effective_port)
+        server.run()                          # returns on KeyboardInterrupt (Ctrl-C, SIGTERM, failed load)
+    except OSError as e:
+        print(f"ds4-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if app is not None:
+            app.extensions["ds4"].worker.stop()   # running and queued requests get a 503 error
+    if fatal:
+        print(f"ds4-server: the engine failed to load: {fatal[0]}", file=sys.stderr)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

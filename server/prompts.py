@@ -1,0 +1,82 @@
+"""A typed request -> the prompt's token ids and the generation length it may use.
+
+Owns: chat rendering through ds4lib.chat (ARCHITECTURE.md §6), the raw-text prompt of /v1/completions
+(BOS + text, as `ds4 --raw`), a trailing assistant message as a prefill that the reply continues, and the
+context check (a prompt that leaves no room for one generated token, or a max_tokens that does not fit, is a
+400 `context_length_exceeded` before the request reaches the queue).
+
+Uses only the tokenizer the engine exposes (`engine.tokenizer`, a thread-safe tokenizers.Tokenizer), never the
+engine's forward state, so request threads can run it while the worker generates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds4lib.chat import BOS, END_THINK, ChatError, render_chat
+
+from server.schemas import GenerationRequest, RequestError
+
+__all__ = ["Prompt", "build_prompt", "plan_max_tokens"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list
+    thinking_open: bool      # the reply starts inside a thinking section (generation prompt ends with <think>)
+
+
+def _chat_text(req: GenerationRequest) -> tuple[str, bool]:
+    msgs = list(req.messages)
+    prefill = msgs.pop() if msgs and msgs[-1]["role"] == "assistant" else None
+    if not any(m["role"] == "user" for m in msgs):
+        raise RequestError("the conversation needs at least one user message", param="messages",
+                           code="invalid_value")
+    if msgs[-1]["role"] != "user":
+        raise RequestError("the last message must come from the user (or be one assistant prefill after it)",
+                           param="messages", code="invalid_value")
+    try:
+        text = render_chat(msgs, thinking=req.thinking)
+    except ChatError as e:
+        raise RequestError(str(e), param="messages", code="invalid_value") from None
+    open_thinking = req.thinking
+    if prefill is not None:
+        content = prefill.get("content", "")
+        if req.thinking:
+            text += prefill.get("reasoning_content", "")
+            if content:
+                text += END_THINK + content
+                open_thinking = False
+        else:
+            text += content
+    return text, open_thinking
+
+
+def build_prompt(req: GenerationRequest, tokenizer) -> Prompt:
+    if req.prompt is None:
+        text, open_thinking = _chat_text(req)
+        return Prompt(tokenizer.encode(text, add_special_tokens=False).ids, open_thinking)
+    if isinstance(req.prompt, tuple):
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt",
+                               code="invalid_value")
+        return Prompt(list(req.prompt), False)
+    return Prompt([tokenizer.token_to_id(BOS)] + tokenizer.encode(req.prompt, add_special_tokens=False).ids, False)
+
+
+def plan_max_tokens(n_prompt: int, requested: int | None, *, default: int, context: int,
+                    param: str = "max_tokens") -> int:
+    """The generation length: `requested`, or `default` capped by the room the context leaves."""
+    if n_prompt >= context:
+        raise RequestError(f"the prompt has {n_prompt} tokens, but the model's context is {context} tokens (it "
+                           f"must leave room for at least one generated token)", param="messages",
+                           code="context_length_exceeded")
+    room = context - n_prompt
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise RequestError(f"the prompt has {n_prompt} tokens and {param} asks for {requested}: {n_prompt + requested}"
+                           f" > the model's context of {context} tokens", param=param,
+                           code="context_length_exceeded")
+    return requested

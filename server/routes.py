@@ -1,0 +1,120 @@
+"""HTTP routes, thin: parse (schemas.py), submit (app.ServerState), answer (openai_api.py / anthropic_api.py).
+
+POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI style), /v1/messages,
+/v1/messages/count_tokens (Anthropic style); GET /v1/models, /health (503 while loading), /metrics
+(Prometheus text) and / (the chat page).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from flask import Blueprint, Response, current_app, jsonify, request, send_from_directory
+
+from server import anthropic_api, openai_api, sse
+from server.schemas import (REASONER_MODEL, RequestError, parse_chat, parse_completion, parse_count_tokens,
+                            parse_messages, parse_responses)
+
+__all__ = ["bp"]
+
+bp = Blueprint("ds4", __name__)
+_CLIENT_GONE = 499                                  # nginx's code: nobody reads it, the log does
+
+
+def _state():
+    return current_app.extensions["ds4"]
+
+
+def _never() -> bool:
+    return False
+
+
+def _json():
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
+
+
+def _generate(parse, body_of, stream_of):
+    state = _state()
+    req = parse(_json())
+    job = state.submit(req)
+    model = req.model or state.model_name
+    # waitress's callable (needs channel_request_lookahead > 0) says when the client has closed the connection
+    disconnected = request.environ.get("waitress.client_disconnected", _never)
+    if req.stream:
+        return sse.stream(stream_of(req, job, model, disconnected), job)
+    done = job.result(disconnected)
+    if done is None:
+        return Response(status=_CLIENT_GONE)
+    return jsonify(body_of(req, job, model, done))
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    return _generate(parse_chat, openai_api.chat_body, openai_api.chat_stream)
+
+
+@bp.post("/v1/completions")
+def completions():
+    return _generate(parse_completion, openai_api.completion_body, openai_api.completion_stream)
+
+
+@bp.post("/v1/responses")
+def responses():
+    return _generate(parse_responses, openai_api.responses_body, openai_api.responses_stream)
+
+
+@bp.post("/v1/messages")
+def messages():
+    return _generate(parse_messages, anthropic_api.message_body, anthropic_api.message_stream)
+
+
+@bp.post("/v1/messages/count_tokens")
+def count_tokens():
+    return jsonify({"input_tokens": _state().prompt_tokens(parse_count_tokens(_json()))})
+
+
+def _model_ids() -> list:
+    return [_state().model_name, REASONER_MODEL]
+
+
+@bp.get("/v1/models")
+def models():
+    state = _state()
+    if "anthropic-version" in request.headers:
+        created = datetime.fromtimestamp(state.started, timezone.utc).isoformat().replace("+00:00", "Z")
+        return jsonify(anthropic_api.models_body(_model_ids(), created))
+    return jsonify({"object": "list", "data": [{"id": m, "object": "model", "created": state.started,
+                                                "owned_by": "ds4"} for m in _model_ids()]})
+
+
+@bp.get("/v1/models/<path:model_id>")
+def model(model_id):
+    if model_id not in _model_ids():
+        raise RequestError(f"model {model_id!r} is not served here (served: {', '.join(_model_ids())})", status=404,
+                           kind="not_found_error", code="model_not_found", param="model")
+    return jsonify({"id": model_id, "object": "model", "created": _state().started, "owned_by": "ds4"})
+
+
+@bp.get("/health")
+def health():
+    w = _state().worker
+    body = {"status": {"ready": "ok"}.get(w.state, w.state), "model": _state().model_name,
+            "queue_depth": w.queue_depth, "running": w.running}
+    if w.error:
+        body["error"] = w.error
+    return jsonify(body), 200 if w.ready else 503
+
+
+@bp.get("/metrics")
+def metrics():
+    st = _state()
+    text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready)
+    return Response(text, mimetype="text/plain; version=0.0.4")
+
+
+@bp.get("/")
+def index():
+    return send_from_directory(current_app.static_folder, "index.html")

@@ -1,0 +1,420 @@
+"""JSON -> typed requests for the served APIs: OpenAI chat completions, completions and responses, Anthropic
+messages and messages/count_tokens.
+
+Owns: the request dataclasses (`GenerationRequest`, `Sampling`), their validation and `RequestError`. A field
+of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
+SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools,
+images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Also owns the
+resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort` high|max,
+`thinking: {"type": "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). "max" is thinking
+like "high": its instruction prefix applies only at >= 384K context (ARCHITECTURE.md §6), which no ds4-tiny
+stack has. Anthropic's `thinking.budget_tokens` is validated but not enforced (the engine has no way to force
+`</think>`); `max_tokens` bounds the reasoning and the answer together.
+
+Does not own: tokenization, context checks and chat rendering (prompts.py), response shapes (openai_api.py,
+anthropic_api.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
+           "parse_messages", "parse_count_tokens", "REASONER_MODEL"]
+
+REASONER_MODEL = "deepseek-reasoner"
+_THINKING_EFFORTS = {"high", "max"}
+_EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
+_MAX_STOPS = 16
+_SEED_MOD = 1 << 63
+
+
+class RequestError(ValueError):
+    """A request the server refuses: rendered as the calling API's error body with `status`."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling knobs as asked; `max_tokens` None means the server default (capped by the context)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: chat `messages` (dicts role/content/reasoning_content for ds4lib.chat) or a raw `prompt`
+    (text or token ids, /v1/completions only)."""
+    api: str                                  # "chat" | "completions" | "responses" | "messages"
+    model: str | None
+    sampling: Sampling
+    messages: tuple = ()
+    prompt: str | tuple | None = None
+    thinking: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    extras: dict = field(default_factory=dict)   # values echoed back in the response (responses API)
+
+
+# ---------------------------------------------------------------------------------------------- field checks
+_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def _body(body) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _get(body: dict, key: str, kind: str, default=None, *, required: bool = False, where: str = ""):
+    """body[key] checked against a JSON type; null counts as absent."""
+    name = f"{where}{key}"
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise RequestError(f"'{name}' is required", param=name, code="missing_required_parameter")
+        return default
+    ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+    if not ok:
+        raise RequestError(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got "
+                           f"{type(value).__name__} {str(value)[:40]!r}", param=name, code="invalid_type")
+    return float(value) if kind == "number" else value
+
+
+def _in_range(name: str, value, lo, hi, *, lo_open: bool = False):
+    if value is None:
+        return None
+    if value < lo or value > hi or (lo_open and value == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise RequestError(f"'{name}' must be in {bound}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _stops(value, name: str, allow_string: bool) -> tuple:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) and allow_string else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise RequestError(f"'{name}' must be {'a string or ' if allow_string else ''}an array of strings", param=name,
+                           code="invalid_type")
+    if len(items) > _MAX_STOPS:
+        raise RequestError(f"'{name}' holds {len(items)} sequences; at most {_MAX_STOPS}", param=name,
+                           code="invalid_value")
+    return tuple(s for s in items if s)
+
+
+def _sampling(body: dict, *, max_temperature: float, max_tokens_keys: tuple, stop_key: str,
+              default_max_tokens: int | None = None, max_tokens_required: bool = False) -> Sampling:
+    t = _in_range("temperature", _get(body, "temperature", "number"), 0.0, max_temperature)
+    p = _in_range("top_p", _get(body, "top_p", "number"), 0.0, 1.0, lo_open=True)
+    k = _in_range("top_k", _get(body, "top_k", "integer"), 0, 1 << 31)
+    mp = _in_range("min_p", _get(body, "min_p", "number"), 0.0, 1.0)
+    seed = _get(body, "seed", "integer")
+    mt, mt_key = None, max_tokens_keys[0]
+    for key in max_tokens_keys:                       # the first one given wins (max_completion_tokens first)
+        if mt is None and body.get(key) is not None:
+            mt, mt_key = _get(body, key, "integer"), key
+    if mt is None and max_tokens_required:
+        raise RequestError(f"'{mt_key}' is required", param=mt_key, code="missing_required_parameter")
+    if mt is not None and mt < 1:
+        raise RequestError(f"'{mt_key}' must be >= 1, got {mt}", param=mt_key, code="invalid_value")
+    return Sampling(temperature=1.0 if t is None else t, top_p=1.0 if p is None else p, top_k=k or 0,
+                    min_p=mp or 0.0, seed=None if seed is None else seed % _SEED_MOD,
+                    max_tokens=default_max_tokens if mt is None else mt,
+                    stop=_stops(body.get(stop_key), stop_key, allow_string=stop_key == "stop"))
+
+
+_IGNORED_OPENAI = (("user", "string"), ("metadata", "object"), ("store", "boolean"), ("service_tier", "string"),
+                   ("parallel_tool_calls", "boolean"), ("tool_choice", ("string", "object")))
+_IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"), ("tool_choice", "object"))
+
+
+def _check_ignored(body: dict, fields) -> None:
+    """Fields accepted and ignored (no effect on a local single-model server) must still have their type."""
+    for key, kinds in fields:
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        value = body.get(key)
+        if value is not None and not any(isinstance(value, _TYPES[k]) for k in kinds):
+            raise RequestError(f"'{key}' must be {' or '.join(kinds)}, got {type(value).__name__}", param=key,
+                               code="invalid_type")
+
+
+def _refuse_openai_extras(body: dict) -> None:
+    """Features of the OpenAI APIs this engine does not have: a 400 that names them, never a silent no-op."""
+    _check_ignored(body, _IGNORED_OPENAI)
+    n = _get(body, "n", "integer", 1)
+    if n != 1:
+        raise RequestError("only n = 1 is supported", param="n", code="unsupported_value")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise RequestError("logprobs are not supported by this server", param="logprobs", code="unsupported_value")
+    if _get(body, "tools", "array"):
+        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
+                           code="unsupported_value")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _get(body, key, "number", 0.0) != 0.0:
+            raise RequestError(f"'{key}' is not supported (only 0)", param=key, code="unsupported_value")
+    if _get(body, "logit_bias", "object"):
+        raise RequestError("'logit_bias' is not supported", param="logit_bias", code="unsupported_value")
+
+
+def _thinking(body: dict, model: str | None, *, effort: str | None = None) -> bool:
+    """SEED §7: any explicit switch decides (on wins over off); otherwise the model name; otherwise off."""
+    votes = []
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise RequestError(f"reasoning effort must be one of {sorted(_EFFORTS)}, got {effort!r}",
+                               param="reasoning_effort", code="invalid_value")
+        votes.append(effort in _THINKING_EFFORTS)
+    th = _get(body, "thinking", "object")
+    if th is not None:
+        kind = _get(th, "type", "string", required=True, where="thinking.")
+        if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
+            raise RequestError(f"'thinking.type' must be enabled, adaptive, between_tools or disabled, got {kind!r}",
+                               param="thinking.type", code="invalid_value")
+        _get(th, "budget_tokens", "integer", where="thinking.")
+        votes.append(kind != "disabled")
+    think = _get(body, "think", "boolean")
+    if think is not None:
+        votes.append(think)
+    if votes:
+        return any(votes)
+    return model == REASONER_MODEL
+
+
+def _text_parts(content, where: str, text_types: tuple) -> str:
+    """String content, or an array of text parts joined; any other part type is refused."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"'{where}' must be a string or an array of content parts", param=where,
+                           code="invalid_type")
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise RequestError(f"'{where}[{i}]' must be an object", param=f"{where}[{i}]", code="invalid_type")
+        kind = _get(part, "type", "string", required=True, where=f"{where}[{i}].")
+        if kind not in text_types:
+            raise RequestError(f"content part type {kind!r} is not supported (text only)", param=f"{where}[{i}].type",
+                               code="unsupported_value")
+        out.append(_get(part, "text", "string", "", where=f"{where}[{i}]."))
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _openai_messages(raw, where: str = "messages") -> tuple:
+    if not isinstance(raw, list) or not raw:
+        raise RequestError(f"'{where}' must be a non-empty array", param=where, code="invalid_type")
+    out = []
+    for i, m in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
+        role = _get(m, "role", "string", required=True, where=f"{w}.")
+        if role not in _OPENAI_ROLES:
+            raise RequestError(f"'{w}.role' {role!r} is not supported (system, developer, user, assistant)",
+                               param=f"{w}.role", code="unsupported_value")
+        if m.get("tool_calls"):
+            raise RequestError("tool calls are not supported by this model's chat encoding", param=f"{w}.tool_calls",
+                               code="unsupported_value")
+        msg = {"role": _OPENAI_ROLES[role],
+               "content": _text_parts(m.get("content"), f"{w}.content", ("text", "input_text", "output_text"))}
+        reasoning = _get(m, "reasoning_content", "string", where=f"{w}.")
+        if reasoning and role == "assistant":
+            msg["reasoning_content"] = reasoning
+        out.append(msg)
+    return tuple(out)
+
+
+def parse_chat(body) -> GenerationRequest:
+    """POST /v1/chat/completions."""
+    body = _body(body)
+    model = _get(body, "model", "string")
+    _refuse_openai_extras(body)
+    fmt = _get(body, "response_format", "object")
+    if fmt is not None and fmt.get("type") not in (None, "text"):
+        raise RequestError("only response_format {'type': 'text'} is supported", param="response_format",
+                           code="unsupported_value")
+    opts = _get(body, "stream_options", "object") or {}
+    return GenerationRequest(
+        api="chat", model=model, messages=_openai_messages(body.get("messages")),
+        sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
+                           stop_key="stop"),
+        thinking=_thinking(body, model, effort=_get(body, "reasoning_effort", "string")),
+        stream=bool(_get(body, "stream", "boolean", False)),
+        include_usage=bool(_get(opts, "include_usage", "boolean", False, where="stream_options.")))
+
+
+def parse_completion(body) -> GenerationRequest:
+    """POST /v1/completions: raw text after BOS (no chat template), OpenAI's default max_tokens of 16."""
+    body = _body(body)
+    _refuse_openai_extras(body)
+    for key in ("echo", "suffix"):
+        if body.get(key):
+            raise RequestError(f"'{key}' is not supported", param=key, code="unsupported_value")
+    if _get(body, "best_of", "integer", 1) != 1:
+        raise RequestError("only best_of = 1 is supported", param="best_of", code="unsupported_value")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                                   # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = tuple(prompt)
+    elif not isinstance(prompt, str):
+        raise RequestError("'prompt' must be a string, an array of token ids, or a batch of one of those",
+                           param="prompt", code="invalid_type")
+    opts = _get(body, "stream_options", "object") or {}
+    return GenerationRequest(
+        api="completions", model=_get(body, "model", "string"), prompt=prompt,
+        sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_tokens",), stop_key="stop",
+                           default_max_tokens=16),
+        stream=bool(_get(body, "stream", "boolean", False)),
+        include_usage=bool(_get(opts, "include_usage", "boolean", False, where="stream_options.")))
+
+
+def _responses_input(raw, instructions: str | None) -> tuple:
+    msgs = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(raw, str):
+        return tuple(msgs + [{"role": "user", "content": raw}])
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("'input' must be a string or a non-empty array of input items", param="input",
+                           code="invalid_type")
+    reasoning = ""
+    for i, item in enumerate(raw):
+        w = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
+        kind = _get(item, "type", "string", "message", where=f"{w}.")
+        if kind == "reasoning":
+            reasoning += _text_parts(item.get("content"), f"{w}.content", ("reasoning_text",))
+            continue
+        if kind != "message":
+            raise RequestError(f"input item type {kind!r} is not supported (messages only)", param=f"{w}.type",
+                               code="unsupported_value")
+        (msg,) = _openai_messages([{k: v for k, v in item.items() if k != "type"}], where=w)
+        if msg["role"] == "assistant" and reasoning:
+            msg["reasoning_content"], reasoning = reasoning, ""
+        msgs.append(msg)
+    return tuple(msgs)
+
+
+def parse_responses(body) -> GenerationRequest:
+    """POST /v1/responses (stateless: previous_response_id is refused, nothing is stored)."""
+    body = _body(body)
+    model = _get(body, "model", "string")
+    _check_ignored(body, _IGNORED_OPENAI)
+    if body.get("previous_response_id") is not None:
+        raise RequestError("previous_response_id is not supported: this server stores no responses; send the "
+                           "conversation in 'input'", param="previous_response_id", code="unsupported_value")
+    if _get(body, "tools", "array"):
+        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
+                           code="unsupported_value")
+    reasoning = _get(body, "reasoning", "object") or {}
+    effort = _get(reasoning, "effort", "string", where="reasoning.")
+    instructions = _get(body, "instructions", "string")
+    return GenerationRequest(
+        api="responses", model=model, messages=_responses_input(body.get("input"), instructions),
+        sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
+        thinking=_thinking(body, model, effort=effort),
+        stream=bool(_get(body, "stream", "boolean", False)),
+        extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {}})
+
+
+# ---------------------------------------------------------------------------------------------- Anthropic
+def _anthropic_content(content, role: str, where: str) -> dict:
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise RequestError(f"'{where}' must be a string or an array of content blocks", param=where,
+                           code="invalid_type")
+    text, reasoning = [], []
+    for i, block in enumerate(content):
+        w = f"{where}[{i}]"
+        if not isinstance(block, dict):
+            raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
+        kind = _get(block, "type", "string", required=True, where=f"{w}.")
+        if kind == "text":
+            text.append(_get(block, "text", "string", "", where=f"{w}."))
+        elif kind == "thinking" and role == "assistant":
+            reasoning.append(_get(block, "thinking", "string", "", where=f"{w}."))
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue
+        else:
+            raise RequestError(f"content block type {kind!r} is not supported in a {role} message (text"
+                               f"{' and thinking' if role == 'assistant' else ''} only)", param=f"{w}.type",
+                               code="unsupported_value")
+    msg = {"role": role, "content": "".join(text)}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning)
+    return msg
+
+
+def _anthropic_messages(body: dict) -> tuple:
+    system = body.get("system")
+    out = []
+    if system is not None:
+        if isinstance(system, list):
+            system = _text_parts(system, "system", ("text",))
+        if not isinstance(system, str):
+            raise RequestError("'system' must be a string or an array of text blocks", param="system",
+                               code="invalid_type")
+        if system:
+            out.append({"role": "system", "content": system})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError("'messages' must be a non-empty array", param="messages", code="invalid_type")
+    for i, m in enumerate(raw):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
+        role = _get(m, "role", "string", required=True, where=f"{w}.")
+        if role not in ("user", "assistant"):
+            raise RequestError(f"'{w}.role' must be user or assistant, got {role!r}", param=f"{w}.role",
+                               code="invalid_value")
+        out.append(_anthropic_content(m.get("content"), role, f"{w}.content"))
+    return tuple(out)
+
+
+def _anthropic_thinking(body: dict, model: str | None) -> bool:
+    """`thinking` ({"type": "enabled" | "adaptive" | "between_tools" | "disabled"}), `output_config.effort` (high |
+    max, as reasoning_effort), `think`, or the reasoner model name."""
+    cfg = _get(body, "output_config", "object") or {}
+    if _get(cfg, "format", "object", where="output_config."):
+        raise RequestError("structured output (output_config.format) is not supported", param="output_config.format",
+                           code="unsupported_value")
+    return _thinking(body, model, effort=_get(cfg, "effort", "string", where="output_config."))
+
+
+def parse_messages(body) -> GenerationRequest:
+    """POST /v1/messages: max_tokens is required, as in Anthropic's API; temperature in [0, 1]. The current SDK
+    no longer has temperature/top_p/top_k arguments: clients send them through extra_body."""
+    body = _body(body)
+    model = _get(body, "model", "string")
+    _check_ignored(body, _IGNORED_ANTHROPIC)
+    if _get(body, "tools", "array"):
+        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
+                           code="unsupported_value")
+    return GenerationRequest(
+        api="messages", model=model, messages=_anthropic_messages(body),
+        sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
+                           max_tokens_required=True),
+        thinking=_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
+
+
+def parse_count_tokens(body) -> GenerationRequest:
+    """POST /v1/messages/count_tokens: the prompt as /v1/messages would encode it."""
+    body = _body(body)
+    model = _get(body, "model", "string")
+    return GenerationRequest(api="messages", model=model, messages=_anthropic_messages(body), sampling=Sampling(),
+                             thinking=_anthropic_thinking(body, model))

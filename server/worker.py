@@ -1,0 +1,226 @@
+"""The one thread that owns the engine, fed by a FIFO queue of jobs.
+
+Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads; then serves jobs one
+at a time) and `Job` (one request's prompt ids, sampling parameters, a per-request event queue the worker
+fills, and a cancel flag). The engine is not thread-safe: nothing but the worker thread calls it. Request
+threads wait on their job's queue; a client that goes away sets the cancel flag, and the worker drops the job
+before it starts or stops it at the next token, so the slot frees at once.
+
+Events a job carries are the engine's ({"type": "token", "id", "text"}, then {"type": "done", ...}) with the
+done event completed by the worker: `stop_sequence` (which stop string ended it, or None) and
+`reasoning_tokens`. An engine failure arrives as {"type": "error"} and is raised to the consumer as JobError.
+
+Does not own: request parsing (schemas.py), prompt building (prompts.py), response shapes.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ds4lib.chat import END_THINK, THINK
+from ds4lib.engine import Cancelled, EngineError, SamplingParams
+
+from server.metrics import Metrics
+from server.schemas import RequestError
+
+__all__ = ["Worker", "Job", "JobError"]
+
+log = logging.getLogger("ds4.server")
+_POLL_S = 0.2
+
+
+class JobError(RuntimeError):
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass
+class Job:
+    prompt_ids: list
+    params: SamplingParams
+    thinking_open: bool
+    t_arrival: float = field(default_factory=time.perf_counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+    events: queue.Queue = field(default_factory=queue.Queue)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def events_iter(self, disconnected=_never):
+        """The job's events up to and including "done". Returns early (after cancelling) when `disconnected()`
+        turns true while waiting; raises JobError on an engine failure."""
+        next_check = time.monotonic() + _POLL_S
+        while True:
+            try:
+                ev = self.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                ev = None
+            if time.monotonic() >= next_check:     # by the clock: tokens may arrive faster than the poll period
+                next_check = time.monotonic() + _POLL_S
+                if disconnected():
+                    self.cancel()
+                    return
+            if ev is None:
+                continue
+            if ev["type"] == "error":
+                raise JobError(ev["message"], ev["status"])
+            yield ev
+            if ev["type"] == "done":
+                return
+
+    def result(self, disconnected=_never) -> dict | None:
+        """Wait for the done event (None if the client went away first)."""
+        done = None
+        for ev in self.events_iter(disconnected):
+            if ev["type"] == "done":
+                done = ev
+        return done
+
+
+class Worker:
+    """`load` is called on the worker thread and returns the Engine; `on_fatal(exc)` runs if it fails."""
+
+    def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, on_fatal=None):
+        self._load, self._on_fatal = load, on_fatal
+        self.metrics, self.max_queue = metrics, max_queue
+        self.engine = None
+        self.state, self.error = "loading", None
+        self.running = 0
+        self._current: Job | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
+
+    def start(self) -> "Worker":
+        self._thread.start()
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def require_ready(self):
+        """The engine, for read-only use of its tokenizer and context length; a 503 while it is not loaded."""
+        if not self.ready:
+            raise RequestError("the model is still loading" if self.state == "loading" else
+                               f"the model failed to load: {self.error}", status=503, kind="overloaded_error",
+                               code="model_not_ready")
+        return self.engine
+
+    def submit(self, prompt_ids, params: SamplingParams, *, thinking_open: bool) -> Job:
+        self.require_ready()
+        if self._queue.qsize() >= self.max_queue:
+            raise RequestError(f"{self._queue.qsize()} requests are already waiting; try again later", status=503,
+                               kind="overloaded_error", code="queue_full")
+        job = Job(list(prompt_ids), params, thinking_open)
+        self._queue.put(job)
+        return job
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the running job at its next token, fail the waiting ones, end the thread."""
+        current = self._current
+        if current is not None:
+            current.events.put({"type": "error", "message": "the server is shutting down", "status": 503})
+            current.cancel()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.events.put({"type": "error", "message": "the server is shutting down", "status": 503})
+        self._queue.put(None)
+        if self._thread.is_alive() and timeout is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+            tok = self.engine.tokenizer
+            self._think_id, self._end_think_id = tok.token_to_id(THINK), tok.token_to_id(END_THINK)
+        except Exception as e:                        # any load failure: report it, never hang in "loading"
+            self.state, self.error = "failed", str(e)
+            log.error("the engine failed to load: %s", e)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            return
+        self.state = "ready"
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled:
+                log.info("job %s: cancelled while queued (client went away)", job.id)
+                self.metrics.count_cancelled_in_queue()
+                continue
+            self._serve(job)
+
+    def _serve(self, job: Job) -> None:
+        self.running, self._current = 1, job
+        ids, t_first, done, gen = [], None, None, None
+        try:
+            gen = self.engine.generate(job.prompt_ids, job.params, should_stop=lambda: job.cancelled)
+            for ev in gen:
+                if job.cancelled:
+                    break
+                if ev["type"] == "token":
+                    if ev["id"] is not None:
+                        ids.append(ev["id"])
+                        t_first = t_first or time.perf_counter()
+                    job.events.put(ev)
+                else:
+                    done = self._complete(ev, ids, job)
+                    job.events.put(done)
+        except Cancelled:
+            log.info("job %s: cancelled during prefill (client went away)", job.id)
+        except EngineError as e:
+            job.events.put({"type": "error", "message": str(e), "status": 400})
+        except Exception as e:                        # the worker must outlive any one request
+            log.exception("generation failed")
+            job.events.put({"type": "error", "message": f"generation failed: {e}", "status": 500})
+        finally:
+            if gen is not None:
+                gen.close()
+            self.running, self._current = 0, None
+            now = time.perf_counter()
+            n = done["completion_tokens"] if done else len(ids)
+            cancelled = done is None and job.cancelled
+            self.metrics.observe_generation(
+                prompt_tokens=job.prompt_tokens, generated_tokens=n,
+                ttft=None if t_first is None else t_first - job.t_arrival,
+                decode_seconds=0.0 if t_first is None else now - t_first, cancelled=cancelled)
+            log.info("job %s: %d prompt + %d generated tokens in %.2f s (%s)", job.id, job.prompt_tokens, n,
+                     now - job.t_arrival, "cancelled" if cancelled else done["finish_reason"] if done else "failed")
+
+    def _complete(self, ev: dict, ids: list, job: Job) -> dict:
+        """Name the stop string that ended the generation (the engine reports it) and count reasoning tokens."""
+        stop_sequence = ev.get("stop")
+        n = ev["completion_tokens"]
+        if job.thinking_open or (ids and ids[0] == self._think_id):
+            reasoning = ids.index(self._end_think_id) + 1 if self._end_think_id in ids else n
+        else:
+            reasoning = 0
+        return dict(ev, stop_sequence=stop_sequence, reasoning_tokens=min(reasoning, n))

@@ -1,0 +1,123 @@
+"""create_app in-process (Flask's test client, no sockets): health while loading, a failed load, a full queue,
+an engine failure mid-generation (the worker survives), and the chat page's static files."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from ds4lib.engine import EngineError
+from server import create_app
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+MSGS = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _wait(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_health_is_503_while_loading_then_200(engine):
+    release = threading.Event()
+
+    def load():
+        release.wait(30)
+        return engine
+
+    app = create_app(load=load, model_name="ds4-test")
+    c = app.test_client()
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json["status"] == "loading"
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready"
+    r = c.post("/v1/messages", json=MSGS)
+    assert r.status_code == 503 and r.json["type"] == "error" and r.json["error"]["type"] == "overloaded_error"
+    assert "ds4_engine_loaded 0" in c.get("/metrics").text
+    release.set()
+    _wait(lambda: c.get("/health").status_code == 200)
+    assert c.get("/health").json["status"] == "ok"
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json["usage"]["completion_tokens"] == 2
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_failed_load_reports_and_calls_on_fatal():
+    fatal = []
+
+    def load():
+        raise EngineError("no such base file")
+
+    app = create_app(load=load, on_fatal=fatal.append)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").json["status"] == "failed" and fatal)
+    r = c.get("/health")
+    assert r.status_code == 503 and "no such base file" in r.json["error"]
+    assert len(fatal) == 1 and isinstance(fatal[0], EngineError)
+    assert "failed to load" in c.post("/v1/chat/completions", json=CHAT).json["error"]["message"]
+
+
+def test_full_queue_is_503_in_each_shape(engine):
+    app = create_app(engine, max_queue=0)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json["error"]["code"] == "queue_full"
+    assert c.post("/v1/messages", json=MSGS).json["error"]["type"] == "overloaded_error"
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+class _Exploding:
+    """An engine whose generation fails after one token: the worker must answer 500 and keep serving."""
+
+    def __init__(self, engine):
+        self.engine, self.fail = engine, True
+        self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
+
+    def generate(self, prompt_ids, params, should_stop=None):
+        for ev in self.engine.generate(prompt_ids, params, should_stop=should_stop):
+            yield ev
+            if self.fail:
+                raise RuntimeError("kernel exploded")
+
+
+def test_engine_failure_is_500_and_the_worker_survives(engine):
+    boom = _Exploding(engine)
+    app = create_app(boom)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500 and r.json["error"]["type"] == "server_error"
+    assert "kernel exploded" in r.json["error"]["message"]
+    r = c.post("/v1/messages", json=MSGS)
+    assert r.status_code == 500 and r.json["error"]["type"] == "api_error"
+    body = c.post("/v1/messages", json=dict(MSGS, stream=True)).get_data(as_text=True)
+    assert "event: error" in body and "kernel exploded" in body
+    body = c.post("/v1/chat/completions", json=dict(CHAT, stream=True)).get_data(as_text=True)
+    errors = [json.loads(l[6:]) for l in body.splitlines() if l.startswith("data: {\"error\"")]
+    assert errors and errors[0]["error"]["type"] == "server_error"
+    boom.fail = False
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json["choices"][0]["message"]["content"]
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_chat_page_and_static_files(engine):
+    app = create_app(engine, model_name="ds4-test")
+    c = app.test_client()
+    page = c.get("/")
+    assert page.status_code == 200 and b'<script src="/static/chat.js">' in page.data
+    assert c.get("/static/chat.js").status_code == 200 and c.get("/static/chat.css").status_code == 200
+    assert c.get("/nope").status_code == 404
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_create_app_needs_exactly_one_source(engine):
+    with pytest.raises(ValueError):
+        create_app()
+    with pytest.raises(ValueError):
+        create_app(engine, load=lambda: engine)

@@ -1,0 +1,68 @@
+"""`ds4-server` flags and failure exits, and the fast paths of scripts/main.sh (argument and domain checks, which
+run before anything is installed or built)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from server.cli import build_parser
+from tests.server.conftest import ROOT, start_server, stop_server
+
+
+def test_seed_flags_and_defaults():
+    args = build_parser().parse_args(["-m", "base.gguf"])
+    assert (args.host, args.port, args.cuda, args.zchain, args.posttrain, args.engram_dir, args.mem_budget_mb) == \
+        ("127.0.0.1", 8000, False, None, None, None, None)
+    args = build_parser().parse_args(["-m", "b", "--zchain", "z", "--posttrain", "p", "--engram-dir", "e",
+                                      "--mem-budget-mb", "110000", "--host", "0.0.0.0", "--port", "9", "--cuda"])
+    assert (args.model, args.zchain, args.posttrain, args.engram_dir, args.mem_budget_mb, args.host, args.port,
+            args.cuda) == ("b", "z", "p", "e", 110000.0, "0.0.0.0", 9, True)
+
+
+def _run(args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_missing_base_file_exits_2():
+    r = _run(["-m", "/nonexistent/base.gguf"])
+    assert r.returncode == 2 and "no such base file" in r.stderr
+
+
+def test_failed_load_exits_1_with_the_reason(tiny_stack, tmp_path):
+    base, ck = tiny_stack
+    r = _run(["-m", str(base), "--engram-dir", str(ck), "--mem-budget-mb", "1", "--port", "0"])
+    assert r.returncode == 1, r.stderr
+    assert "the engine failed to load" in r.stderr and "does not fit --mem-budget-mb" in r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    r = _run(["-m", str(bad), "--port", "0"])
+    assert r.returncode == 1 and "the engine failed to load" in r.stderr
+
+
+def test_sigterm_stops_cleanly(tiny_stack, tmp_path):
+    base, ck = tiny_stack
+    server = start_server(["-m", str(base), "--engram-dir", str(ck)], tmp_path / "log")
+    assert server.get("/health").json()["model"] == "ds4-test"
+    assert stop_server(server) == 0
+    assert "stopped" in server.log.read_text()
+
+
+def _main_sh(*args):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "main.sh"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_main_sh_refuses_a_domain_without_sidecar():
+    for domain in ("finance", "code", "law", "medicine", "science"):
+        r = _main_sh("--domain", domain)
+        assert r.returncode != 0
+        assert f"sidecar for '{domain}' is not built" in r.stderr and "no sidecar solver" in r.stderr
+        assert "[1/4]" not in r.stdout, "the domain check must come before installing or building anything"
+
+
+def test_main_sh_arguments():
+    r = _main_sh("--help")
+    assert r.returncode == 0 and "bash scripts/main.sh stop" in r.stdout
+    assert _main_sh("--domain", "astrology").returncode == 2
+    assert _main_sh("--frobnicate").returncode == 2

@@ -1,0 +1,106 @@
+"""Bad requests against the live server: each is a 4xx with a JSON body in the calling API's own error shape,
+and the process keeps serving afterwards."""
+from __future__ import annotations
+
+import pytest
+
+CHAT = "/v1/chat/completions"
+MSGS = "/v1/messages"
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+OK_MSGS = {"model": "ds4-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def _openai_error(r, status=400):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def _anthropic_error(r, status=400):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/responses"])
+def test_malformed_json_openai_shape(live_server, path):
+    err = _openai_error(live_server.post(path, content=b'{"messages": [', headers={"content-type": "application/json"}))
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("path", [MSGS, "/v1/messages/count_tokens"])
+def test_malformed_json_anthropic_shape(live_server, path):
+    err = _anthropic_error(live_server.post(path, content=b"\xff\xfe not json"))
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"temperature": "hot"}, "temperature"), ({"max_tokens": "ten"}, "max_tokens"), ({"top_p": 0}, "top_p"),
+    ({"messages": "hi"}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"), ({"stop": 3}, "stop"),
+    ({"stream": "yes"}, "stream"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+])
+def test_wrong_types_and_unsupported_fields_openai(live_server, patch, param):
+    err = _openai_error(live_server.post(CHAT, json={**OK_CHAT, **patch}))
+    assert err["param"] == param
+
+
+def test_non_object_body_and_unknown_fields(live_server):
+    _openai_error(live_server.post(CHAT, json=[1, 2]))
+    r = live_server.post(CHAT, json={**OK_CHAT, "some_future_field": {"x": 1}, "user": "u1"})
+    assert r.status_code == 200, "unknown fields are ignored, as the SDKs send fields a server may not know"
+
+
+@pytest.mark.parametrize("patch", [{"max_tokens": None}, {"temperature": 1.5}, {"messages": []},
+                                   {"messages": [{"role": "system", "content": "x"}]},
+                                   {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                                   {"stop_sequences": "x"}, {"system": 3}, {"thinking": {"budget_tokens": 5}}])
+def test_wrong_types_anthropic(live_server, patch):
+    _anthropic_error(live_server.post(MSGS, json={k: v for k, v in {**OK_MSGS, **patch}.items() if v is not None}))
+
+
+def test_prompt_longer_than_context(live_server):
+    long_text = "ledger " * 70_000                                       # > 65,536 tokens
+    err = _openai_error(live_server.post(CHAT, json={**OK_CHAT, "messages": [{"role": "user", "content": long_text}]}))
+    assert err["code"] == "context_length_exceeded"
+    err = _anthropic_error(live_server.post(MSGS, json={**OK_MSGS, "messages": [{"role": "user",
+                                                                                 "content": long_text}]}))
+    assert "context" in err["message"]
+    err = _openai_error(live_server.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1}))
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_beyond_context(live_server):
+    err = _openai_error(live_server.post(CHAT, json={**OK_CHAT, "max_tokens": 70_000}))
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+
+
+def test_unsupported_conversation_shape(live_server):
+    err = _openai_error(live_server.post(CHAT, json={**OK_CHAT, "messages": [{"role": "assistant", "content": "x"}]}))
+    assert "user message" in err["message"]
+    err = _openai_error(live_server.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"}))
+    assert err["param"] == "previous_response_id"
+
+
+def test_unknown_route_and_method(live_server):
+    _openai_error(live_server.post("/v1/nope", json={}), status=404)
+    _openai_error(live_server.get(CHAT), status=405)
+    _anthropic_error(live_server.get(MSGS), status=405)
+    _openai_error(live_server.get("/v1/models/not-served"), status=404)
+
+
+def test_server_survives_bad_requests(live_server):
+    for body in (b"", b"null", b"[]", b'{"messages": null}', b"\x00" * 10):
+        assert live_server.post(CHAT, content=body).status_code == 400
+        assert live_server.post(MSGS, content=body).status_code == 400
+    assert live_server.get("/health").status_code == 200
+    r = live_server.post(CHAT, json=OK_CHAT)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert live_server.proc.poll() is None

@@ -1,0 +1,157 @@
+"""Request parsing without an engine: thinking resolution (SEED §7), sampling defaults, field validation, and
+the streaming reasoning/answer split agreeing with ds4lib.chat.parse_reply."""
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+from tokenizers import Tokenizer
+
+from ds4lib.chat import END_THINK, THINK, encode_chat, parse_reply
+from server.prompts import build_prompt, plan_max_tokens
+from server.reply import ReplySplitter, split_events
+from server.schemas import (RequestError, parse_chat, parse_completion, parse_count_tokens, parse_messages,
+                            parse_responses)
+from tests.server.conftest import TOKENIZER
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_defaults_follow_the_model_card():
+    s = parse_chat({"messages": USER}).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.max_tokens, s.stop) == (1.0, 1.0, 0, 0.0, None,
+                                                                                         None, ())
+    assert parse_completion({"prompt": "x"}).sampling.max_tokens == 16
+    c = parse_chat({"messages": USER, "max_tokens": 5, "max_completion_tokens": 7, "stop": "\n", "seed": -3})
+    assert c.sampling.max_tokens == 7 and c.sampling.stop == ("\n",) and c.sampling.seed >= 0
+
+
+@pytest.mark.parametrize("extra,want", [
+    ({}, False), ({"reasoning_effort": "high"}, True), ({"reasoning_effort": "max"}, True),
+    ({"reasoning_effort": "low"}, False), ({"thinking": {"type": "enabled"}}, True), ({"think": True}, True),
+    ({"model": "deepseek-reasoner"}, True), ({"model": "deepseek-reasoner", "think": False}, False),
+    ({"model": "deepseek-chat"}, False), ({"think": False, "reasoning_effort": "high"}, True),
+])
+def test_thinking_per_request(extra, want):
+    assert parse_chat({"messages": USER, **extra}).thinking is want
+
+
+def test_thinking_in_other_apis():
+    assert parse_responses({"input": "hi", "reasoning": {"effort": "high"}}).thinking
+    assert not parse_responses({"input": "hi"}).thinking
+    m = {"max_tokens": 4, "messages": USER}
+    assert parse_messages({**m, "thinking": {"type": "enabled", "budget_tokens": 2048}}).thinking
+    assert parse_messages({**m, "output_config": {"effort": "high"}}).thinking
+    assert not parse_messages({**m, "thinking": {"type": "disabled"}}).thinking
+    assert parse_count_tokens({"messages": USER, "model": "deepseek-reasoner"}).thinking
+    with pytest.raises(RequestError):
+        parse_messages({**m, "metadata": ["x"]})
+    with pytest.raises(RequestError):
+        parse_responses({"input": "hi", "store": "yes"})
+
+
+def test_message_shapes():
+    r = parse_responses({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                                   {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]},
+                                   {"type": "message", "role": "assistant",
+                                    "content": [{"type": "output_text", "text": "b"}]},
+                                   {"role": "developer", "content": "d"}], "instructions": "sys"})
+    assert r.messages == ({"role": "system", "content": "sys"}, {"role": "user", "content": "a"},
+                          {"role": "assistant", "content": "b", "reasoning_content": "r"},
+                          {"role": "system", "content": "d"})
+    m = parse_messages({"max_tokens": 1, "system": [{"type": "text", "text": "S"}],
+                        "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "t",
+                                                                        "signature": "x"},
+                                                                       {"type": "text", "text": "a"}]}]})
+    assert m.messages == ({"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "a", "reasoning_content": "t"})
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": USER, "temperature": True}, {"messages": USER, "top_k": 1.5}, {"messages": USER, "seed": "1"},
+    {"messages": USER, "stream_options": []}, {"messages": USER, "temperature": 2.5},
+    {"messages": USER, "frequency_penalty": 0.5}, {"messages": USER, "logprobs": True},
+    {"messages": USER, "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
+    {"messages": USER, "user": 5}, {"messages": USER, "metadata": "x"}, {"messages": USER, "store": "no"},
+])
+def test_chat_rejects(body):
+    with pytest.raises(RequestError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and e.value.param
+
+
+def test_completion_prompt_forms():
+    assert parse_completion({"prompt": ["one"]}).prompt == "one"
+    assert parse_completion({"prompt": [0, 5, 9]}).prompt == (0, 5, 9)
+    assert parse_completion({"prompt": [[0, 5]]}).prompt == (0, 5)
+    for bad in (["a", "b"], 5, [], [True]):
+        with pytest.raises(RequestError):
+            parse_completion({"prompt": bad})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(str(TOKENIZER))
+
+
+def test_prompts_match_the_chat_encoder(tokenizer):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "What does 'ledger' mean?"}]
+    for thinking in (False, True):
+        p = build_prompt(parse_chat({"messages": msgs, "think": thinking}), tokenizer)
+        assert p.ids == encode_chat(tokenizer, msgs, thinking=thinking) and p.thinking_open is thinking
+    p = build_prompt(parse_completion({"prompt": "The ledger"}), tokenizer)
+    assert p.ids[0] == tokenizer.token_to_id("<｜begin▁of▁sentence｜>")
+    assert tokenizer.decode(p.ids[1:]) == "The ledger"
+
+
+def test_prefill_is_continued(tokenizer):
+    base = build_prompt(parse_chat({"messages": USER}), tokenizer).ids
+    pre = build_prompt(parse_chat({"messages": USER + [{"role": "assistant", "content": "Sure"}]}), tokenizer)
+    assert pre.ids[:len(base)] == base and tokenizer.decode(pre.ids[len(base):]) == "Sure"
+    th = build_prompt(parse_chat({"messages": USER + [{"role": "assistant", "content": "A",
+                                                       "reasoning_content": "r"}], "think": True}), tokenizer)
+    assert not th.thinking_open and tokenizer.decode(th.ids, skip_special_tokens=False).endswith(
+        THINK + "r" + END_THINK + "A")
+
+
+def test_token_id_prompts_are_range_checked(tokenizer):
+    with pytest.raises(RequestError):
+        build_prompt(parse_completion({"prompt": [0, 99999]}), tokenizer)
+
+
+def test_plan_max_tokens():
+    assert plan_max_tokens(10, None, default=100, context=50) == 40
+    assert plan_max_tokens(10, 5, default=100, context=50) == 5
+    for n, req in ((50, None), (60, 1), (10, 41)):
+        with pytest.raises(RequestError) as e:
+            plan_max_tokens(n, req, default=100, context=50)
+        assert e.value.code == "context_length_exceeded"
+
+
+REPLIES = ["plain answer", "reason</think>answer", "<think>r</think>a", "<think>unfinished", "no close",
+           "</think>", "<thi", "a</thi", "x</think>y</think>z", "", "<think></think>", "é</think>ü"]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("text", REPLIES)
+def test_splitter_agrees_with_parse_reply(text, thinking):
+    rng = random.Random(zlib.crc32(text.encode()))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 4))))
+        deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        events = [{"type": "token", "id": 0, "text": d} for d in deltas] + [{"type": "done"}]
+        got = {"reasoning": "", "answer": ""}
+        for kind, value in split_events(events, thinking):
+            if kind != "done":
+                got[kind] += value
+        assert (got["reasoning"], got["answer"]) == parse_reply(text, thinking=thinking), deltas
+
+
+def test_splitter_streams_reasoning_before_the_close_tag():
+    s = ReplySplitter(thinking=True)
+    assert s.feed("I think") == [("reasoning", "I think")]
+    assert s.feed(" so</th") == [("reasoning", " so")]
+    assert s.feed("ink>Yes") == [("answer", "Yes")]
