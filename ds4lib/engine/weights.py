@@ -10,26 +10,23 @@ memory streams. Shapes: E experts, D hidden, F expert width.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from ds4lib.formats.names import layer_prefix
 from ds4lib.formats.vq import EXPERT_MATRICES
+from ds4lib.ref.weights import LayerCache
 
 __all__ = ["StackWeights"]
 
 
-class StackWeights:
+class StackWeights(LayerCache):
     def __init__(self, base, engram_reader, gains=None, bias=None, cache_bytes: int = 4 << 30):
+        super().__init__(cache_bytes)
         self.base, self.cfg = base, base.config
         self.engram_reader = engram_reader
         self.gains = gains or {}          # layer -> float32 [E, D] combined sidecar x post-training gains
         self.bias = bias or {}            # layer -> float32 [E] combined selection-bias deltas
-        self.cache_bytes = cache_bytes
-        self._layers: "OrderedDict[int, dict]" = OrderedDict()
         self._globals: dict = {}
-        self._bytes = 0
         self._names = {}
         for name in base.layout:
             if name.endswith(".scale") or "vq_" in name or name.startswith("ds4."):
@@ -49,15 +46,11 @@ class StackWeights:
             self._globals[name] = self.base.tensor(name)
         return self._globals[name]
 
-    def layer(self, l: int) -> dict:
-        if l in self._layers:
-            self._layers.move_to_end(l)
-            return self._layers[l]
+    def _load_layer(self, l: int) -> dict:
         p = layer_prefix(self.cfg, l)
         out = {name[len(p):]: self.base.tensor(name) for name in self._names.get(l, [])}
-        n_exp = self.cfg.moe_shape(l)[0]
         g = self.gains.get(l)
-        for e in range(n_exp):
+        for e in range(self.cfg.moe_shape(l)[0]):
             for mat in EXPERT_MATRICES:
                 w = self.base.dequant_expert(l, e, mat)
                 if mat == "w2" and g is not None:
@@ -65,12 +58,6 @@ class StackWeights:
                 out[f"ffn.experts.{e}.{mat}.weight"] = w
         if l in self.bias:
             out["ffn.gate.bias"] = (out["ffn.gate.bias"] + self.bias[l]).astype(np.float32)
-        size = sum(a.nbytes for a in out.values())
-        while self._layers and self._bytes + size > self.cache_bytes:
-            _, old = self._layers.popitem(last=False)
-            self._bytes -= sum(a.nbytes for a in old.values())
-        self._layers[l] = out
-        self._bytes += size
         return out
 
     def engram_rows(self, l: int, hashes) -> np.ndarray:

@@ -13,33 +13,27 @@ import numpy as np
 
 from ds4lib.formats.names import layer_prefix
 
-__all__ = ["RefWeights"]
+__all__ = ["RefWeights", "LayerCache"]
 
 
-class RefWeights:
-    def __init__(self, reader, cache_bytes: int = 4 << 30):
-        self.reader, self.cfg = reader, reader.cfg
+class LayerCache:
+    """Per-layer dictionaries of float32 arrays, materialised by `_load_layer(l)` on first use and kept while their
+    total stays under `cache_bytes`; beyond it the least recently used layer is dropped."""
+
+    def __init__(self, cache_bytes: int):
         self.cache_bytes = cache_bytes
         self._layers: "OrderedDict[int, dict]" = OrderedDict()
-        self._globals: dict = {}
         self._bytes = 0
 
-    def global_(self, name):
-        if name not in self._globals:
-            self._globals[name] = self.reader.weight(name)
-        return self._globals[name]
+    def _load_layer(self, l: int) -> dict:
+        raise NotImplementedError
 
     def layer(self, l: int) -> dict:
-        """{relative name: float32 array} for layer l (Engram tables excluded)."""
+        """{relative name: float32 array} for layer l."""
         if l in self._layers:
             self._layers.move_to_end(l)
             return self._layers[l]
-        p = layer_prefix(self.cfg, l)
-        out = {}
-        for name in self.reader.layer_names(l):
-            if name.endswith(".scale") or name.endswith("engram.embed.weight"):
-                continue
-            out[name[len(p):]] = self.reader.weight(name)
+        out = self._load_layer(l)
         size = sum(a.nbytes for a in out.values())
         while self._layers and self._bytes + size > self.cache_bytes:
             _, old = self._layers.popitem(last=False)
@@ -47,6 +41,24 @@ class RefWeights:
         self._layers[l] = out
         self._bytes += size
         return out
+
+
+class RefWeights(LayerCache):
+    def __init__(self, reader, cache_bytes: int = 4 << 30):
+        super().__init__(cache_bytes)
+        self.reader, self.cfg = reader, reader.cfg
+        self._globals: dict = {}
+
+    def global_(self, name):
+        if name not in self._globals:
+            self._globals[name] = self.reader.weight(name)
+        return self._globals[name]
+
+    def _load_layer(self, l: int) -> dict:
+        """Every tensor of layer l except scales and the Engram table."""
+        p = layer_prefix(self.cfg, l)
+        return {name[len(p):]: self.reader.weight(name) for name in self.reader.layer_names(l)
+                if not (name.endswith(".scale") or name.endswith("engram.embed.weight"))}
 
     def engram_rows(self, l: int, hashes) -> np.ndarray:
         """hashes [T, C] -> dequantised rows [T, C, hd]."""
