@@ -33,6 +33,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", "window_write_kernel",
            "window_index_kernel", "cache_write_kernel", "attn_score_kernel", "attn_softmax_kernel",
@@ -275,15 +276,6 @@ SIGNATURES = {
 }
 
 
-def _scratch(scratch, name, shape, dtype, stream):
-    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
-    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
-    if scratch is None:
-        return cuda.device_array(shape, dtype, stream=stream)
-    key = (name, tuple(shape), np.dtype(dtype).str)
-    if key not in scratch:
-        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
-    return scratch[key]
 
 
 def _blocks(n):

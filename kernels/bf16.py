@@ -8,6 +8,8 @@ product followed by an add (RoPE, hc_post, gated adds). `libdevice.fmul_rn` emit
 never fused; the simulator has no libdevice (its stubs return None), so there the plain product is used.
 `exp_f32_device` / `log1p_f32_device` are CUDA's expf / log1pf on the GPU; in the simulator they are
 NumPy's float32 functions (Python's math raises OverflowError where IEEE returns inf).
+`f16_bits_device` decodes an IEEE half bit pattern to float32 from the bits (exact, subnormals included), so
+f16 gains and scales read from uint16 arrays need no float16 type on either target.
 """
 import math
 
@@ -17,7 +19,7 @@ from numba.cuda import libdevice
 from numba.cuda.core import config as _cuda_config
 
 __all__ = ["round_bf16_device", "f32_bits", "bits_f32", "mul_rn_device", "bf16x4_device", "f32x2_device",
-           "bf16_bits_device", "exp_f32_device", "log1p_f32_device"]
+           "bf16_bits_device", "exp_f32_device", "log1p_f32_device", "f16_bits_device"]
 
 
 if _cuda_config.ENABLE_CUDASIM:
@@ -112,3 +114,18 @@ else:
     def log1p_f32_device(x):
         """log1p in FP32."""
         return np.float32(math.log1p(np.float32(x)))
+
+
+@cuda.jit(device=True, inline=True)
+def f16_bits_device(h):
+    """IEEE half bit pattern (low 16 bits of h) -> float32, exact (as ds4lib.formats.floats.f16_bits_to_f32)."""
+    u = np.uint32(h) & np.uint32(0xFFFF)
+    sign = (u & np.uint32(0x8000)) << np.uint32(16)
+    e = (u >> np.uint32(10)) & np.uint32(0x1F)
+    m = u & np.uint32(0x3FF)
+    if e == np.uint32(0x1F):                                       # inf / NaN
+        return bits_f32(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
+    if e == np.uint32(0):                                          # zero / subnormal: m * 2^-24, exact
+        v = np.float32(m) * np.float32(2.0 ** -24)
+        return -v if sign else v
+    return bits_f32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))

@@ -22,6 +22,7 @@ from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.rms_norm import block_sum_rows_f64_device
+from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_pre_kernel",
            "hc_post_kernel", "SIGNATURES"]
@@ -157,15 +158,6 @@ SIGNATURES = {
 }
 
 
-def _scratch(scratch, name, shape, dtype, stream):
-    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
-    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
-    if scratch is None:
-        return cuda.device_array(shape, dtype, stream=stream)
-    key = (name, tuple(shape), np.dtype(dtype).str)
-    if key not in scratch:
-        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
-    return scratch[key]
 
 
 def _check_state(h, name):

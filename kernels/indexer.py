@@ -29,6 +29,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["index_scores", "select_topk", "candidate_blocks", "index_score_kernel", "topk_init_kernel",
            "topk_hist_kernel", "topk_scan_kernel", "topk_count_kernel", "topk_write_kernel", "block_max_kernel",
@@ -354,15 +355,6 @@ SIGNATURES = {
 }
 
 
-def _scratch(scratch, name, shape, dtype, stream):
-    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
-    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
-    if scratch is None:
-        return cuda.device_array(shape, dtype, stream=stream)
-    key = (name, tuple(shape), np.dtype(dtype).str)
-    if key not in scratch:
-        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
-    return scratch[key]
 
 
 # ----------------------------------------------------------------------------------------------- launchers

@@ -19,6 +19,7 @@ from numba import cuda
 
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.gemv import gemv
+from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["route", "swiglu", "route_topk_kernel", "swiglu_kernel", "SIGNATURES"]
 
@@ -125,15 +126,6 @@ SIGNATURES = {
 }
 
 
-def _scratch(scratch, name, shape, dtype, stream):
-    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
-    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
-    if scratch is None:
-        return cuda.device_array(shape, dtype, stream=stream)
-    key = (name, tuple(shape), np.dtype(dtype).str)
-    if key not in scratch:
-        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
-    return scratch[key]
 
 
 def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta=None, normalise=True,

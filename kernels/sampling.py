@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import f32_bits
+from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["sample", "sample_max_kernel", "sample_reduce_kernel", "sample_hist_kernel", "sample_scan_kernel",
            "sample_gumbel_kernel", "sample_pick_kernel", "philox_uniform_device", "SIGNATURES"]
@@ -345,15 +346,6 @@ SIGNATURES = {
 }
 
 
-def _scratch(scratch, name, shape, dtype, stream):
-    """A temporary device array: from `scratch` (a dict the caller keeps across calls, keyed here by name and
-    shape, so steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated."""
-    if scratch is None:
-        return cuda.device_array(shape, dtype, stream=stream)
-    key = (name, tuple(shape), np.dtype(dtype).str)
-    if key not in scratch:
-        scratch[key] = cuda.device_array(shape, dtype, stream=stream)
-    return scratch[key]
 
 
 def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, chunk=CHUNK, out=None,

@@ -47,11 +47,13 @@ def main(argv=None) -> int:
         ids = [0] + engine.encode(args.prompt)
     else:
         ids = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}], thinking=args.think)
-    t0, n = time.time(), 0
+    t0, n, t_first = time.time(), 0, None
     try:
         for ev in engine.generate(ids, params):
             if ev["type"] == "token":
                 n += 1
+                if t_first is None:
+                    t_first = time.time()
                 sys.stdout.write(ev["text"])
                 sys.stdout.flush()
             else:
@@ -60,7 +62,9 @@ def main(argv=None) -> int:
         print(f"ds4: {e}", file=sys.stderr)
         return 2
     if args.stats:
-        dt = time.time() - t0
-        print(f"[{n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s, prompt {len(ids)} tokens]",
-              file=sys.stderr)
+        t1 = time.time()
+        first = (t_first or t1) - t0
+        rate = (n - 1) / (t1 - t_first) if n > 1 and t1 > t_first else float("nan")
+        print(f"[prompt {len(ids)} tokens; first token after {first:.2f} s (prefill, and on the first run of a process "
+              f"the kernels' compilation); then {n - 1} tokens at {rate:.1f} tokens/s]", file=sys.stderr)
     return 0

@@ -1,0 +1,587 @@
+"""The CUDA backend: the reference forward (ds4lib.ref.model) run by the Numba CUDA kernels of `kernels/` over the
+quantised stack as stored. The only ds4lib module that imports `kernels`.
+
+What lives where:
+- weights (device, uploaded once): VQ payloads as stored (index and plane bytes, f16 row gains) with each layer's
+  E4M3 codebook decoded once to BF16 (kernels.vq_gemv.vq_codebook, checked against ds4lib.formats.vq at load);
+  q4_K / Q8_0 linears as their GGUF bytes (kernels.q4k_gemv, the embedding included); F16 linears as float32;
+  stored BF16 and FP8 projections as BF16 bit patterns (kernels.gemv); vectors and the mHC matrices as float32.
+  The ② sidecar / ③ post-training down-projection gains (float32 [E, D]) scale the w2 row sums, and their router
+  deltas are added to the gate bias in float32 beforehand, exactly as ds4lib.engine.weights.StackWeights does.
+- Engram tables stay on the host (the original checkpoint): hashes are computed on the device from the
+  session's n-gram history, read back, the rows gathered from the memory map and copied up per call (a few KB
+  per token), then decoded on the device (kernels.engram).
+- session state (device): per layer the window key buffer (W ring rows, then room for a chunk's rows) and the
+  position of each ring slot, the ratio-2 compressors' incomplete group (FP32 kv and score), the compressed KV
+  and index-key caches as BF16 rows growing by doubling, the Engram history.
+- sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device
+  unless `to_host` is asked (scoring).
+
+Semantics are ds4lib.ref.model's, with the per-query rules of ARCHITECTURE.md erratum E2 (window rows from the
+ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the compressor's
+partial group carried across calls, window written after reading). Every kernel forms a token's result in an
+order that does not depend on the other tokens of the call (the attention value split is fixed per layer, the
+top-k width is always index_topk with -1 padding), so one-token decode, chunked prefill and single-shot prefill
+give the same bits. Launches are eager (CUDA graphs need device-slot positions in kernels.attention.window_indices
+and kernels.compressor.compress; see the engine notes).
+
+Shapes: T tokens of a call, S = hc_mult streams, D hidden, H heads, Dh head dim, W window, K active experts,
+E experts, F expert width, V vocab, Nc compressed rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything compiles)
+from numba import cuda
+
+from ds4lib.engram_geometry import engram_geometry
+from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
+from ds4lib.formats.names import EMBED, HEAD, NORM, layer_prefix
+from ds4lib.formats.vq import EXPERT_MATRICES, decode_codebook
+from ds4lib.ref.model import ForwardOut
+from ds4lib.ref.rope import rope_freqs
+from ds4lib.roles import layer_roles
+from kernels import attention, compressor, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling, vq_gemv
+
+__all__ = ["CudaBackend", "CudaState"]
+
+# stored 2-D tensors that feed kernels.gemv (kept as BF16 bit patterns when their values are BF16-exact)
+_GEMV_WEIGHTS = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.indexer.wq_b.weight",
+                 "attn.indexer.weights_proj.weight", "attn.indexer.wk.weight", "ffn.gate.weight")
+_SCRATCH_BUDGET = 1 << 30          # bytes of per-chunk scratch the prefill chunk size is chosen for
+_PRUNE_AT = 64                     # context-dependent scratch entries kept before that dict is cleared
+_SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the dict is cleared
+
+
+@dataclass
+class _Lin:
+    """A linear's device weight: kind 'q4_K' | 'q8_0' (block bytes), 'bf16' (uint16 bits) or 'f32'; K inputs."""
+    kind: str
+    w: object
+    rows: int
+    k: int
+
+
+class _Rows:
+    """Device rows (BF16 bits) appended over time; capacity doubles, so appends are amortised O(rows)."""
+
+    def __init__(self, width: int):
+        self.buf = cuda.device_array((16, width), np.uint16)
+        self.n = 0
+
+    def append(self, src, stream):
+        """src float32 [G, width] (BF16 values) on the device."""
+        g = src.shape[0]
+        need = self.n + g
+        if need > self.buf.shape[0]:
+            cap = self.buf.shape[0]
+            while cap < need:
+                cap *= 2
+            buf = cuda.device_array((cap, self.buf.shape[1]), np.uint16, stream=stream)
+            if self.n:
+                buf[:self.n].copy_to_device(self.buf[:self.n], stream=stream)
+            self.buf = buf
+        rows = cuda.to_device(np.arange(self.n, need, dtype=np.int64), stream=stream)
+        attention.cache_write(src, rows, self.buf, stream=stream)
+        self.n = need
+
+    def view(self):
+        return self.buf[:self.n]
+
+
+@dataclass
+class CudaState:
+    """One session's device state (module docstring)."""
+    pos: int
+    win: dict                      # layer -> uint16 [W + chunk, Dh]: ring rows, then the call's rows
+    ring_pos: dict                 # layer -> int64 [W] (position held by each ring slot, -1 empty)
+    pend_kv: dict                  # layer -> float32 [ratio, Dh] (ratio > 1 compressors)
+    pend_sc: dict
+    ckv: dict                      # kv-source layer -> _Rows(Dh)
+    idxk: dict                     # index-key owner -> _Rows(dI)
+    hist: object                   # int64 [n-1] Engram history (device), or None
+    hist_next: object
+
+
+class _Call:
+    """Device arrays of one chunk in flight."""
+
+    def __init__(self, T, p0):
+        self.T, self.p0 = T, p0
+        self.topk = {}
+        self.cand = None
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, engine, gains, bias):
+        from ds4lib.engine.engine import EngineError
+        self.engine = engine
+        self.cfg = cfg = engine.cfg
+        self.base = engine.base
+        self.roles = layer_roles(cfg)
+        problems = []
+        if cfg.score_func != "sqrtsoftplus":
+            problems.append(f"score_func {cfg.score_func!r} (the router kernel implements sqrtsoftplus)")
+        if cfg.hc_mult != hc.HC:
+            problems.append(f"hc_mult {cfg.hc_mult} (the mHC kernels are built for {hc.HC})")
+        if cfg.n_heads % attention.HEADS_PER_BLOCK or cfg.head_dim > attention.DH_MAX:
+            problems.append(f"{cfg.n_heads} heads of {cfg.head_dim} (multiple of {attention.HEADS_PER_BLOCK}, "
+                            f"<= {attention.DH_MAX})")
+        if cfg.fp8_block != 32:
+            problems.append(f"fp8_block {cfg.fp8_block} (the activation kernels use 32)")
+        if problems:
+            raise EngineError("the CUDA backend cannot run this model: " + "; ".join(problems))
+        try:
+            cuda.get_current_device()
+        except Exception as e:   # noqa: BLE001 - no driver / no device: a clear refusal
+            raise EngineError(f"the CUDA backend needs a GPU: {type(e).__name__}: {e}") from None
+        self.stream = 0
+        self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
+        self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
+        self._const = {}              # small constant device arrays (index lists, padding rows)
+        self.weight_bytes = 0
+        self._upload(gains or {}, bias or {})
+        self._check_codebook_decode(EngineError)
+        self.geo = engram_geometry(cfg) if cfg.engram_layer_ids else None
+        if self.geo is not None:
+            self.d_geo = tuple(self._up(a) for a in self.geo.arrays())
+            self.pad_cid = int(engine.token_map[cfg.engram_pad_id])
+        self._rope = {}
+        self._rope_cap = 0
+        self.freqs = {y: rope_freqs(cfg.rope_head_dim, cfg.compress_rope_theta if y else cfg.rope_theta, y,
+                                    cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
+                      for y in (False, True)}
+        self.max_chunk = self._pick_chunk(engine.prefill_block)
+        self.n_split = {}
+
+    # ------------------------------------------------------------------ loading
+    def _up(self, a):
+        d = cuda.to_device(np.array(a, copy=True, order="C"))
+        self.weight_bytes += d.size * d.dtype.itemsize
+        return d
+
+    def _lin(self, name):
+        t = self.base.layout[name]
+        rows, k = t.shape[0], t.shape[-1]
+        if t.kind in ("q4_K", "q8_0"):
+            return _Lin(t.kind, self._up(self.base.raw(name).view(np.uint8)), rows, k)
+        v = self.base.tensor(name).astype(np.float32)
+        if t.kind != "f16" and np.array_equal(round_bf16(v), v):
+            return _Lin("bf16", self._up(f32_to_bf16_bits(v)), rows, k)
+        return _Lin("f32", self._up(v), rows, k)
+
+    def _upload(self, gains, bias):
+        cfg, base = self.cfg, self.base
+        self.g = {"embed": self._lin(EMBED), "head": self._lin(HEAD), "norm": self._up(base.tensor(NORM))}
+        if self.g["embed"].kind not in ("q4_K", "q8_0"):
+            raise ValueError(f"the embedding is {self.g['embed'].kind}, expected q4_K or Q8_0 blocks")
+        self.L = []
+        for l in range(cfg.n_layers):
+            p = layer_prefix(cfg, l)
+            w = {}
+            for name, t in base.layout.items():
+                if not name.startswith(p) or name.endswith(".scale") or t.kind.startswith("vq_"):
+                    continue
+                rel = name[len(p):]
+                if t.kind in ("q4_K", "q8_0", "f16") or rel in _GEMV_WEIGHTS:
+                    w[rel] = self._lin(name)
+                else:
+                    v = base.tensor(name).astype(np.float32)
+                    if rel == "ffn.gate.bias" and l in bias:
+                        v = (v + np.asarray(bias[l], dtype=np.float32)).astype(np.float32)
+                    w[rel] = self._up(v)
+            if w["ffn.gate.weight"].kind != "bf16":
+                raise ValueError(f"layer {l}: the router weight is not BF16-valued")
+            vq = base.vq_layer(l)
+            w["vq_cb"] = vq_gemv.vq_codebook(self._up(vq.codebook_codes.view(np.uint8)))
+            w["vq_index"] = self._up(vq.index.view(np.uint8))
+            w["vq_plane"] = self._up(vq.plane.view(np.uint8)) if vq.plane is not None else None
+            w["vq_gains"] = tuple(self._up(vq.gains[m].view(np.uint16)) for m in EXPERT_MATRICES)
+            w["vq_scale"] = self._up(np.asarray(gains[l], dtype=np.float32)) if l in gains else None
+            w["vq_experts"] = vq.n_experts
+            self.L.append(w)
+
+    def _check_codebook_decode(self, error):
+        codes = np.arange(256, dtype=np.uint8).reshape(32, 8)
+        got = vq_gemv.vq_codebook(cuda.to_device(codes)).copy_to_host().view(np.uint16).reshape(32, 8)
+        want = decode_codebook(codes)
+        fin = np.isfinite(want)
+        if not np.array_equal(got[fin], f32_to_bf16_bits(want)[fin]):
+            raise error("the device E4M3 codebook decoder disagrees with ds4lib.formats.vq.decode_codebook")
+
+    def _pick_chunk(self, block):
+        t = 1 << max(0, int(block) - 1).bit_length()
+        while t > 16 and self._chunk_scratch(t) > _SCRATCH_BUDGET:
+            t //= 2
+        return max(1, min(t, int(block)))
+
+    def _chunk_scratch(self, T):
+        """Bytes of the per-chunk temporaries of a T-token call (the larger terms), at full context."""
+        cfg = self.cfg
+        K, F, D, H, Dh = cfg.n_activated_experts, cfg.moe_inter_dim, cfg.dim, cfg.n_heads, cfg.head_dim
+        rows = cfg.window_size + cfg.index_topk
+        split = attention._value_splits(1, H, rows)
+        attn = T * H * (split * Dh + rows) * 4
+        vqb = T * K * (2 * F * (1 + vq_gemv._geometry(F, D)[5]) + F + D * (1 + vq_gemv._geometry(D, F)[5])) * 4
+        ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
+        idx = T * (self.engine.context_length // ratio) * 4 if ratio else 0
+        act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
+        return attn + vqb + idx + act + T * cfg.vocab_size * 4
+
+    # ------------------------------------------------------------------ scratch
+    def _buf(self, name, shape, dtype=np.float32, var=False):
+        d = self.scr_var if var else self.scr
+        key = (name, tuple(int(s) for s in shape), np.dtype(dtype).str)
+        if key not in d:
+            if var and len(d) >= _PRUNE_AT:
+                d.clear()
+            d[key] = cuda.device_array(key[1], dtype, stream=self.stream)
+        return d[key]
+
+    def _const_arr(self, name, make):
+        if name not in self._const:
+            self._const[name] = cuda.to_device(make())
+        return self._const[name]
+
+    def _rope_tables(self, need):
+        if need <= self._rope_cap:
+            return
+        cap = max(4096, 1 << max(0, need - 1).bit_length())
+        pos = np.arange(cap, dtype=np.float32)
+        for y, f in self.freqs.items():
+            ang = np.outer(pos, f).astype(np.float32)                  # as ds4lib.ref.rope.apply_rope
+            self._rope[y] = (cuda.to_device(np.cos(ang).astype(np.float32)),
+                             cuda.to_device(np.sin(ang).astype(np.float32)))
+        self._rope_cap = cap
+
+    # ------------------------------------------------------------------ linears
+    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None):
+        """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference."""
+        s, T = self.stream, x.shape[0]
+        if out is None:
+            out = self._buf(f"lin{id(lin)}", (T, lin.rows))
+        if lin.kind in ("q4_K", "q8_0"):
+            return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
+                                     out=out, scratch=self.scr, stream=s)
+        if quantize:
+            x = gemv.act_quant_fp8(x, out=self._buf("lin_xq", tuple(x.shape)), stream=s)
+        return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
+
+    def _aq8(self, x, name):
+        return gemv.act_quant_fp8(x, out=self._buf(name, tuple(x.shape)), stream=self.stream)
+
+    # ------------------------------------------------------------------ sessions
+    def new_state(self) -> CudaState:
+        cfg, s = self.cfg, self.stream
+        W, dh = cfg.window_size, cfg.head_dim
+        win, ring_pos, pkv, psc, ckv, idxk = {}, {}, {}, {}, {}, {}
+        for r in self.roles[:cfg.n_layers]:
+            win[r.layer] = cuda.device_array((W + self.max_chunk, dh), np.uint16, stream=s)
+            ring_pos[r.layer] = cuda.to_device(np.full(W, -1, dtype=np.int64), stream=s)
+            if r.owns_compressor and r.ratio > 1:
+                pkv[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
+                psc[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
+            if r.owns_compressor:
+                ckv[r.layer] = _Rows(dh)
+            if r.indexer_owns_k:
+                idxk[r.layer] = _Rows(cfg.index_head_dim)
+        hist = hist_next = None
+        if self.geo is not None:
+            n = max(cfg.engram_max_ngram_size - 1, 1)
+            hist = cuda.to_device(np.full(n, -2, dtype=np.int64), stream=s)
+            hist_next = cuda.device_array(n, np.int64, stream=s)
+        return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist, hist_next)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, state, tokens, last_only=False, observer=None):
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise ValueError("forward needs a non-empty 1-D token list")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        T = len(ids)
+        logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
+        if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
+            self.scr.clear()
+        for s0 in range(0, T, self.max_chunk):
+            part = ids[s0:s0 + self.max_chunk]
+            last = s0 + self.max_chunk >= T
+            want = "all" if not last_only else ("last" if last else "none")
+            out = logits[s0:s0 + len(part)] if want == "all" else None
+            got = self._chunk(state, part, want, out, observer)
+            if want == "last":
+                logits = got
+        return ForwardOut(logits, None)
+
+    def _chunk(self, st, ids, want, out, observer):
+        cfg, s = self.cfg, self.stream
+        T, p0 = len(ids), st.pos
+        self._rope_tables(p0 + T)
+        c = _Call(T, p0)
+        c.pos = cuda.to_device(np.arange(p0, p0 + T, dtype=np.int64), stream=s)
+        h = self._buf("h", (T, cfg.hc_mult, cfg.dim))
+        emb = self.g["embed"]
+        rep = cuda.to_device(np.repeat(ids, cfg.hc_mult), stream=s)         # h[t, j] = embed[ids[t]] for every j
+        q4k_gemv.q4k_rows(emb.w, rep, kind=emb.kind, out=h.reshape(T * cfg.hc_mult, cfg.dim), stream=s)
+        pre0 = np.zeros((T, cfg.hc_mult), np.float32)
+        pre0[:, 0] = 1.0
+        c.pre = cuda.to_device(pre0, stream=s)
+        self._engram_rows(st, c, ids)
+        for l in range(cfg.n_layers):
+            self._layer(l, st, c, h, observer)
+        st.pos = p0 + T
+        if want == "none":
+            return None
+        y = hc.hc_pre(h, c.pre, out=self._buf("y_final", (T, cfg.dim)), stream=s)
+        if want == "last":
+            y = y[T - 1:]
+        yn = rms_norm.rms_norm(y, self.g["norm"], cfg.norm_eps, out=self._buf("yn_final", tuple(y.shape)), stream=s)
+        if out is None:                                  # fresh: a caller may hold the previous call's logits
+            out = cuda.device_array((1, cfg.vocab_size), np.float32, stream=s)
+        return self._linear(yn, self.g["head"], quantize=False, bf16=False, out=out)
+
+    def _engram_rows(self, st, c, ids):
+        """Hash on the device, gather the table rows on the host, decode them on the device: c.engram[l]."""
+        cfg, s, geo = self.cfg, self.stream, self.geo
+        c.engram = {}
+        if geo is None:
+            return
+        T = c.T
+        tmap = self.engine.token_map
+        cids = np.where(ids == cfg.image_token_id, -1, tmap[ids]).astype(np.int64)
+        primes, offs, mults = self.d_geo
+        hashes = engram.engram_hashes(cuda.to_device(cids, stream=s), st.hist, primes, offs, mults, geo.n_heads,
+                                      self.pad_cid, out=self._buf("eg_hash", (T, len(geo.layer_ids), geo.n_cols),
+                                                                  np.int64),
+                                      new_history=st.hist_next, stream=s)[0].copy_to_host()
+        st.hist, st.hist_next = st.hist_next, st.hist
+        c.dead = cuda.to_device((ids == cfg.image_token_id).astype(np.uint8), stream=s)
+        reader = self.engine.engram_reader
+        ident = self._const_arr(("eg_ident", T, geo.n_cols),
+                                lambda: np.arange(T * geo.n_cols, dtype=np.int64).reshape(T, geo.n_cols))
+        for li, l in enumerate(geo.layer_ids):
+            name = layer_prefix(cfg, l) + "engram.embed.weight"
+            rows = hashes[:, li, :].reshape(-1)
+            codes = np.ascontiguousarray(reader.raw(name)[rows]).view(np.uint8)
+            scales = np.ascontiguousarray(reader.raw(name[:-len(".weight")] + ".scale")[rows]).view(np.uint8)
+            c.engram[l] = engram.engram_gather(ident, cuda.to_device(codes, stream=s), cuda.to_device(scales, stream=s),
+                                               out=self._buf(f"eg_rows{li}", (T, geo.n_cols, codes.shape[1])),
+                                               stream=s)
+
+    # ------------------------------------------------------------------ one layer
+    def _layer(self, l, st, c, h, observer):
+        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+        T, D = c.T, cfg.dim
+        if role.engram:
+            rows = c.engram[l]
+            kv = self._linear(rows.reshape(T, rows.shape[1] * rows.shape[2]), w["engram.wkv.weight"], quantize=True)
+            engram.engram_gate(h, kv, w["engram.q_weight"], w["engram.k_weight"], cfg.norm_eps, c.dead, out=h,
+                               stream=s)
+            if observer:
+                observer(l, "engram_out", h.copy_to_host())
+        if observer:
+            observer(l, "block_in", h.copy_to_host())
+        kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr, stream=s)
+        mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
+        hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
+        pre_in = c.pre
+        xa = hc.hc_pre(h, pre_in, out=self._buf("hcp", (T, D)), stream=s)
+        x = rms_norm.rms_norm(xa, w["attn_norm.weight"], cfg.norm_eps, out=self._buf("x_attn", (T, D)), stream=s)
+        y = self._attention(l, st, c, x, observer)
+        if observer:
+            observer(l, "attn_out", y.copy_to_host())
+        hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
+        mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
+        hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f, **kw)
+        xf = hc.hc_pre(h, mix_a[0], out=self._buf("hcp", (T, D)), stream=s)
+        x = rms_norm.rms_norm(xf, w["ffn_norm.weight"], cfg.norm_eps, out=self._buf("x_ffn", (T, D)), stream=s)
+        y = self._moe(l, c, x, observer)
+        if observer:
+            observer(l, "moe_out", y.copy_to_host())
+        hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
+        c.pre = mix_f[0]
+        if observer:
+            observer(l, "block_out", h.copy_to_host())
+            observer(l, "block_pre", c.pre.copy_to_host())
+
+    # ------------------------------------------------------------------ attention
+    def _attention(self, l, st, c, x, observer):
+        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+        T, H, dh, W = c.T, cfg.n_heads, cfg.head_dim, cfg.window_size
+        cos, sin = self._rope[role.yarn]
+        xq = self._aq8(x, "x_attn_q")
+        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, out=self._buf("qa", (T, cfg.q_lora_rank)))
+        qr = rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
+                               stream=s)
+        qrq = self._aq8(qr, "qr_q")
+        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, out=self._buf("q", (T, H * dh)))
+        q3 = q.reshape(T, H, dh)
+        rope.rope(q3, c.pos, cos, sin, stream=s)
+        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, out=self._buf("kv", (T, dh)))
+        kvn = rms_norm.rms_norm(kv, w["attn.kv_norm.weight"], cfg.norm_eps, out=self._buf("kvn", (T, dh)), stream=s)
+        rope.rope(kvn, c.pos, cos, sin, stream=s)
+        kvq = self._aq8(kvn, "kvq")
+        buf = st.win[l]
+        rows = self._const_arr(("win_rows", T), lambda: np.arange(W, W + T, dtype=np.int64))
+        attention.cache_write(kvq, rows, buf, stream=s)
+        win_idx = attention.window_indices(st.ring_pos[l], c.pos, c.p0, out=self._buf("win_idx", (T, W), np.int32),
+                                           stream=s)
+        cmp_keys = cmp_idx = None
+        if role.ratio:
+            self._compress(l, st, c, x, xq, qrq, observer)
+            cmp_idx = c.topk[role.idx_src]
+            ckv = st.ckv[role.kv_src]
+            cmp_keys = ckv.view() if ckv.n else self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
+        n_rows = W + (cmp_idx.shape[1] if cmp_idx is not None else 0)
+        split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
+        o = attention.sparse_attention(q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, w["attn.attn_sink"], dh ** -0.5,
+                                       out=self._buf("attn_o", (T, H, dh)), n_split=split, scratch=self.scr, stream=s)
+        attention.window_write(kvq, c.pos, buf[:W], st.ring_pos[l], stream=s)
+        rope.rope(o, c.pos, cos, sin, inverse=True, stream=s)
+        u = self._linear(o.reshape(T, H * dh), w["attn.wo_a.weight"], quantize=False, rpg=cfg.o_lora_rank,
+                         out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)))
+        return self._linear(u, w["attn.wo_b.weight"], quantize=True, out=self._buf("attn_y", (T, cfg.dim)))
+
+    def _compress(self, l, st, c, x, xq, qrq, observer):
+        """Compressor (KV sources) and indexer (index sources) of a compressed layer; sets c.topk[l]."""
+        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+        T, p0, dh, ratio = c.T, c.p0, cfg.head_dim, role.ratio
+        cos, sin = self._rope[role.yarn]
+        if role.owns_compressor:
+            if ratio == 1:
+                kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, out=self._buf("ckv", (T, dh)))
+                n_g = T
+                lat, first = compressor.compress(kvc, None, None, None, p0, 1, w["attn.compressor.norm.weight"],
+                                                 cfg.norm_eps, out=self._buf("lat", (T, dh)), stream=s)
+            else:
+                kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, bf16=False,
+                                   out=self._buf("ckv", (T, dh)))
+                sc = self._linear(x, w["attn.compressor.wgate.weight"], quantize=False, bf16=False,
+                                  out=self._buf("csc", (T, dh)))
+                n_g = (p0 + T) // ratio - p0 // ratio
+                lat, first = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], p0, ratio,
+                                                 w["attn.compressor.norm.weight"], cfg.norm_eps,
+                                                 out=self._buf("lat", (n_g, dh)), stream=s)
+            if n_g:
+                gpos = cuda.to_device((np.arange(first, first + n_g, dtype=np.int64) * ratio), stream=s)
+                if role.indexer_owns_k:
+                    di = cfg.index_head_dim
+                    k = self._linear(lat, w["attn.indexer.wk.weight"], quantize=False, out=self._buf("ik", (n_g, di)))
+                    kn = rms_norm.rms_norm(k, w["attn.indexer.k_norm.weight"], cfg.norm_eps,
+                                           out=self._buf("ikn", (n_g, di)), stream=s)
+                    rope.rope(kn, gpos, cos, sin, stream=s)
+                    st.idxk[l].append(gemv.act_quant_fp4_pow2(kn, out=self._buf("ikq", (n_g, di)), stream=s), s)
+                rope.rope(lat, gpos, cos, sin, stream=s)
+                st.ckv[l].append(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s), s)
+        if not role.owns_indexer:
+            return
+        k_top = cfg.index_topk
+        keys = st.idxk[role.kv_src]
+        topk = self._buf(f"topk{l}", (T, k_top), np.int32)
+        if keys.n == 0:                                  # nothing compressed yet: no compressed rows
+            topk.copy_to_device(self._const_arr(("no_topk", T, k_top),
+                                                lambda: np.full((T, k_top), -1, dtype=np.int32)), stream=s)
+            c.topk[l] = topk
+            if role.publishes_candidates:
+                c.cand = None
+            return
+        nI, di = cfg.index_n_heads, cfg.index_head_dim
+        qi = self._linear(qrq, w["attn.indexer.wq_b.weight"], quantize=False, out=self._buf("iq", (T, nI * di)))
+        qi3 = qi.reshape(T, nI, di)
+        rope.rope(qi3, c.pos, cos, sin, stream=s)
+        qiq = gemv.act_quant_fp4_pow2(qi3, out=self._buf("iqq", (T, nI, di)), stream=s)
+        wts = self._linear(x, w["attn.indexer.weights_proj.weight"], quantize=False, out=self._buf("iw", (T, nI)))
+        S = keys.n
+        cand = c.cand if role.consumes_candidates else None
+        sc = indexer.index_scores(qiq, wts, np.float32(di ** -0.5 * nI ** -0.5), keys.view(), c.pos, ratio,
+                                  cand=cand, cand_block=cfg.candidate_block_size,
+                                  out=self._buf("iscore", (T, S), var=True), scratch=self.scr_var, stream=s)
+        if observer:
+            observer(l, "index_scores", sc.copy_to_host())
+        if role.publishes_candidates:
+            nb = -(-S // cfg.candidate_block_size)
+            c.cand = indexer.candidate_blocks(sc, c.pos, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size,
+                                              out=self._buf("cand", (T, nb), np.uint8, var=True),
+                                              scratch=self.scr_var, stream=s)
+            if observer:
+                keep = np.repeat(c.cand.copy_to_host().astype(bool), cfg.candidate_block_size, axis=1)[:, :S]
+                observer(l, "candidates", keep)
+        c.topk[l] = indexer.select_topk(sc, k_top, positions=c.pos, ratio=ratio, out=topk, scratch=self.scr_var,
+                                        stream=s)
+        if observer:
+            observer(l, "topk", topk.copy_to_host().astype(np.int64))
+
+    # ------------------------------------------------------------------ MoE
+    def _moe(self, l, c, x, observer):
+        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+        T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
+        E = w["vq_experts"]
+        xq = self._aq8(x, "x_ffn_q")
+        rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
+        moe.route(x, w["ffn.gate.weight"].w, w["ffn.gate.bias"], K, cfg.route_scale, gate_temp=cfg.gate_temp,
+                  normalise=cfg.norm_topk_prob, out=rout, scratch=self.scr, stream=s)
+        _, ids, rw = rout
+        plan = vq_gemv.vq_plan(ids, E, tile_rows=1 if T == 1 else 2, out=self._const.get(("plan", T, E, K)),
+                               stream=s)
+        self._const[("plan", T, E, K)] = plan
+        vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
+        gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False,
+                             out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
+        act = moe.swiglu(gu[0], gu[1], cfg.swiglu_limit, weights=rw.reshape(T * K), out=self._buf("vq_act", (T * K, F)),
+                         scratch=self.scr, stream=s)
+        ye = vq_gemv.vq_gemv(act, plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
+                             out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
+        g = self._linear(xq, w["ffn.shared_experts.w1.weight"], quantize=False, out=self._buf("sh_g", (T, F)))
+        u = self._linear(xq, w["ffn.shared_experts.w3.weight"], quantize=False, out=self._buf("sh_u", (T, F)))
+        a = moe.swiglu(g, u, cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), scratch=self.scr, stream=s)
+        ysh = self._linear(a, w["ffn.shared_experts.w2.weight"], quantize=True, out=self._buf("sh_y", (T, D)))
+        if observer:
+            scores, ids_h, wts = (rout[0].copy_to_host(), ids.copy_to_host().astype(np.int64), rw.copy_to_host())
+            observer(l, "router_scores", scores)
+            observer(l, "router_ids", ids_h)
+            observer(l, "router_weights", wts)
+            ye_h = ye[0].copy_to_host().reshape(T, K, D)
+            observer(l, "ye", ye_h / np.where(wts == 0, 1, wts)[:, :, None])
+            observer(l, "ysh", ysh.copy_to_host())
+        return vq_gemv.moe_combine(ye[0], ids, ysh, out=self._buf("moe_y", (T, D)), stream=s)
+
+    # ------------------------------------------------------------------ host side
+    def to_host(self, logits):
+        return logits if isinstance(logits, np.ndarray) else logits.copy_to_host()
+
+    def sample(self, logits, params, seed, step) -> int:
+        s = self.stream
+        V = self.cfg.vocab_size
+        if isinstance(logits, np.ndarray):
+            logits = cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32), stream=s)
+        lg = logits.reshape(1, V)
+        seeds = cuda.to_device(np.array([int(seed) & (2 ** 64 - 1)], dtype=np.uint64).view(np.int64), stream=s)
+        steps = cuda.to_device(np.array([int(step)], dtype=np.int64), stream=s)
+        tok = sampling.sample(lg, seeds, steps, temperature=float(params.temperature), top_k=int(params.top_k),
+                              top_p=float(params.top_p), min_p=float(params.min_p),
+                              out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=s)
+        return int(tok.copy_to_host()[0])
+
+    def memory_plan(self):
+        from ds4lib.engine.engine import MemoryPlan
+        cfg, ctx = self.cfg, self.engine.context_length
+        W, dh = cfg.window_size, cfg.head_dim
+        state = 0
+        for r in self.roles[:cfg.n_layers]:
+            state += (W + self.max_chunk) * dh * 2 + W * 8
+            if r.owns_compressor:
+                rows = -(-ctx // r.ratio)
+                state += 2 * rows * dh * 2                          # BF16 rows, doubling: up to 2x the rows in use
+                if r.ratio > 1:
+                    state += 2 * r.ratio * dh * 4
+                if r.indexer_owns_k:
+                    state += 2 * rows * cfg.index_head_dim * 2
+        state += 16 * max(cfg.engram_max_ngram_size, 1)
+        rope_bytes = 2 * 2 * (1 << max(0, ctx - 1).bit_length()) * (cfg.rope_head_dim // 2) * 4
+        scratch = self._chunk_scratch(self.max_chunk) + rope_bytes
+        return MemoryPlan(weights=self.weight_bytes, state=state, scratch=scratch)

@@ -1,0 +1,92 @@
+"""kernels/q4k_gemv.py against ds4lib.formats.q4k (the decode) and ds4lib.ref.linear (the products)."""
+import numpy as np
+import pytest
+
+from ds4lib.formats.floats import round_bf16
+from ds4lib.formats.q4k import dequantize_q4k, dequantize_q8_0, quantize_q4k, quantize_q8_0
+from ds4lib.ref.linear import einsum_f32, linear_f32, linear_q
+from tests.kernels.tolerances import assert_matches
+
+
+def _q4k(rng, n, k):
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[0, :256] = 0.0                                        # a dead super-block: all-zero bytes
+    q = quantize_q4k(w)
+    return q, dequantize_q4k(q)
+
+
+def _q8(rng, n, k):
+    q = np.ascontiguousarray(quantize_q8_0(rng.standard_normal((n, k)).astype(np.float32) * 0.05))
+    return q, dequantize_q8_0(q)
+
+
+@pytest.mark.parametrize("T", [1, 5])                      # decode; a 4-token tile plus a ragged tail
+def test_q4k_gemv_linear_q_and_f32(cuda_ready, T):
+    """q4_K rows of 3 super-blocks (one warp step of two plus a half step); linear_q and the FP32 head."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(T)
+    q, w = _q4k(rng, 5, 768)
+    x = round_bf16(rng.standard_normal((T, 768)) * 2)
+    d_x, d_q = cuda_ready.to_device(x), cuda_ready.to_device(q)
+    assert_matches("gemv_bf16", q4k_gemv(d_x, d_q).copy_to_host(), linear_q(x, w, True))
+    assert_matches("gemv_f32", q4k_gemv(d_x, d_q, quantize=False, out_bf16=False).copy_to_host(),
+                   linear_f32(x, w), bf16=False)
+
+
+def test_q4k_grouped_rows_are_wo_a(cuda_ready):
+    """Attention's grouped wo_a: rows of group g read the g-th slice (einsum_f32 then BF16, no activation rule)."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(7)
+    G, R, Kg = 2, 3, 256
+    q, w = _q4k(rng, G * R, Kg)
+    o = round_bf16(rng.standard_normal((1, G * Kg)))
+    got = q4k_gemv(cuda_ready.to_device(o), cuda_ready.to_device(q), quantize=False, rows_per_group=R).copy_to_host()
+    want = round_bf16(einsum_f32("tgd,grd->tgr", o.reshape(1, G, Kg), w.reshape(G, R, Kg)).reshape(1, G * R))
+    assert_matches("gemv_bf16", got, want)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_q8_0_fallback(cuda_ready, T):
+    """Rows of 96 (not a multiple of 256) are Q8_0 in the base file."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(10 + T)
+    q, w = _q8(rng, 6, 96)
+    x = round_bf16(rng.standard_normal((T, 96)))
+    got = q4k_gemv(cuda_ready.to_device(x), cuda_ready.to_device(q), kind="q8_0").copy_to_host()
+    assert_matches("gemv_bf16", got, linear_q(x, w, True))
+
+
+def test_rows_decode_bit_exact(cuda_ready):
+    """The embedding lookup: selected rows equal dequantize_q4k / dequantize_q8_0 bit for bit."""
+    from kernels.q4k_gemv import q4k_rows
+    rng = np.random.default_rng(3)
+    q, w = _q4k(rng, 6, 512)
+    ids = np.array([5, 0, 5, 2], np.int64)
+    np.testing.assert_array_equal(q4k_rows(cuda_ready.to_device(q), cuda_ready.to_device(ids)).copy_to_host(), w[ids])
+    q8, w8 = _q8(rng, 4, 64)
+    ids8 = np.array([3, 1], np.int64)
+    np.testing.assert_array_equal(q4k_rows(cuda_ready.to_device(q8), cuda_ready.to_device(ids8),
+                                           kind="q8_0").copy_to_host(), w8[ids8])
+
+
+def test_batch_rows_equal_single_token(cuda_ready):
+    """A token's result does not depend on the tokens sharing the call (the 4-token kernel vs the 1-token one)."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(4)
+    q, _ = _q4k(rng, 3, 512)
+    x = round_bf16(rng.standard_normal((3, 512)))
+    d_q = cuda_ready.to_device(q)
+    many = q4k_gemv(cuda_ready.to_device(x), d_q, out_bf16=False).copy_to_host()
+    one = q4k_gemv(cuda_ready.to_device(x[1:2]), d_q, out_bf16=False).copy_to_host()
+    np.testing.assert_array_equal(one[0], many[1])
+
+
+def test_bad_arguments(cuda_ready):
+    from kernels.q4k_gemv import q4k_gemv, q4k_rows
+    q = cuda_ready.to_device(np.zeros((2, 144), np.uint8))
+    with pytest.raises(ValueError):
+        q4k_gemv(cuda_ready.to_device(np.zeros((1, 128), np.float32)), q)          # K does not fit
+    with pytest.raises(ValueError):
+        q4k_gemv(cuda_ready.to_device(np.zeros((1, 256), np.float32)), q, kind="q5_K")
+    with pytest.raises(ValueError):
+        q4k_rows(q, cuda_ready.to_device(np.zeros(1, np.int32)))

@@ -1,0 +1,191 @@
+"""kernels/vq_gemv.py against ds4lib.formats.vq (the decoded weight) and ds4lib.ref.linear.linear_q / ds4lib.ref.moe.
+
+Simulator shapes are tiny; two stream geometries are covered: long rows (J = 320 vectors per row: a 256-index block
+holds at most two rows, rows straddle blocks, the last group is ragged and its last block lies past the stream)
+and short rows (J = 12: a block holds ~21 rows and a lane's 8 positions can straddle a row boundary). 12- and
+13-bit layers, T = 1 decode and a two-row tile kernel with T > 1, sidecar gains, empty experts.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4lib.formats.actquant import act_quant_fp8
+from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
+from ds4lib.formats.vq import decode_codebook, dequant_matrix, encode_codebook, index_bytes, pack_indices, plane_bytes
+from ds4lib.ref.linear import linear_q
+from tests.kernels.tolerances import assert_matches
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _layer(rng, n_exp, rows, cols, bits):
+    """A random VQ layer in the file's layout: (codes, idx [E, 3, rows, cols/8], index, plane, gains f16 [E, 3, rows])."""
+    n_cw = 1 << bits
+    codes = encode_codebook(rng.standard_normal((n_cw, 8)).astype(np.float32))
+    n = rows * cols // 8
+    idx = rng.integers(0, n_cw, (n_exp, 3, n))
+    index = np.zeros((n_exp, 3, index_bytes(n)), np.uint8)
+    plane = np.zeros((n_exp, 3, plane_bytes(n)), np.uint8) if bits == 13 else None
+    for e in range(n_exp):
+        for m in range(3):
+            s, p = pack_indices(idx[e, m], bits)
+            index[e, m] = s
+            if plane is not None:
+                plane[e, m] = p
+    gains = (rng.uniform(0.5, 2.0, (n_exp, 3, rows)) * 0.05).astype(np.float16)
+    return codes, idx.reshape(n_exp, 3, rows, cols // 8), index, plane, gains
+
+
+def _device_layer(cuda, layer):
+    from kernels.vq_gemv import vq_codebook
+    codes, _, index, plane, gains = layer
+    return (vq_codebook(cuda.to_device(codes)), cuda.to_device(index),
+            None if plane is None else cuda.to_device(plane),
+            tuple(cuda.to_device(np.ascontiguousarray(gains[:, m]).view(np.uint16)) for m in range(3)))
+
+
+def _want(layer, m, x_rows, experts, scale=None):
+    """linear_q(x_p, dequant_matrix(...) [* scale]) for each pair p (reference: W = g * C[idx], then the sidecar)."""
+    codes, idx, _, _, gains = layer
+    cb = decode_codebook(codes)
+    out = []
+    for x, e in zip(x_rows, experts):
+        w = dequant_matrix(cb, gains[e, m], idx[e, m])
+        if scale is not None:
+            w = w * scale[e][:, None]
+        out.append(linear_q(x[None], w, True)[0])
+    return np.stack(out)
+
+
+def test_codebook_decode_is_bit_exact(cuda_ready):
+    """Every E4M3 code -> the BF16 bits of its exact value (hardware cvt on the GPU, software in the simulator)."""
+    from kernels.vq_gemv import vq_codebook
+    codes = np.arange(256, dtype=np.uint8).reshape(32, 8)
+    got = vq_codebook(cuda_ready.to_device(codes)).copy_to_host().view(np.uint16).reshape(32, 8)
+    want = decode_codebook(codes)
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(got[fin], f32_to_bf16_bits(want)[fin])
+    assert np.isnan(((got[~fin].astype(np.uint32) << 16).view(np.float32))).all()
+
+
+def test_long_rows_13bit_decode_with_sidecar(cuda_ready):
+    """J = 320: rows straddle blocks (partials summed per row), 3 rows of a 4-row group, a block past the stream."""
+    from kernels.vq_gemv import vq_gemv, vq_plan
+    rng = np.random.default_rng(0)
+    n_exp, rows, cols = 3, 3, 2560
+    layer = _layer(rng, n_exp, rows, cols, 13)
+    dl = _device_layer(cuda_ready, layer)
+    ids = np.array([[2, 0]], np.int32)                          # expert 1 is empty
+    plan = vq_plan(cuda_ready.to_device(ids), n_exp)
+    x = act_quant_fp8(round_bf16(rng.standard_normal((1, cols)) * 3), 32)
+    got = vq_gemv(cuda_ready.to_device(x), plan, *dl, mats=(2,), shape=(rows, cols), x_div=2,
+                  quantize=False).copy_to_host()
+    assert_matches("gemv_bf16", got[0], _want(layer, 2, [x[0], x[0]], ids[0]))
+    a = act_quant_fp8(round_bf16(rng.standard_normal((2, cols))), 32)      # w2 reads each pair's own row
+    scale = rng.uniform(0.5, 1.5, (n_exp, rows)).astype(np.float32)
+    got2 = vq_gemv(cuda_ready.to_device(a), plan, *dl, mats=(1,), shape=(rows, cols), scale=cuda_ready.to_device(scale),
+                   quantize=False).copy_to_host()
+    assert_matches("gemv_bf16", got2[0], _want(layer, 1, a, ids[0], scale))
+
+
+def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
+    """J = 12 (rows split inside a lane's 8 positions), T = 3 tokens in two-row tiles; a token's rows equal its T = 1
+    result bit for bit; an all-ones sidecar equals none exactly."""
+    from kernels.vq_gemv import vq_gemv, vq_plan
+    rng = np.random.default_rng(1)
+    n_exp, rows, cols, k_act = 4, 32, 96, 2
+    layer = _layer(rng, n_exp, rows, cols, 12)
+    dl = _device_layer(cuda_ready, layer)
+    ids = np.array([[1, 3], [3, 1], [0, 3]], np.int32)            # expert 2 empty, expert 3 in every token
+    x = round_bf16(rng.standard_normal((3, cols)) * 2)
+    d_x = cuda_ready.to_device(x)
+    plan = vq_plan(cuda_ready.to_device(ids), n_exp, tile_rows=2)
+    got = vq_gemv(d_x, plan, *dl, mats=(0, 2), shape=(rows, cols), x_div=k_act).copy_to_host()
+    xq = act_quant_fp8(x, 32)
+    pairs_x = [xq[p // k_act] for p in range(6)]
+    for j, m in enumerate((0, 2)):
+        assert_matches("gemv_bf16", got[j], _want(layer, m, pairs_x, ids.reshape(-1)))
+    one = vq_gemv(cuda_ready.to_device(x[2:]), vq_plan(cuda_ready.to_device(ids[2:]), n_exp), *dl, mats=(0, 2),
+                  shape=(rows, cols), x_div=k_act).copy_to_host()
+    np.testing.assert_array_equal(one, got[:, 4:6])
+    a = cuda_ready.to_device(round_bf16(rng.standard_normal((6, cols))))
+    none = vq_gemv(a, plan, *dl, mats=(1,), shape=(rows, cols)).copy_to_host()
+    ones = vq_gemv(a, plan, *dl, mats=(1,), shape=(rows, cols),
+                   scale=cuda_ready.to_device(np.ones((n_exp, rows), np.float32))).copy_to_host()
+    np.testing.assert_array_equal(ones, none)
+
+
+def test_13_12_13_bit_layers_in_turn(cuda_ready):
+    """A 13-bit layer, a 12-bit layer, then the 13-bit one again through the same kernel (the engine's order):
+    on the GPU the dynamic shared-memory limit raised for the 13-bit codebook must not be lowered in between."""
+    from kernels.vq_gemv import vq_gemv, vq_plan
+    rng = np.random.default_rng(5)
+    n_exp, rows, cols = 2, 16, 64
+    ids = np.array([[1]], np.int32)
+    x = round_bf16(rng.standard_normal((1, cols)))
+    layers = {b: _layer(rng, n_exp, rows, cols, b) for b in (13, 12)}
+    for bits in (13, 12, 13):
+        plan = vq_plan(cuda_ready.to_device(ids), n_exp)
+        got = vq_gemv(cuda_ready.to_device(x), plan, *_device_layer(cuda_ready, layers[bits]), mats=(0,),
+                      shape=(rows, cols)).copy_to_host()
+        assert_matches("gemv_bf16", got[0], _want(layers[bits], 0, [act_quant_fp8(x, 32)[0]], ids[0]))
+
+
+def test_moe_combine_ascending_expert_order(cuda_ready):
+    from kernels.vq_gemv import moe_combine
+    rng = np.random.default_rng(2)
+    ids = np.array([[5, 1, 3], [0, 7, 2]], np.int32)
+    ye = round_bf16(rng.standard_normal((6, 64)) * np.exp2(rng.integers(-8, 8, (6, 64))))
+    ysh = round_bf16(rng.standard_normal((2, 64)))
+    got = moe_combine(cuda_ready.to_device(ye), cuda_ready.to_device(ids), cuda_ready.to_device(ysh)).copy_to_host()
+    want = np.zeros((2, 64), np.float32)
+    for t in range(2):
+        y = np.zeros(64, np.float32)
+        for k in np.argsort(ids[t]):
+            y += ye[t * 3 + k]
+        want[t] = round_bf16(y + ysh[t])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bad_arguments(cuda_ready):
+    from kernels.vq_gemv import vq_gemv, vq_plan
+    rng = np.random.default_rng(3)
+    _, _, index, _, gains = _layer(rng, 2, 8, 64, 12)
+    dl = (cuda_ready.to_device(np.zeros((4096, 2), np.uint64)), cuda_ready.to_device(index), None,
+          tuple(cuda_ready.to_device(np.ascontiguousarray(gains[:, m]).view(np.uint16)) for m in range(3)))
+    plan = vq_plan(cuda_ready.to_device(np.array([[0]], np.int32)), 2)
+    x = cuda_ready.to_device(np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError):
+        vq_gemv(x, plan, *dl, mats=(0,), shape=(8, 96))              # stream size does not fit the shape
+    with pytest.raises(ValueError):
+        vq_gemv(x, plan, dl[0], dl[1], cuda_ready.to_device(np.zeros((2, 3, 128), np.uint8)), dl[3], mats=(0,),
+                shape=(8, 64))                                        # a plane with a 4096-entry codebook
+    with pytest.raises(ValueError):
+        vq_plan(cuda_ready.to_device(np.zeros((1, 2), np.int64)), 2)
+
+
+def test_sm90_ptx_has_no_local_memory_and_uses_the_hardware_e4m3_decode():
+    """Compiled for sm_90 without a GPU: the GEMV keeps its activations and accumulators in registers, and the
+    codebook decoder uses cvt.rn.f16x2.e4m3x2."""
+    code = ("import json, numba.cuda, numba.cuda.dispatcher as d\n"
+            "class F: compute_capability = (9, 0); id = 0; name = b'x'\n"
+            "d.get_current_device = lambda: F()\n"
+            "import kernels.vq_gemv as v\n"
+            "out = {}\n"
+            "for k in ('vq_gemv_t1_kernel', 'vq_gemv_t2_kernel', 'vq_codebook_kernel'):\n"
+            "    p, _ = numba.cuda.compile_ptx(getattr(v, k).py_func, v.SIGNATURES[k], cc=(9, 0))\n"
+            "    out[k] = {'local': p.count('.local'), 'cvt': p.count('cvt.rn.f16x2.e4m3x2'),\n"
+            "              'fma': p.count('fma.rn.f32'), 'sm90': '.target sm_90' in p}\n"
+            "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    for k in ("vq_gemv_t1_kernel", "vq_gemv_t2_kernel"):
+        assert r[k]["sm90"] and r[k]["local"] == 0 and r[k]["fma"] >= 48, r
+    assert r["vq_codebook_kernel"]["cvt"] >= 1 and r["vq_codebook_kernel"]["local"] == 0, r
