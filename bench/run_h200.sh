@@ -87,7 +87,7 @@ want pytest && run pytest 240 "$OUT/pytest.log" env DS4_REQUIRE_CUDA=1 $PY -m py
     ${DS4_PYTEST_PATHS:-tests/kernels tests/engine/test_engine_cuda.py} -q -m "not slow" -p no:cacheprovider -ra
 
 # (b) + (d) engine benchmark: copy, VQ and q4_K GB/s on one real-size layer, ds4-tiny prefill/decode, agreement
-want engine && run bench_engine 180 "$OUT/bench_engine.jsonl" $PY bench/bench_engine.py --base "$BASE" \
+want engine && run bench_engine 240 "$OUT/bench_engine.jsonl" $PY bench/bench_engine.py --base "$BASE" \
     --engram-dir "$CKPT" --only "${DS4_ENGINE_SECTIONS:-copy,vq,q4k,tiny,agreement,layers,profile}" --reps 100 \
     --windows 3
 
