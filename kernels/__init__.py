@@ -10,3 +10,11 @@ import numpy as _np
 # before anything compiles. Done here, once, for every kernel module.
 if not hasattr(_np, "row_stack"):
     _np.row_stack = _np.vstack
+
+# Decode launches grids of a few blocks by design (one token, a handful of experts); numba-cuda warns about every
+# grid under 128 blocks, which floods the CLI's stderr. Turned off here unless the user asked for it.
+import os as _os
+
+if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in _os.environ:
+    from numba.cuda.core import config as _cuda_config
+    _cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
