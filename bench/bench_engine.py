@@ -58,6 +58,7 @@ import numpy as np                                      # noqa: E402
 
 import kernels                                          # noqa: E402,F401  (numpy 2.5 alias before compiling)
 from numba import cuda                                  # noqa: E402
+from bench.timing import eager_time, graph_time  # noqa: E402
 
 if ARGS.small:
     from tests.kernels.cudasim_shim import install as _install_warp_shim
@@ -116,62 +117,16 @@ def random_q4k(rows, k, seed):
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def _graph_time(run, stream, reps):
-    """Per-call seconds of `run` replayed from a CUDA graph of `reps` captured calls."""
-    from cuda.bindings import runtime as rt
-    h = stream.handle
-    h = int(getattr(h, "value", h))
-
-    def check(res):
-        err = res[0] if isinstance(res, tuple) else res
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA runtime error {err}")
-        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
-
-    check(rt.cudaStreamBeginCapture(h, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
-    try:
-        for _ in range(reps):
-            run()
-    finally:
-        graph = check(rt.cudaStreamEndCapture(h))
-    exe = check(rt.cudaGraphInstantiate(graph, 0))
-    check(rt.cudaGraphLaunch(exe, h))
-    stream.synchronize()
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    check(rt.cudaGraphLaunch(exe, h))
-    end.record(stream)
-    end.synchronize()
-    check(rt.cudaGraphExecDestroy(exe))
-    check(rt.cudaGraphDestroy(graph))
-    return cuda.event_elapsed_time(start, end) / 1e3 / reps
-
-
-def _eager_time(run, stream, reps):
-    if ARGS.small:
-        t = time.perf_counter()
-        run()
-        cuda.synchronize()
-        return time.perf_counter() - t
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    for _ in range(reps):
-        run()
-    end.record(stream)
-    end.synchronize()
-    return cuda.event_elapsed_time(start, end) / 1e3 / reps
-
-
 def timed(section, name, shape, nbytes, run, stream, reps, **extra):
     run()                                                 # compile, allocate the scratch
     cuda.synchronize()
     rec = {"section": section, "name": name, "shape": shape, "bytes": int(nbytes), **extra}
-    eager = _eager_time(run, stream, reps)
+    eager = eager_time(run, stream, reps, simulator=ARGS.small)
     rec["eager_us"] = round(eager * 1e6, 2)
     t, rec["mode"] = eager, "simulator" if ARGS.small else "eager"
     if not ARGS.small:
         try:
-            t, rec["mode"] = _graph_time(run, stream, reps), "graph"
+            t, rec["mode"] = graph_time(run, stream, reps), "graph"
         except Exception as e:                            # noqa: BLE001 - reported, eager timing kept
             rec["graph_error"] = f"{type(e).__name__}: {e}"[:200]
     rec["time_us"] = round(t * 1e6, 3)
@@ -212,32 +167,36 @@ def section_vq(stream, reps):
         E, F, D, K = 8, 64, 256, 2
     rng = np.random.default_rng(0)
     for bits in (12, 13):
-        cb, index, plane, gains, scale, s, p = vq_layer(E, F, D, bits, 100 + bits)
-        for T in (1, 4):
-            ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-            n_touched = len(np.unique(ids))
-            d_ids = cuda.to_device(ids)
-            plan = vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, stream=stream)
-            x = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T, D)).astype(np.float32)))
-            a = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T * K, F)).astype(np.float32)))
-            scr = {}
-            out13 = cuda.device_array((2, T * K, F), np.float32)
-            out2 = cuda.device_array((1, T * K, D), np.float32)
-            b13 = n_touched * 2 * (s + (p if plane is not None else 0) + 2 * F) + 4 * T * D + 8 * T * K * F
-            b2 = n_touched * (s + (p if plane is not None else 0) + 2 * D + 4 * D) + 4 * T * K * F + 4 * T * K * D
-            tag = dict(bits=bits, tokens=T, experts_touched=n_touched)
-            timed("vq", f"vq.w1w3_T{T}_{bits}bit", f"{T * K} pairs x 2 x [{F}, {D}]", b13,
-                  lambda: vq_gemv.vq_gemv(x, plan, cb, index, plane, gains, mats=(0, 2), shape=(F, D), x_div=K,
-                                          quantize=False, out=out13, scratch=scr, stream=stream), stream, reps, **tag)
-            timed("vq", f"vq.w2_T{T}_{bits}bit", f"{T * K} pairs x [{D}, {F}] + sidecar", b2,
-                  lambda: vq_gemv.vq_gemv(a, plan, cb, index, plane, gains, mats=(1,), shape=(D, F), scale=scale,
-                                          quantize=False, out=out2, scratch=scr, stream=stream), stream, reps, **tag)
-            timed("vq", f"vq.plan_T{T}", f"ids [{T}, {K}] of {E}", 4 * T * K,
-                  lambda: vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, out=plan, stream=stream), stream,
-                  reps, **tag)
-        del index, plane
+        _vq_layer_timings(stream, reps, rng, E, F, D, K, bits)
         if not ARGS.small:
             cuda.current_context().deallocations.clear()          # free the 2.6 GB layer before the next
+
+
+def _vq_layer_timings(stream, reps, rng, E, F, D, K, bits):
+    """The VQ GEMV timings of one synthetic layer at `bits` (its device arrays die with this call)."""
+    cb, index, plane, gains, scale, s, p = vq_layer(E, F, D, bits, 100 + bits)
+    for T in (1, 4):
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+        n_touched = len(np.unique(ids))
+        d_ids = cuda.to_device(ids)
+        plan = vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, stream=stream)
+        x = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T, D)).astype(np.float32)))
+        a = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T * K, F)).astype(np.float32)))
+        scr = {}
+        out13 = cuda.device_array((2, T * K, F), np.float32)
+        out2 = cuda.device_array((1, T * K, D), np.float32)
+        b13 = n_touched * 2 * (s + (p if plane is not None else 0) + 2 * F) + 4 * T * D + 8 * T * K * F
+        b2 = n_touched * (s + (p if plane is not None else 0) + 2 * D + 4 * D) + 4 * T * K * F + 4 * T * K * D
+        tag = dict(bits=bits, tokens=T, experts_touched=n_touched)
+        timed("vq", f"vq.w1w3_T{T}_{bits}bit", f"{T * K} pairs x 2 x [{F}, {D}]", b13,
+              lambda: vq_gemv.vq_gemv(x, plan, cb, index, plane, gains, mats=(0, 2), shape=(F, D), x_div=K,
+                                      quantize=False, out=out13, scratch=scr, stream=stream), stream, reps, **tag)
+        timed("vq", f"vq.w2_T{T}_{bits}bit", f"{T * K} pairs x [{D}, {F}] + sidecar", b2,
+              lambda: vq_gemv.vq_gemv(a, plan, cb, index, plane, gains, mats=(1,), shape=(D, F), scale=scale,
+                                      quantize=False, out=out2, scratch=scr, stream=stream), stream, reps, **tag)
+        timed("vq", f"vq.plan_T{T}", f"ids [{T}, {K}] of {E}", 4 * T * K,
+              lambda: vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, out=plan, stream=stream), stream,
+              reps, **tag)
 
 
 def section_q4k(stream, reps):
@@ -259,7 +218,6 @@ def section_q4k(stream, reps):
             timed("q4k", f"q4k.{name}_T{T}", f"[{rows}, {k}] q4_K, T={T}", nbytes,
                   lambda: q4k_gemv.q4k_gemv(x, w, quantize=False, out_bf16=bf16, out=out, stream=stream), stream, reps,
                   tokens=T)
-        del w
 
 
 def _tiny_engine(backend="cuda"):

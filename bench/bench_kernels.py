@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np                                      # noqa: E402
 from numba import cuda                                  # noqa: E402
+from bench.timing import eager_time, graph_time  # noqa: E402
 
 from ds4lib.config import ModelConfig                   # noqa: E402
 from ds4lib.engram_geometry import engram_geometry      # noqa: E402
@@ -110,57 +110,6 @@ class Data:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def _stream_handle(stream):
-    h = stream.handle
-    h = getattr(h, "value", h)
-    return int(h)
-
-
-def _graph_time(run, stream, reps):
-    """Per-call seconds of `run` replayed from a CUDA graph of `reps` captured calls."""
-    from cuda.bindings import runtime as rt
-    h = _stream_handle(stream)
-
-    def check(res):
-        err = res[0] if isinstance(res, tuple) else res
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA runtime error {err}")
-        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
-
-    check(rt.cudaStreamBeginCapture(h, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
-    try:
-        for _ in range(reps):
-            run()
-    finally:
-        graph = check(rt.cudaStreamEndCapture(h))
-    exe = check(rt.cudaGraphInstantiate(graph, 0))
-    check(rt.cudaGraphLaunch(exe, h))                   # warm
-    stream.synchronize()
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    check(rt.cudaGraphLaunch(exe, h))
-    end.record(stream)
-    end.synchronize()
-    check(rt.cudaGraphExecDestroy(exe))
-    check(rt.cudaGraphDestroy(graph))
-    return cuda.event_elapsed_time(start, end) / 1e3 / reps
-
-
-def _eager_time(run, stream, reps):
-    if ARGS.small:
-        t = time.perf_counter()
-        run()
-        cuda.synchronize()
-        return time.perf_counter() - t
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    for _ in range(reps):
-        run()
-    end.record(stream)
-    end.synchronize()
-    return cuda.event_elapsed_time(start, end) / 1e3 / reps
-
-
 COPY_GBPS = [None]
 
 
@@ -169,13 +118,13 @@ def report(name, shape, nbytes, run, stream, reps):
         run()
         cuda.synchronize()
     rec = {"kernel": name, "shape": shape, "bytes": int(nbytes)}
-    eager = _eager_time(run, stream, reps)
+    eager = eager_time(run, stream, reps, simulator=ARGS.small)
     rec["eager_us"] = round(eager * 1e6, 2)
     if ARGS.small:
         t, rec["mode"] = eager, "simulator"
     else:
         try:
-            t, rec["mode"] = _graph_time(run, stream, reps), "graph"
+            t, rec["mode"] = graph_time(run, stream, reps), "graph"
         except Exception as e:                           # noqa: BLE001 - reported, eager timing kept
             t, rec["mode"], rec["graph_error"] = eager, "eager", f"{type(e).__name__}: {e}"[:200]
     rec["time_us"] = round(t * 1e6, 3)

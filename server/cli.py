@@ -73,6 +73,9 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    # on_fatal relies on SIGINT raising KeyboardInterrupt; a process started in the background by a
+    # non-interactive shell inherits SIGINT as ignored, and then interrupt_main() would do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # a failed load interrupts the main thread (on_fatal) wherever it is, possibly before server.run()
     try:
         app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem,

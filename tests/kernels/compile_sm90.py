@@ -2,12 +2,19 @@
 
 Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90`.
 Each kernel module lists `SIGNATURES` {kernel name: Numba signature}.
+
+`ptx_counts(["module:kernel", ...], [pattern, ...])` (for tests) compiles the named kernels the same way in a child
+process and returns {"module:kernel": {pattern: occurrences in its PTX, ..., "sm90": bool}}.
 """
 import importlib
 import json
 import os
 import pkgutil
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
@@ -18,10 +25,41 @@ class _FakeDevice:
     name = b"sm_90 (no device)"
 
 
-def main():
+def _compiler():
     import numba.cuda
     import numba.cuda.dispatcher as disp
     disp.get_current_device = lambda: _FakeDevice()   # device functions resolve their target without a driver
+    return numba.cuda
+
+
+def ptx_counts(targets, patterns):
+    """Occurrences of each pattern in the sm_90 PTX of each "module:kernel" (compiled in a child process)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    cmd = [sys.executable, "-m", "tests.kernels.compile_sm90", "--count", json.dumps([list(targets), list(patterns)])]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"PTX compilation failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _count(spec):
+    targets, patterns = json.loads(spec)
+    cuda = _compiler()
+    out = {}
+    for t in targets:
+        mod_name, kname = t.split(":")
+        mod = importlib.import_module(f"kernels.{mod_name}")
+        ptx, _ = cuda.compile_ptx(getattr(mod, kname).py_func, mod.SIGNATURES[kname], cc=(9, 0))
+        out[t] = {pat: ptx.count(pat) for pat in patterns}
+        out[t]["sm90"] = ".target sm_90" in ptx
+    print(json.dumps(out))
+    return 0
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--count":
+        return _count(sys.argv[2])
+    numba_cuda = _compiler()
     import kernels
     results = []
     for info in pkgutil.iter_modules(kernels.__path__):
@@ -29,7 +67,7 @@ def main():
         for kname, sig in getattr(mod, "SIGNATURES", {}).items():
             fn = getattr(mod, kname)
             try:
-                ptx, _ = numba.cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
+                ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
                 ok = ".target sm_90" in ptx
                 results.append({"module": info.name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
                                 "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx})

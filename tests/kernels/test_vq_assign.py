@@ -4,8 +4,6 @@ Simulator shapes are tiny (it runs ~1e5 vector-codeword pairs per second); a rea
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ from numba import cuda
 
 from ds4lib.solvers.vq import CpuLloyd, assign_reference, prepare_codebook, round_sig12, train_codebook
 from kernels.vq_assign import round_sig12_device
+from tests.kernels.compile_sm90 import ptx_counts
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,21 +89,11 @@ def test_lloyd_on_cuda_gives_the_cpu_bytes(cuda_ready):
 def test_vq_kernels_compile_for_sm90_in_registers():
     """PTX for sm_90: the assignment keeps its vectors in registers (no local memory) and the update uses
     64-bit integer atomics (order-independent)."""
-    code = ("import json, os\nos.environ.pop('NUMBA_ENABLE_CUDASIM', None)\n"
-            "import numba.cuda, numba.cuda.dispatcher as d\n"
-            "class F: compute_capability = (9, 0); id = 0; name = b'sm_90'\n"
-            "d.get_current_device = lambda: F()\n"
-            "from kernels import vq_assign as a, vq_accumulate as u\n"
-            "pa, _ = numba.cuda.compile_ptx(a.vq_assign_kernel.py_func, a.SIGNATURES['vq_assign_kernel'], cc=(9, 0))\n"
-            "pu, _ = numba.cuda.compile_ptx(u.vq_accumulate_kernel.py_func, "
-            "u.SIGNATURES['vq_accumulate_kernel'], cc=(9, 0))\n"
-            "print(json.dumps({'target': '.target sm_90' in pa, 'local': pa.count('.local'), "
-            "'bar': 'bar.sync' in pa, 'atom64': pu.count('atom.global.add.u64'), "
-            "'fatom': pu.count('atom.global.add.f')}))\n")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = ptx_counts(["vq_assign:vq_assign_kernel", "vq_accumulate:vq_accumulate_kernel"],
+                   [".local", "bar.sync", "atom.global.add.u64", "atom.global.add.f"])
+    pa, pu = r["vq_assign:vq_assign_kernel"], r["vq_accumulate:vq_accumulate_kernel"]
+    r = {"target": pa["sm90"], "local": pa[".local"], "bar": pa["bar.sync"] > 0, "atom64": pu["atom.global.add.u64"],
+         "fatom": pu["atom.global.add.f"]}
     assert r == {"target": True, "local": 0, "bar": True, "atom64": 9, "fatom": 0}, r
 
 

@@ -5,12 +5,6 @@ holds at most two rows, rows straddle blocks, the last group is ragged and its l
 and short rows (J = 12: a block holds ~21 rows and a lane's 8 positions can straddle a row boundary). 12- and
 13-bit layers, T = 1 decode and a two-row tile kernel with T > 1, sidecar gains, empty experts.
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -18,9 +12,8 @@ from ds4lib.formats.actquant import act_quant_fp8
 from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
 from ds4lib.formats.vq import decode_codebook, dequant_matrix, encode_codebook, index_bytes, pack_indices, plane_bytes
 from ds4lib.ref.linear import linear_q
+from tests.kernels.compile_sm90 import ptx_counts
 from tests.kernels.tolerances import assert_matches
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _layer(rng, n_exp, rows, cols, bits):
@@ -172,20 +165,10 @@ def test_bad_arguments(cuda_ready):
 def test_sm90_ptx_has_no_local_memory_and_uses_the_hardware_e4m3_decode():
     """Compiled for sm_90 without a GPU: the GEMV keeps its activations and accumulators in registers, and the
     codebook decoder uses cvt.rn.f16x2.e4m3x2."""
-    code = ("import json, numba.cuda, numba.cuda.dispatcher as d\n"
-            "class F: compute_capability = (9, 0); id = 0; name = b'x'\n"
-            "d.get_current_device = lambda: F()\n"
-            "import kernels.vq_gemv as v\n"
-            "out = {}\n"
-            "for k in ('vq_gemv_t1_kernel', 'vq_gemv_t2_kernel', 'vq_codebook_kernel'):\n"
-            "    p, _ = numba.cuda.compile_ptx(getattr(v, k).py_func, v.SIGNATURES[k], cc=(9, 0))\n"
-            "    out[k] = {'local': p.count('.local'), 'cvt': p.count('cvt.rn.f16x2.e4m3x2'),\n"
-            "              'fma': p.count('fma.rn.f32'), 'sm90': '.target sm_90' in p}\n"
-            "print(json.dumps(out))\n")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = ptx_counts([f"vq_gemv:{k}" for k in ("vq_gemv_t1_kernel", "vq_gemv_t2_kernel", "vq_codebook_kernel")],
+                   [".local", "cvt.rn.f16x2.e4m3x2", "fma.rn.f32"])
     for k in ("vq_gemv_t1_kernel", "vq_gemv_t2_kernel"):
-        assert r[k]["sm90"] and r[k]["local"] == 0 and r[k]["fma"] >= 48, r
-    assert r["vq_codebook_kernel"]["cvt"] >= 1 and r["vq_codebook_kernel"]["local"] == 0, r
+        v = r[f"vq_gemv:{k}"]
+        assert v["sm90"] and v[".local"] == 0 and v["fma.rn.f32"] >= 48, r
+    v = r["vq_gemv:vq_codebook_kernel"]
+    assert v["cvt.rn.f16x2.e4m3x2"] >= 1 and v[".local"] == 0, r

@@ -2,6 +2,7 @@
 run before anything is installed or built)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -19,9 +20,9 @@ def test_seed_flags_and_defaults():
             args.cuda) == ("b", "z", "p", "e", 110000.0, "0.0.0.0", 9, True)
 
 
-def _run(args, timeout=120):
+def _run(args, timeout=120, **kw):
     return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, **kw)
 
 
 def test_missing_base_file_exits_2():
@@ -38,6 +39,15 @@ def test_failed_load_exits_1_with_the_reason(tiny_stack, tmp_path):
     bad.write_bytes(b"not a gguf file")
     r = _run(["-m", str(bad), "--port", "0"])
     assert r.returncode == 1 and "the engine failed to load" in r.stderr
+
+
+def test_failed_load_exits_when_started_with_sigint_ignored(tiny_stack):
+    """A server started in the background by a non-interactive shell (scripts/main.sh, CI) inherits SIGINT as
+    ignored; a failed load must still end the process instead of leaving it hanging."""
+    base, ck = tiny_stack
+    r = _run(["-m", str(base), "--engram-dir", str(ck), "--mem-budget-mb", "1", "--port", "0"], timeout=60,
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert r.returncode == 1 and "does not fit --mem-budget-mb" in r.stderr, r.stderr[-2000:]
 
 
 def test_sigterm_stops_cleanly(tiny_stack, tmp_path):
