@@ -16,8 +16,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
-
 
 class _FakeDevice:
     compute_capability = (9, 0)
@@ -79,4 +77,5 @@ def main():
 
 
 if __name__ == "__main__":
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)    # only in this child process: the simulator cannot make PTX
     sys.exit(main())
