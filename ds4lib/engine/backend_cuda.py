@@ -23,7 +23,7 @@ partial group carried across calls, window written after reading). Every kernel 
 order that does not depend on the other tokens of the call (the attention value split is fixed per layer, the
 top-k width is always index_topk with -1 padding), so one-token decode, chunked prefill and single-shot prefill
 give the same bits. Launches are eager (CUDA graphs need device-slot positions in kernels.attention.window_indices
-and kernels.compressor.compress; see the engine notes).
+and kernels.compressor.compress, and the Engram gather on the device; BENCHMARKS.md "Engine" has the cost).
 
 Shapes: T tokens of a call, S = hc_mult streams, D hidden, H heads, Dh head dim, W window, K active experts,
 E experts, F expert width, V vocab, Nc compressed rows.
