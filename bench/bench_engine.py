@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,20 +48,16 @@ def _args(argv=None):
 
 
 ARGS = _args() if __name__ == "__main__" else _args(["--small"])
-if ARGS.small:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"           # before the first numba.cuda import
-    sys.setswitchinterval(1e-4)
 sys.path.insert(0, str(ROOT))
+from bench.timing import eager_time, graph_time, use_simulator  # noqa: E402
+
+if ARGS.small:
+    use_simulator()                                     # before the first numba.cuda import
 
 import numpy as np                                      # noqa: E402
 
 import kernels                                          # noqa: E402,F401  (numpy 2.5 alias before compiling)
 from numba import cuda                                  # noqa: E402
-from bench.timing import eager_time, graph_time  # noqa: E402
-
-if ARGS.small:
-    from tests.kernels.cudasim_shim import install as _install_warp_shim
-    _install_warp_shim()
 
 from ds4lib.formats.q4k import Q4K_BLOCK_BYTES, QK_K  # noqa: E402
 from ds4lib.formats.vq import index_bytes, plane_bytes  # noqa: E402

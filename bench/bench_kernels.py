@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -33,24 +32,18 @@ def _args():
 
 
 ARGS = _args() if __name__ == "__main__" else argparse.Namespace(small=True, reps=1, only="")
-if ARGS.small:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"           # before the first numba.cuda import
-    sys.setswitchinterval(1e-4)
 sys.path.insert(0, str(ROOT))
+from bench.timing import eager_time, graph_time, use_simulator  # noqa: E402
+
+if ARGS.small:
+    use_simulator()                                     # before the first numba.cuda import
 
 import numpy as np                                      # noqa: E402
 from numba import cuda                                  # noqa: E402
-from bench.timing import eager_time, graph_time  # noqa: E402
 
 from ds4lib.config import ModelConfig                   # noqa: E402
 from ds4lib.engram_geometry import engram_geometry      # noqa: E402
 from ds4lib.formats.floats import f32_to_bf16_bits      # noqa: E402
-
-if ARGS.small:
-    from tests.kernels.cudasim_shim import install as _install_warp_shim
-    from tests.kernels.cudasim_shim import install
-    _install_warp_shim()
-    install()
 
 from kernels import attention, compressor, engram, gemv, hc, indexer, moe, rope, sampling   # noqa: E402
 from kernels.bf16 import bf16_bits_device               # noqa: E402

@@ -1,10 +1,20 @@
 """Kernel timing shared by the bench scripts: eager launches timed with CUDA events, and the same calls replayed
-from a CUDA graph (captured through cuda.bindings; launch cost ~0.9 µs instead of numba's ~17+ µs)."""
+from a CUDA graph (captured through cuda.bindings; launch cost ~0.9 µs instead of numba's ~17+ µs); and
+`use_simulator()`, which a script calls for its --small runs before it first imports numba.cuda (this module
+imports numba only inside its functions for that reason)."""
+import os
+import sys
 import time
 
-from numba import cuda
+__all__ = ["graph_time", "eager_time", "use_simulator"]
 
-__all__ = ["graph_time", "eager_time"]
+
+def use_simulator():
+    """Run every later numba.cuda import under the CUDA simulator, with the tests' warp-intrinsic shim."""
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    sys.setswitchinterval(1e-4)
+    from tests.kernels.cudasim_shim import install
+    install()
 
 
 def _stream_handle(stream):
@@ -15,6 +25,7 @@ def _stream_handle(stream):
 def graph_time(run, stream, reps):
     """Per-call seconds of `run` replayed from a CUDA graph of `reps` captured calls."""
     from cuda.bindings import runtime as rt
+    from numba import cuda
     h = _stream_handle(stream)
 
     def check(res):
@@ -44,6 +55,7 @@ def graph_time(run, stream, reps):
 
 def eager_time(run, stream, reps, simulator=False):
     """Per-call seconds of `reps` eager calls (CUDA events); under the simulator one call by the wall clock."""
+    from numba import cuda
     if simulator:
         t = time.perf_counter()
         run()
