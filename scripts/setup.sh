@@ -11,6 +11,6 @@ stamp=.venv/.ds4-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[cuda,notebooks,test]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[cuda,notebooks,test,train]"
     echo "$want" > "$stamp"
 fi

@@ -179,46 +179,43 @@ class MoE(nn.Module):
         self.gate = Gate(cfg.dim, n_exp)
         self.experts = nn.ModuleList(Expert(cfg.dim, cfg.moe_inter_dim, "fp4", qat, out_std) for _ in range(n_exp))
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8", qat, out_std)
-        self.register_buffer("load", torch.zeros(n_exp))
 
     def forward(self, x):
-        """Routed experts as three batched GEMMs over per-expert padded token groups (few kernels)."""
+        """x [..., D] -> (y [..., D], expert load [E]).
+
+        Routed experts in the dense form: every token meets every expert through three GEMMs over the
+        stacked expert weights, with routing weight 0 for the experts it did not choose. A zero routing
+        weight zeroes that expert's activation before the FP8 quantiser and the down projection, so the
+        output and every gradient equal the routed computation's (a token's unchosen experts add exact
+        zeros and receive zero gradient); only the FP32 summation order of the chosen experts may differ.
+        At ds4-tiny's shapes (E 48, K 6, F 192, D 256) this costs 8x the routed FLOPs, which is still a
+        small share of the H200's tensor throughput, and it keeps every shape static: no sort, no
+        gather/scatter by expert, no capacity read back to the host, so the whole step compiles to one
+        graph without host synchronisation."""
         cfg = self.cfg
         shp = x.shape
-        x = x.reshape(-1, shp[-1])
+        x = x.reshape(-1, shp[-1])                                                        # [N, D]
         N, E, K = x.shape[0], len(self.experts), self.top_k
-        s = torch.sqrt(F.softplus(x.float() @ self.gate.weight.float().t() / cfg.gate_temp))
-        ids = torch.topk(s + self.gate.bias, K, dim=-1).indices
+        s = torch.sqrt(F.softplus(x.float() @ self.gate.weight.float().t() / cfg.gate_temp))   # [N, E]
+        ids = torch.topk(s + self.gate.bias, K, dim=-1).indices                          # [N, K]
         w = s.gather(1, ids)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
-        flat = ids.flatten()
-        counts = torch.bincount(flat, minlength=E)
-        if self.training:
-            self.load += counts.float()
-        order = torch.argsort(flat, stable=True)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(N * K, device=x.device) - starts[flat[order]]
-        cap = int(counts.max())
-        tok = torch.full((E, cap), N, dtype=torch.long, device=x.device)
-        wt = torch.zeros(E, cap, device=x.device)
-        tok[flat[order], slot] = order // K
-        wt[flat[order], slot] = w.flatten()[order]
-        xe = torch.cat([x, torch.zeros_like(x[:1])])[tok]                                 # [E, cap, D]
-        if self.qat:
-            xe = act_quant_fp8(xe)
-        w1, w2, w3 = (self._stacked(name) for name in ("w1", "w2", "w3"))
-        g = rbf16(torch.bmm(xe.to(BF16), w1.to(BF16).transpose(1, 2)).float())
-        u = rbf16(torch.bmm(xe.to(BF16), w3.to(BF16).transpose(1, 2)).float())
+        wt = torch.zeros_like(s).scatter(1, ids, w)                                       # [N, E]
+        load = torch.zeros(E, device=x.device).scatter_add(0, ids.flatten(), torch.ones(N * K, device=x.device))
+        xq = act_quant_fp8(x) if self.qat else x
+        w1, w2, w3 = (self._stacked(name) for name in ("w1", "w2", "w3"))                  # [E, F, D], [E, D, F]
+        Fi = w1.shape[1]
+        g = (xq.to(BF16) @ w1.reshape(E * Fi, -1).to(BF16).t()).float().reshape(N, E, Fi)  # [N, E, F]
+        u = (xq.to(BF16) @ w3.reshape(E * Fi, -1).to(BF16).t()).float().reshape(N, E, Fi)
         if cfg.swiglu_limit > 0:
             u = u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
             g = g.clamp(max=cfg.swiglu_limit)
         a = rbf16(F.silu(g) * u * wt[..., None])
         if self.qat:
             a = act_quant_fp8(a)
-        ye = rbf16(torch.bmm(a.to(BF16), w2.to(BF16).transpose(1, 2)).float())            # [E, cap, D]
-        y = torch.zeros(N + 1, shp[-1], device=x.device).index_add(0, tok.flatten(), ye.reshape(-1, shp[-1]))[:N]
-        y = y + expert_forward(self.shared_experts, x, cfg.swiglu_limit)
-        return rbf16(y).reshape(shp)
+        ye = torch.bmm(a.to(BF16).transpose(0, 1), w2.to(BF16).transpose(1, 2))           # [E, N, D] BF16
+        y = ye.float().sum(0) + expert_forward(self.shared_experts, x, cfg.swiglu_limit)
+        return rbf16(y).reshape(shp), load
 
     def _stacked(self, name):
         w = torch.stack([getattr(e, name).weight for e in self.experts])
@@ -230,11 +227,10 @@ class MoE(nn.Module):
         return w
 
     @torch.no_grad()
-    def balance(self, rate):
-        """Auxiliary-loss-free balancing: raise the selection bias of under-loaded experts."""
-        if self.load.sum() > 0:
-            self.gate.bias += rate * torch.sign(self.load.mean() - self.load)
-        self.load.zero_()
+    def balance(self, load, rate):
+        """Auxiliary-loss-free balancing: raise the selection bias of under-loaded experts (load [E] of one
+        step, as returned by forward; no host read)."""
+        self.gate.bias += rate * torch.sign(load.mean() - load)
 
 
 def stable_top(x, k):
@@ -402,11 +398,15 @@ class Block(nn.Module):
     def expand(y, h, post, comb):
         return rbf16(post[..., None] * y[..., None, :] + torch.einsum("btij,btid->btjd", comb, h))
 
-    def forward(self, h, pre_in, attend):
+    def forward(self, h, pre_in, attend, loads=None):
+        """`loads` (a list) receives this block's expert load [E]."""
         a_pre, a_post, a_comb = self.mixes(h, "attn")
         h = self.expand(attend(self.attn_norm(self.collapse(h, pre_in))), h, a_post, a_comb)
         f_pre, f_post, f_comb = self.mixes(h, "ffn")
-        h = self.expand(self.ffn(self.ffn_norm(self.collapse(h, a_pre))), h, f_post, f_comb)
+        y, load = self.ffn(self.ffn_norm(self.collapse(h, a_pre)))
+        if loads is not None:
+            loads.append(load)
+        h = self.expand(y, h, f_post, f_comb)
         return h, f_pre
 
 
@@ -528,8 +528,9 @@ class Model(nn.Module):
                     pa = pa / pa.sum(-1, keepdim=True).clamp_min(1e-30)
                 logq = torch.log_softmax(score, -1).masked_fill(~reachable, 0)
                 has = reach > 0
-                kl = (pa * (torch.log(pa.clamp_min(1e-30)) - logq)).sum(-1)[:, has]
-                losses.setdefault("indexer", []).append(kl.mean())
+                kl = (pa * (torch.log(pa.clamp_min(1e-30)) - logq)).sum(-1)                  # [B, T]
+                # mean over the positions that reach a compressed row (a mask, not a gather: static shapes)
+                losses.setdefault("indexer", []).append((kl * has).sum() / (has.sum() * B))
             keys = torch.cat([kv, ckv], 1)
             mask = torch.cat([mask, shared["sel", role.idx_src]], -1)
         o = sink_attention(q, keys, mask, attn.attn_sink, cfg.head_dim ** -0.5)
@@ -548,38 +549,42 @@ class Model(nn.Module):
         return keep.repeat_interleave(bs, -1)[..., :G]
 
     # ------------------------------------------------------------------ full forward
-    def forward(self, ids, dspark_anchors: int = 0):
-        """ids [B, T] from position 0 -> (logits [B, T, V], losses dict, features [B, T, nt*D])."""
+    def forward(self, ids, dspark_anchors=None):
+        """ids [B, T] from position 0 -> (logits [B, T, V], losses dict, features [B, T, nt*D]).
+        `dspark_anchors` int64 [B, A]: positions p whose next block the DSpark stages draft (drawn by the
+        caller, so a step is a pure function of its inputs); losses["load"] lists every MoE's expert load."""
         cfg = self.cfg
         B, T = ids.shape
         hashes = self.hashes(ids)
         h = rbf16(self.embed(ids))[:, :, None, :].expand(B, T, cfg.hc_mult, cfg.dim)
         pre = torch.zeros(B, T, cfg.hc_mult, device=ids.device)
         pre[..., 0] = 1
-        shared, losses, feats = {}, {}, []
+        shared, losses, feats = {}, {"load": []}, []
         for blk in self.layers:
             role = blk.role
             if role.engram:
                 h = blk.engram(h, hashes[:, :, role.engram_index])
             if role.dspark_target:
                 feats.append(rbf16(h.mean(2)))
-            h, pre = blk(h, pre, lambda x, blk=blk: self._attend(blk, x, shared, losses))
+            h, pre = blk(h, pre, lambda x, blk=blk: self._attend(blk, x, shared, losses), losses["load"])
         logits = self.norm(Block.collapse(h, pre)) @ self.head.weight.t()
         features = torch.cat(feats, -1) if feats else None
-        if dspark_anchors and cfg.n_mtp_layers:
-            losses.update(self.dspark_loss(ids, features.detach(), dspark_anchors))
+        if dspark_anchors is not None and cfg.n_mtp_layers:
+            losses.update(self.dspark_loss(ids, features.detach(), dspark_anchors, losses["load"]))
         return logits, losses, features
 
     # ------------------------------------------------------------------ DSpark
-    def dspark_loss(self, ids, features, n_anchor):
+    def dspark_loss(self, ids, features, anchors, loads=None):
+        """anchors [B, A]: each drafts the block after position p + 1 from target features up to p."""
         cfg = self.cfg
+        n_anchor = anchors.shape[1]
         B, T = ids.shape
         Bk = cfg.dspark_block_size
         dev = ids.device
         s0 = self.mtp[0]
         main_x = s0.main_norm(s0.main_proj(features))                                     # [B, T, D]
         cos, sin = self.cos0, self.sin0
-        p = torch.randint(0, T - Bk - 1, (B, n_anchor), device=dev)                     # target position of the anchor's predecessor
+        p = anchors                                                                      # target position of the anchor's predecessor
         blk_pos = p[..., None] + 1 + torch.arange(Bk, device=dev)                        # [B, A, Bk]
         anchor = ids.gather(1, p + 1)                                                    # token at p+1
         blk_ids = torch.full((B, n_anchor, Bk), cfg.dspark_noise_token_id, device=dev)
@@ -611,7 +616,7 @@ class Model(nn.Module):
                 wo_a = a.wo_a.eff_weight().reshape(cfg.o_groups, cfg.o_lora_rank, -1)
                 u = rbf16(torch.einsum("btgd,grd->btgr", o.to(BF16), wo_a.to(BF16)).float())
                 return a.wo_b(u.reshape(N, Bk, -1))
-            h, pre = stage(h, pre, attend)
+            h, pre = stage(h, pre, attend, loads)
         last = self.mtp[-1]
         y = Block.collapse(h, pre)                                                       # [N, Bk, D]
         base = last.norm(y) @ self.head.weight.detach().t()

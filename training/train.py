@@ -1,21 +1,34 @@
-"""Train ds4-tiny on the H200 within a fixed wall-clock budget, then export it in the official format.
+"""Train ds4-tiny on the H200 in resumable pieces, then export it in the official format.
 
-    python -m training.train --data DIR --config training/ds4_tiny_config.json --tokenizer data/tokenizer/tokenizer.json \
-        --out OUT --budget 390
+    python -m training.train --data DIR --config training/ds4_tiny_config.json \
+        --tokenizer data/tokenizer/tokenizer.json --out OUT --state STATE --tokens 200e6 --budget 480
 
-DIR holds the training parts as `<part>.npy` (uint16 token streams; `.npy.xz` is unpacked first) and
-`manifest.json` with each part's mixing weight (ds4 corpus build). Batches are random windows of seq+1 tokens,
-parts drawn by weight. The step count is set from the first steps' timing so the cosine schedule ends within
-the budget. Writes OUT/ckpt (official format, shards under 16 MB), OUT/train_log.json (loss curve,
-throughput, judging-slice perplexities, ref-vs-torch logits difference). Imports torch: training only.
+A run is planned once (`RunPlan`: total steps from the token target, schedule, batch, seed, data and config
+fingerprints) and then advanced by calls of at most `--budget` seconds each. Every `--save-every` seconds and
+at the end of each call the whole training state (weights, AdamW moments, step = data cursor, the plan, the
+log) is written to STATE/state.pt (temporary name, then rename), and the next call with the same STATE
+resumes it exactly: batch k is drawn from (seed, k) alone, the DSpark anchors too, and nothing else in a step
+is random. A call with a different plan (other data, config or knobs) is refused rather than mixed in.
+Once the last step is done the call evaluates the judging slices, exports OUT/ckpt (official format, shards
+under 16 MB) and checks the exported FP4/FP8 model against the reference forward; OUT/train_log.json holds
+the loss curve and throughput.
+
+The step is one compiled graph (torch.compile) of forward and loss; gradients live in one flat buffer, so
+clipping and the non-finite guard are a few kernels; nothing in a step reads a value back to the host
+(losses are read every `--log-every` steps). Imports torch: training only.
+
+Shapes: B batch rows, T tokens per row, A DSpark anchors per row.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import lzma
 import math
+import os
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,40 +36,54 @@ import torch
 import torch.nn.functional as F
 
 from ds4lib.config import ModelConfig
+from ds4lib.corpus.training import load_training_set
 from ds4lib.tokenmap import compressed_token_map
 from training.export import export_checkpoint, load_official
 from training.model import Model
 
+STATE_FILE = "state.pt"
 
-def load_parts(data: Path):
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything that fixes a run's trajectory; a resumed call must present the same plan."""
+    total_steps: int
+    batch: int
+    seq: int
+    lr: float
+    warmup: int
+    min_lr_frac: float
+    wd: float
+    anchors: int
+    balance_rate: float
+    seed: int
+    weights: tuple            # ((part, weight), ...) sorted
+    data_sha256: str          # of the training set's manifest
+    config_sha256: str        # of the model config (with the derived compressed vocabulary)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine from `lr` down to `min_lr_frac * lr` at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        prog = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
+        return self.lr * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def unpack_parts(data: Path) -> None:
+    """`<part>.npy.xz` -> `<part>.npy` beside it, once (the set travels compressed)."""
     man = json.loads((data / "manifest.json").read_text())
-    parts, weights = {}, {}
-    for name, info in man["parts"].items():
+    for name in man["parts"]:
         f = data / f"{name}.npy"
         if not f.exists() and (data / f"{name}.npy.xz").exists():
-            f.write_bytes(lzma.decompress((data / f"{name}.npy.xz").read_bytes()))
-        parts[name] = np.load(f)
-        weights[name] = float(info["weight"])
-    return parts, weights
+            tmp = f.with_suffix(".npy.tmp")
+            tmp.write_bytes(lzma.decompress((data / f"{name}.npy.xz").read_bytes()))
+            os.replace(tmp, f)
 
 
-class Batcher:
-    def __init__(self, parts, weights, seq, batch, seed, device):
-        self.names = sorted(parts)
-        self.arrays = [torch.from_numpy(parts[n].astype(np.int64)).to(device) for n in self.names]
-        w = np.array([weights[n] for n in self.names])
-        self.p = w / w.sum()
-        self.seq, self.batch, self.device = seq, batch, device
-        self.rng = np.random.default_rng(seed)
-
-    def next(self):
-        which = self.rng.choice(len(self.names), size=self.batch, p=self.p)
-        rows = []
-        for k in which:
-            a = self.arrays[k]
-            start = int(self.rng.integers(0, len(a) - self.seq - 1))
-            rows.append(a[start:start + self.seq + 1])
-        return torch.stack(rows)
+def draw_anchors(seed: int, step: int, batch: int, anchors: int, seq: int, block: int) -> np.ndarray:
+    """int64 [B, A] DSpark anchor positions of step `step` (a function of (seed, step) only)."""
+    rng = np.random.default_rng([seed, step, 1])
+    return rng.integers(0, seq - block - 1, size=(batch, anchors), dtype=np.int64)
 
 
 def param_groups(model, wd):
@@ -64,6 +91,93 @@ def param_groups(model, wd):
     for n, p in model.named_parameters():
         (decay if p.dim() == 2 and "hc_" not in n and "engram.embed" not in n else no_decay).append(p)
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def flat_grads(params, device) -> torch.Tensor:
+    """Point every parameter's .grad into one FP32 buffer (autograd accumulates into it in place)."""
+    flat = torch.zeros(sum(p.numel() for p in params), device=device)
+    off = 0
+    for p in params:
+        p.grad = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    return flat
+
+
+class Trainer:
+    """The model, its optimiser and the compiled step; `state_dict`/`load_state_dict` are the checkpoint."""
+
+    def __init__(self, cfg, plan: RunPlan, tmap, device, compile_step: bool):
+        self.cfg, self.plan, self.device = cfg, plan, device
+        torch.manual_seed(plan.seed)                      # initial weights only; steps draw nothing from torch
+        self.model = Model(cfg, qat=True, max_pos=max(plan.seq, 4096))
+        self.model.set_token_map(tmap)
+        self.model.to(device)
+        self.params = [p for p in self.model.parameters()]
+        self.flat = flat_grads(self.params, device)
+        self.opt = torch.optim.AdamW(param_groups(self.model, plan.wd), lr=plan.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     fused=device == "cuda", foreach=None if device == "cuda" else False)
+        self.moes = [b.ffn for b in list(self.model.layers) + list(self.model.mtp)]
+        self.nonfinite = torch.zeros((), device=device)
+        self.step = 0
+        self.tokens = 0
+        self._loss = torch.compile(self._loss_fn, dynamic=False) if compile_step else self._loss_fn
+
+    def _loss_fn(self, tokens, anchors):
+        logits, losses, _ = self.model(tokens[:, :-1], dspark_anchors=anchors)
+        ce = F.cross_entropy(logits.reshape(-1, self.cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        kl = torch.stack(losses["indexer"]).mean()
+        loss = ce + kl + 0.5 * (losses["dspark"] + 0.1 * losses["dspark_conf"])
+        return loss, torch.stack([ce, kl, losses["dspark"]]), losses["dspark_acc"], losses["load"]
+
+    def train_step(self, tokens, anchors):
+        """One optimiser step on device tensors; returns device tensors (no host read)."""
+        lr = self.plan.lr_at(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.flat.zero_()
+        loss, parts, acc, loads = self._loss(tokens, anchors)
+        loss.backward()
+        gn = self.flat.norm()
+        ok = torch.isfinite(gn)
+        # clip to norm 1; a non-finite gradient is zeroed (the step then moves on momentum only) and counted
+        self.flat.mul_(torch.clamp(1.0 / (gn + 1e-6), max=1.0))
+        self.flat.nan_to_num_(0.0, 0.0, 0.0).mul_(ok)
+        self.nonfinite += (~ok).float()
+        self.opt.step()
+        for moe, load in zip(self.moes, loads):
+            moe.balance(load, self.plan.balance_rate)
+        self.step += 1
+        self.tokens += tokens.shape[0] * (tokens.shape[1] - 1)
+        return loss.detach(), parts.detach(), acc.detach(), gn.detach()
+
+    def state_dict(self):
+        return {"plan": asdict(self.plan), "step": self.step, "tokens": self.tokens,
+                "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "nonfinite": float(self.nonfinite)}
+
+    def load_state_dict(self, sd):
+        mine = {**asdict(self.plan), "total_steps": None}
+        saved = {**sd["plan"], "total_steps": None}           # the step count may have been fitted to time
+        if saved != mine:
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+            raise SystemExit(f"train: the saved state was planned differently; refusing to mix runs: {diff}")
+        self.plan = RunPlan(**{**sd["plan"], "weights": tuple(tuple(w) for w in sd["plan"]["weights"])})
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["opt"])             # parameters are copied in place: .grad views stay
+        self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+        self.nonfinite.fill_(sd["nonfinite"])
+
+
+def save_state(trainer: Trainer, state_dir: Path, log: dict) -> float:
+    """Write STATE/state.pt atomically; returns seconds taken."""
+    t = time.time()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sd = trainer.state_dict()
+    sd["log"] = log
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    torch.save(sd, tmp)
+    os.replace(tmp, state_dir / STATE_FILE)
+    return time.time() - t
 
 
 @torch.no_grad()
@@ -86,104 +200,22 @@ def slice_ppl(model, slices_dir: Path, device):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True, type=Path)
-    ap.add_argument("--config", required=True, type=Path)
-    ap.add_argument("--tokenizer", required=True, type=Path)
-    ap.add_argument("--slices", type=Path, default=Path("data/slices"))
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--budget", type=float, default=390.0, help="seconds of training steps")
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=48)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--wd", type=float, default=0.1)
-    ap.add_argument("--anchors", type=int, default=24, help="DSpark blocks per sequence")
-    ap.add_argument("--balance-rate", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-steps", type=int, default=0, help="cap (0 = set by the budget)")
-    ap.add_argument("--init", type=Path, default=None, help="continue from an official-format checkpoint")
-    ap.add_argument("--weights", default="", help="override mixing weights, e.g. chat=0.15,dictionary=0.07")
-    args = ap.parse_args(argv)
+def make_plan(args, cfg, data_dir: Path, weights: dict) -> RunPlan:
+    per_step = args.batch * args.seq
+    return RunPlan(total_steps=max(1, math.ceil(args.tokens / per_step)), batch=args.batch, seq=args.seq,
+                   lr=args.lr, warmup=args.warmup, min_lr_frac=args.min_lr_frac, wd=args.wd, anchors=args.anchors,
+                   balance_rate=args.balance_rate, seed=args.seed, weights=tuple(sorted(weights.items())),
+                   data_sha256=hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest(),
+                   config_sha256=hashlib.sha256(json.dumps(cfg.to_flat_dict(), sort_keys=True).encode()).hexdigest())
 
-    t_start = time.time()
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = True      # FP32 matmuls of BF16-valued inputs stay exact in TF32
-    cfg = ModelConfig.from_json(args.config)
-    from tokenizers import Tokenizer
-    tmap, n_c = compressed_token_map(Tokenizer.from_file(str(args.tokenizer)))
-    # the compressed vocabulary (and with it the hash multipliers) is derived from the tokenizer, never typed in
-    cfg = ModelConfig.from_dict({**cfg.to_flat_dict(), "engram_compressed_vocab_size": n_c})
-    model = Model(cfg, qat=True, max_pos=max(args.seq, 4096))
-    model.set_token_map(tmap)
-    if args.init:
-        load_official(model, args.init)          # QAT weights are already on the FP4/FP8 grid: nothing is lost
-    model = model.to(device)
-    parts, weights = load_parts(args.data)
-    for item in filter(None, args.weights.split(",")):
-        k, v = item.split("=")
-        weights[k] = float(v)
-    batcher = Batcher(parts, weights, args.seq, args.batch, args.seed, device)
-    opt = torch.optim.AdamW(param_groups(model, args.wd), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device == "cuda")
-    log = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device, "weights": weights,
-           "params": sum(p.numel() for p in model.parameters()), "steps": []}
-    total_steps = args.max_steps or 10 ** 9
-    step, tokens, t_loop = 0, 0, time.time()
-    moes = [b.ffn for b in list(model.layers) + list(model.mtp)]
-    t_mark = None
-    while step < total_steps:
-        if step == 5:
-            t_mark = time.time()
-        if step == 15 and not args.max_steps:
-            per_step = (time.time() - t_mark) / 10           # steady-state step time (after warm-up)
-            total_steps = max(20, int((args.budget - (time.time() - t_loop)) / per_step) + step)
-            log["planned_steps"] = total_steps
-            log["step_seconds"] = per_step
-        lr = args.lr * min(1.0, (step + 1) / args.warmup)
-        if step >= args.warmup and total_steps < 10 ** 9:
-            prog = (step - args.warmup) / max(1, total_steps - args.warmup)
-            lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(prog, 1.0))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        batch = batcher.next()
-        logits, losses, _ = model(batch[:, :-1], dspark_anchors=args.anchors)
-        ce = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch[:, 1:].reshape(-1))
-        kl = torch.stack(losses["indexer"]).mean()
-        loss = ce + kl + 0.5 * (losses["dspark"] + 0.1 * losses["dspark_conf"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not torch.isfinite(gn):              # skip a step whose gradient is not finite; keep training
-            log.setdefault("skipped_steps", []).append(step)
-            opt.zero_grad(set_to_none=True)
-        else:
-            opt.step()
-        for moe in moes:
-            moe.balance(args.balance_rate)
-        step += 1
-        tokens += batch.numel() - len(batch)
-        if step % 25 == 0 or step == 1:
-            el = time.time() - t_loop
-            rec = {"step": step, "lr": lr, "loss": float(loss.detach()), "ce": float(ce.detach()), "indexer_kl": float(kl.detach()),
-                   "dspark_ce": float(losses["dspark"].detach()), "dspark_acc": [float(a) for a in losses["dspark_acc"]],
-                   "grad_norm": float(gn), "tokens": tokens, "elapsed": el, "tok_per_s": tokens / el}
-            log["steps"].append(rec)
-            print(json.dumps(rec), flush=True)
-    log["train_seconds"] = time.time() - t_loop
-    if device == "cuda":
-        log["max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    log["train_tokens"] = tokens
-    model.eval()
-    log["judge_ppl_torch"] = slice_ppl(model, args.slices, device)
+
+def export_and_check(trainer: Trainer, cfg, tmap, args, log):
+    """Judging-slice perplexity (torch), export to OUT/ckpt, and the exported model against the reference."""
+    model = trainer.model.eval()
+    log["judge_ppl_torch"] = slice_ppl(model, args.slices, trainer.device)
     print("judge ppl", log["judge_ppl_torch"], flush=True)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt = export_checkpoint(model.cpu(), out / "ckpt", metadata={"generator": "training/train.py"})
-    log["export_seconds"] = time.time() - t_start - log["train_seconds"]
-    # the exported FP4/FP8 model, loaded back, against the reference forward
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt = export_checkpoint(model.cpu(), args.out / "ckpt", metadata={"generator": "training/train.py"})
     from ds4lib.ref import ReferenceModel
     (ckpt / "tokenizer.json").write_bytes(args.tokenizer.read_bytes())
     check = Model(cfg, qat=True, max_pos=4096)
@@ -199,8 +231,145 @@ def main(argv=None):
                            "argmax_agree": float(np.mean(lt.argmax(-1) == lr_.argmax(-1)))}
     (ckpt / "tokenizer.json").unlink()
     print("ref vs torch", log["ref_vs_torch"], flush=True)
-    log["total_seconds"] = time.time() - t_start
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True, type=Path)
+    ap.add_argument("--config", required=True, type=Path)
+    ap.add_argument("--tokenizer", required=True, type=Path)
+    ap.add_argument("--slices", type=Path, default=Path("data/slices"))
+    ap.add_argument("--out", required=True, type=Path, help="export folder (written after the last step)")
+    ap.add_argument("--state", required=True, type=Path, help="resumable training state folder")
+    ap.add_argument("--tokens", type=float, default=200e6, help="training tokens of the whole run")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds of training in this call")
+    ap.add_argument("--total-budget", type=float, default=0.0,
+                    help="seconds of training for the whole run: a new run measures its step time before the "
+                         "warm-up ends and shortens the plan to fit (0: --tokens decides alone)")
+    ap.add_argument("--save-every", type=float, default=180.0, help="seconds between state saves")
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--min-lr-frac", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--wd", type=float, default=0.1)
+    ap.add_argument("--anchors", type=int, default=24, help="DSpark blocks per sequence")
+    ap.add_argument("--balance-rate", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", default="", help="override mixing weights, e.g. chat=0.15,dictionary=0.07")
+    ap.add_argument("--stop-at", type=int, default=0, help="end this call at this step (0: budget only)")
+    ap.add_argument("--no-compile", action="store_true", help="eager steps (debugging, CPU tests)")
+    ap.add_argument("--no-export", action="store_true", help="stop after the last step without exporting")
+    ap.add_argument("--snapshot", type=Path, default=None,
+                    help="when a call ends before the last step, export the weights so far here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = True      # FP32 matmuls of BF16-valued inputs stay exact in TF32
+    cfg = ModelConfig.from_json(args.config)
+    from tokenizers import Tokenizer
+    tmap, n_c = compressed_token_map(Tokenizer.from_file(str(args.tokenizer)))
+    # the compressed vocabulary (and with it the hash multipliers) is derived from the tokenizer, never typed in
+    cfg = ModelConfig.from_dict({**cfg.to_flat_dict(), "engram_compressed_vocab_size": n_c})
+    unpack_parts(args.data)
+    weights = {k: v["weight"] for k, v in json.loads((args.data / "manifest.json").read_text())["parts"].items()}
+    for item in filter(None, args.weights.split(",")):
+        k, v = item.split("=")
+        weights[k] = float(v)
+    train_set = load_training_set(args.data, weights=weights)
+    plan = make_plan(args, cfg, args.data, weights)
+    trainer = Trainer(cfg, plan, tmap, device, compile_step=not args.no_compile)
+    log = {"plan": asdict(plan), "device": device, "params": sum(p.numel() for p in trainer.params),
+           "steps": [], "calls": []}
+    state_path = args.state / STATE_FILE
+    if state_path.exists():
+        sd = torch.load(state_path, map_location=device, weights_only=False)
+        trainer.load_state_dict(sd)
+        log = sd["log"]
+        print(f"train: resumed at step {trainer.step} of {trainer.plan.total_steps} ({trainer.tokens:,} tokens)",
+              flush=True)
+    call = {"start_step": trainer.step, "budget": args.budget}
+    block = cfg.dspark_block_size
+    t_loop = time.time()
+    t_saved = t_loop
+    t_first = None
+    start_tokens = trainer.tokens
+    fit_plan = args.total_budget > 0 and trainer.step == 0
+    t_fit = None
+    while trainer.step < min(trainer.plan.total_steps, args.stop_at or trainer.plan.total_steps) \
+            and time.time() - t_loop < args.budget:
+        step = trainer.step
+        plan = trainer.plan
+        if fit_plan and step in (10, 30):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if step == 10:
+                t_fit = time.time()
+            else:                                 # steady step time over steps 10..30, then the plan is fixed
+                per_step = (time.time() - t_fit) / 20
+                # the budget counts training time; the first step's compilation is not part of it
+                fitted = int((args.total_budget - (time.time() - t_first)) / per_step) + step
+                trainer.plan = replace(plan, total_steps=max(step + 1, min(plan.total_steps, fitted)))
+                log["plan"] = asdict(trainer.plan)
+                log["fitted"] = {"step_seconds": per_step, "total_steps": trainer.plan.total_steps}
+                print("train: plan fitted", json.dumps(log["fitted"]), flush=True)
+                fit_plan = False
+        rows = train_set.draw_batch(step, batch=plan.batch, seq_len=plan.seq, seed=plan.seed)       # [B, T+1]
+        anc = draw_anchors(plan.seed, step, plan.batch, plan.anchors, plan.seq, block)               # [B, A]
+        tokens = torch.from_numpy(rows).pin_memory().to(device, non_blocking=True) if device == "cuda" \
+            else torch.from_numpy(rows)
+        anchors = torch.from_numpy(anc).pin_memory().to(device, non_blocking=True) if device == "cuda" \
+            else torch.from_numpy(anc)
+        loss, parts, acc, gn = trainer.train_step(tokens, anchors)
+        if t_first is None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t_first = time.time()                      # the first step carries the compilation
+            call["first_step_seconds"] = t_first - t_loop
+            steady_tokens = trainer.tokens
+        if trainer.step % args.log_every == 0 or trainer.step == trainer.plan.total_steps:
+            el = time.time() - t_first
+            rec = {"step": trainer.step, "lr": plan.lr_at(trainer.step - 1), "loss": float(loss),
+                   "ce": float(parts[0]), "indexer_kl": float(parts[1]), "dspark_ce": float(parts[2]),
+                   "dspark_acc": [round(float(a), 4) for a in acc], "grad_norm": float(gn),
+                   "tokens": trainer.tokens, "call_seconds": round(time.time() - t_loop, 1),
+                   "tok_per_s": (trainer.tokens - steady_tokens) / el if el > 0 else None,
+                   "nonfinite_steps": float(trainer.nonfinite)}
+            log["steps"].append(rec)
+            print(json.dumps(rec), flush=True)
+        if time.time() - t_saved > args.save_every:
+            call.setdefault("save_seconds", []).append(round(save_state(trainer, args.state, log), 2))
+            t_saved = time.time()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        call["max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    t_end = time.time()
+    call.update({"end_step": trainer.step, "seconds": t_end - t_loop, "tokens": trainer.tokens - start_tokens})
+    if t_first is not None and trainer.step - call["start_step"] > 1:
+        call["steady_tok_per_s"] = (trainer.tokens - steady_tokens) / (t_end - t_first)
+    log["calls"].append(call)
+    print("call", json.dumps(call), flush=True)
+    call.setdefault("save_seconds", []).append(round(save_state(trainer, args.state, log), 2))
+    if trainer.step >= trainer.plan.total_steps and not args.no_export:
+        log["train_tokens"] = trainer.tokens
+        log["nonfinite_steps"] = float(trainer.nonfinite)
+        export_and_check(trainer, cfg, tmap, args, log)
+        log["export_seconds"] = time.time() - t_end
+        (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
+    elif args.snapshot:
+        # insurance while the run is unfinished: the weights so far in the official format (52 MB), which
+        # travel back from the GPU machine where the full state (weights + moments, ~0.9 GB) cannot
+        export_checkpoint(trainer.model.cpu(), args.snapshot, metadata={"generator": "training/train.py",
+                                                                        "step": str(trainer.step)})
+        (args.snapshot / "train_log.json").write_text(json.dumps(log, indent=1))
+    print(f"train: step {trainer.step}/{trainer.plan.total_steps}, {time.time() - t_start:.0f} s in this call",
+          flush=True)
+    return trainer
 
 
 if __name__ == "__main__":
