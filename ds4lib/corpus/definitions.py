@@ -50,7 +50,8 @@ def _hash(doc: Document, variant: int = 0) -> int:
     return int.from_bytes(hashlib.sha256(f"{salt}{doc.key}".encode()).digest()[:8], "big")
 
 
-def _variant_question(doc: Document, variant: int) -> str:
+def _variant_question(doc: Document, variant: int) -> tuple[str, str]:
+    """(question, the word as asked) for a variant > 0."""
     word, pos = doc.meta["headword"], doc.meta.get("pos", "")
     if pos != "prop. n." and word[:1].isupper() and word[1:] == word[1:].lower():
         word = word.lower()
@@ -61,7 +62,7 @@ def _variant_question(doc: Document, variant: int) -> str:
     if pos.startswith("n") and " " not in word:
         options += list(_NOUN_QUESTIONS)
     h = _hash(doc, variant) >> 8
-    return options[h % len(options)].format(w=word, a="an" if word[:1].lower() in "aeiou" else "a")
+    return options[h % len(options)].format(w=word, a="an" if word[:1].lower() in "aeiou" else "a"), word
 
 
 def definition_turn(doc: Document, variant: int = 0) -> tuple[dict, dict]:
@@ -70,7 +71,7 @@ def definition_turn(doc: Document, variant: int = 0) -> tuple[dict, dict]:
     domain = doc.source.split("/", 1)[0]
     h = _hash(doc)
     if variant > 0:
-        question = _variant_question(doc, variant)
+        question, word = _variant_question(doc, variant)
     elif domain in _DOMAIN_NAMES:
         question = _DOMAIN_QUESTION.format(w=word, d=_DOMAIN_NAMES[domain])
     else:

@@ -91,10 +91,14 @@ class Exclusion:
                    frozenset(k for d in docs for k in _text_keys(d)))
 
     def excludes(self, doc: Document) -> bool:
+        return self.by_identity(doc) or self.near_duplicate(doc)
+
+    def by_identity(self, doc: Document) -> bool:
+        """Reserved itself, part of a reserved GCIDE entry, or a definition of a sliced headword."""
         if doc.key in self.keys or doc.meta.get("entry") in self.entries:
             return True
         words = [doc.meta.get("headword", ""), *doc.meta.get("lemmas", ())]
-        return any(w.lower() in self.headwords for w in words if w) or self.near_duplicate(doc)
+        return any(w.lower() in self.headwords for w in words if w)
 
     def near_duplicate(self, doc: Document) -> bool:
         """True when the document's text or piece matches a reserved one up to case and punctuation."""
@@ -176,8 +180,8 @@ def build_training_set(*, corpus_dir: Path, tokenizer, tokenizer_path: Path, out
         parts[part] = {"sources": per_source, "documents": len(texts), "tokens": int(tokens.size),
                        "sha256": file_sha256(path), "weight": MIXTURE[part]}
         log(f"train/{part}: {len(texts)} {'chats' if part == 'chat' else 'documents'}, {tokens.size:,} tokens")
-    near = {s: sum(1 for d in load_source(corpus_dir, s) if d.key not in exclusion.keys and exclusion.near_duplicate(d))
-            for s in sorted(SOURCES)}
+    near = {s: sum(1 for d in load_source(corpus_dir, s)
+                   if not exclusion.by_identity(d) and exclusion.near_duplicate(d)) for s in sorted(SOURCES)}
     manifest = {"tokenizer_sha256": tokenizer_sha256(tokenizer_path), "excluded_documents": len(exclusion.keys),
                 "near_duplicates_excluded": {s: n for s, n in near.items() if n},
                 "chat_variants": CHAT_VARIANTS,

@@ -85,6 +85,8 @@ def test_chat_variants_ask_differently_and_mix_modes():
     for msgs, _ in convs:
         for user, bot in zip(msgs[::2], msgs[1::2]):
             asked[bot["content"]] = user["content"]
+            word = bot["reasoning_content"].split("'")[1]
+            assert word in user["content"] and word == word.lower()        # reasoning names the word as asked
     assert len(asked) == len(docs)
     for answer, question in asked.items():
         assert question != first.get(answer) and "word" in question.lower()
