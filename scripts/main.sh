@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
-# The main job, on a fresh machine without a GPU: install, build the ds4-tiny ① base if it is not cached,
-# start ds4-server on 127.0.0.1:8000 in the background, print the answer to a one-line test question, and
-# leave the server running. Running it again reuses the built base and an already-running server.
+# The main job, on a fresh machine without a GPU: install, start ds4-server on 127.0.0.1:8000 in the
+# background with the shipped ds4-tiny ① base, print the answer to a one-line test question, and leave the
+# server running. Running it again reuses an already-running server.
 #
-# Usage: bash scripts/main.sh [start] [--domain finance|code|law|medicine|science|none] [--host H] [--port N]
+# Usage: bash scripts/main.sh [start] [--rebuild] [--domain finance|code|law|medicine|science|none] [--host H] [--port N]
 #        bash scripts/main.sh stop        # stop the server this script started
 #        bash scripts/main.sh status      # is it running, and where
-# Files: cache/ds4-tiny-base.gguf (the ① base), cache/server.pid, cache/server.log (the server's log).
+# --rebuild: build the ① base from the checkpoint with `ds4 quantize` into cache/ (minutes on 2 cores; the same
+#            bytes as the shipped file) and serve that one instead.
+# Files: models/ds4-tiny-base.gguf (the shipped ① base), cache/ds4-tiny-base.gguf (--rebuild), cache/server.pid,
+#        cache/server.log (the server's log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 CHECKPOINT=$ROOT/models/ds4-tiny
-BASE=$ROOT/cache/ds4-tiny-base.gguf
+SHIPPED_BASE=$ROOT/models/ds4-tiny-base.gguf
+BUILT_BASE=$ROOT/cache/ds4-tiny-base.gguf
 SIDECARS=$ROOT/cache/sidecars
 PIDFILE=$ROOT/cache/server.pid
 ARGSFILE=$ROOT/cache/server.args
 LOG=$ROOT/cache/server.log
 QUESTION="What does 'ledger' mean?"
-ACTION=start DOMAIN=none HOST=127.0.0.1 PORT=8000
+ACTION=start DOMAIN=none HOST=127.0.0.1 PORT=8000 REBUILD=0
 
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "scripts/main.sh: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         start|stop|status) ACTION=$1 ;;
+        --rebuild) REBUILD=1 ;;
         --domain) DOMAIN=${2:?--domain needs a value}; shift ;;
         --domain=*) DOMAIN=${1#--domain=} ;;
         --host) HOST=${2:?--host needs a value}; shift ;;
@@ -81,7 +86,8 @@ domain sidecar exists yet. Serve the bare ① base with --domain none (the defau
     *) echo "scripts/main.sh: --domain must be finance, code, law, medicine, science or none (got '$DOMAIN')" >&2
        exit 2 ;;
 esac
-WANT="--domain $DOMAIN --host $HOST --port $PORT"
+if [ "$REBUILD" = 1 ]; then BASE=$BUILT_BASE; else BASE=$SHIPPED_BASE; fi
+WANT="--domain $DOMAIN --host $HOST --port $PORT --base $BASE"
 if pid=$(server_pid) && [ "$(cat "$ARGSFILE" 2>/dev/null)" != "$WANT" ]; then
     die "a ds4-server started by this script is already running (pid $pid: $(cat "$ARGSFILE" 2>/dev/null));
 stop it first with: bash scripts/main.sh stop"
@@ -90,12 +96,13 @@ fi
 echo "[1/4] installing (scripts/setup.sh: .venv and the ds4 package; quick when already done)"
 bash scripts/setup.sh
 
-if [ -s "$BASE" ]; then
-    echo "[2/4] reusing the ① base $BASE"
-else
-    echo "[2/4] building the ① base $BASE from $CHECKPOINT"
-    echo "      (ds4 quantize on the CPU: it takes a while, about 10 minutes on 2 cores; built once, then reused)"
+if [ "$REBUILD" = 1 ]; then
+    echo "[2/4] rebuilding the ① base $BASE from $CHECKPOINT"
+    echo "      (ds4 quantize on the CPU: several minutes on 2 cores; the shipped $SHIPPED_BASE is the same bytes)"
     .venv/bin/ds4 quantize --checkpoint "$CHECKPOINT" --out "$BASE" --quiet
+else
+    [ -s "$BASE" ] || die "the shipped ① base $BASE is missing; rebuild it with: bash scripts/main.sh --rebuild"
+    echo "[2/4] serving the shipped ① base $BASE (bash scripts/main.sh --rebuild builds it from $CHECKPOINT)"
 fi
 
 URL="http://$HOST:$PORT"

@@ -31,7 +31,7 @@ from typing import Iterator
 
 from .document import Document, normalise_text
 
-__all__ = ["FIELD_DOMAIN", "SCIENCE_GROUPS", "GcideEntry", "read_gcide", "gcide_documents",
+__all__ = ["FIELD_DOMAIN", "SCIENCE_GROUPS", "GcideEntry", "read_gcide", "read_dictd", "gcide_documents",
            "wordnet_documents", "field_domain"]
 
 # subject tag (without its trailing period) -> domain; tags not listed, and usage labels such as
@@ -252,3 +252,18 @@ def wordnet_documents(dict_dir: Path, source: str) -> Iterator[Document]:
             lemmas = [re.sub(r"\([a-z]+\)$", "", w).replace("_", " ") for w in f[4:4 + 2 * n_words:2]]
             yield Document(source, f"{pos}/{f[0]}", _format(", ".join(lemmas), label, [gloss.strip()]),
                            {"headword": lemmas[0], "pos": label, "lemmas": lemmas})
+
+
+def read_dictd(dictd_dir: Path, name: str) -> Iterator[tuple[str, str]]:
+    """(headword, text) for every distinct entry of a plain dictd database `<name>.index` + `<name>.dict.dz`,
+    in file order; dictd's own `00-database-*` records are skipped, and an entry indexed under several
+    headwords is yielded once, under its first."""
+    dictd_dir = Path(dictd_dir)
+    spans: dict[tuple[int, int], str] = {}
+    for line in (dictd_dir / f"{name}.index").read_text(encoding="utf-8").splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and not parts[0].startswith("00"):
+            spans.setdefault((_b64(parts[1]), _b64(parts[2])), parts[0])
+    raw = gzip.decompress((dictd_dir / f"{name}.dict.dz").read_bytes())
+    for (off, size), headword in sorted(spans.items()):
+        yield headword, raw[off:off + size].decode("utf-8", errors="replace")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .dictionary import GcideEntry, gcide_documents, read_gcide, wordnet_documents
+from .dictionary import GcideEntry, gcide_documents, read_dictd, read_gcide, wordnet_documents
 from .document import Document, normalise_text
 from .markup import html_to_text, info_nodes, man_is_redirect, render_man
 from .rserialize import read_lazyload_strings
@@ -284,6 +284,112 @@ def _python_docs(ex: Extraction) -> Iterator[Document]:
         yield Document("technical/python-docs", f.relative_to(base).as_posix(), normalise_text(f.read_text("utf-8")))
 
 
+# ---- more code (training only: no slice draws on these) ---------------------------------------------
+
+_CODE_MAX_FILE = 64 * 1024
+_TEST_DIRS = {"test", "tests", "testdata", "testing", "benches", "t"}
+_LINE_LICENCE = re.compile(r"\A(?:[ \t]*(?://|#)[^\n]*\n)+")
+
+
+def _strip_line_licence(text: str) -> str:
+    """Drop a leading run of `//` or `#` comment lines when it mentions Copyright or License."""
+    m = _LINE_LICENCE.match(text)
+    if m and re.search(r"Copyright|License", m.group(0)) and not m.group(0).startswith("#!"):
+        return text[m.end():]
+    return text
+
+
+def _code_tree(source: str, package: str, base: str, suffixes: tuple[str, ...], budget: int, *,
+               skip: Callable[[str], bool] = lambda rel: False) -> Callable[[Extraction], Iterator[Document]]:
+    """Source files under `base` with one of `suffixes` ("" = files with no suffix, e.g. C++ headers), no
+    test directories, none over 64 KiB, no generated files ("// Code generated ..."), leading licence comments
+    dropped; whole files in order of
+    sha256(path) until `budget` bytes of text."""
+    def extract(ex: Extraction) -> Iterator[Document]:
+        root = ex.root(package) / base
+        texts: dict[str, str] = {}
+        for f in sorted(root.rglob("*")):
+            rel = f.relative_to(root).as_posix()
+            if (not f.is_file() or f.is_symlink() or _TEST_DIRS & set(rel.split("/")[:-1]) or skip(rel)
+                    or f.stat().st_size > _CODE_MAX_FILE):
+                continue
+            if not (f.suffix in suffixes or ("" in suffixes and "." not in f.name)):
+                continue
+            texts[rel] = f.read_bytes().decode("utf-8", errors="replace")
+        used = 0
+        for rel in sorted(texts, key=lambda p: hashlib.sha256(p.encode()).hexdigest()):
+            text = normalise_text(_strip_line_licence(_strip_licence_comment(texts[rel])))
+            if not text or text.startswith("// Code generated") or used + len(text.encode()) > budget:
+                continue
+            used += len(text.encode())
+            yield Document(source, rel, text)
+    return extract
+
+
+# ---- more technical English, science, general English (training only) ------------------------------
+
+def _html_pages(source: str, package: str, folder: str) -> Callable[[Extraction], Iterator[Document]]:
+    def extract(ex: Extraction) -> Iterator[Document]:
+        for f in sorted((ex.root(package) / folder).glob("*.html")):
+            yield Document(source, f.stem, normalise_text(html_to_text(f.read_text(encoding="utf-8",
+                                                                                   errors="replace"))))
+    return extract
+
+
+def _text_files(source: str, package: str, folder: str, pattern: str) -> Callable[[Extraction], Iterator[Document]]:
+    def extract(ex: Extraction) -> Iterator[Document]:
+        for f in sorted((ex.root(package) / folder).glob(pattern)):
+            yield Document(source, f.name, normalise_text(f.read_text(encoding="utf-8", errors="replace")))
+    return extract
+
+
+def _info_files(source: str, package: str, pattern: str) -> Callable[[Extraction], Iterator[Document]]:
+    """Every node of every Info file matching `pattern` (split files `x.info-N.gz` included)."""
+    def extract(ex: Extraction) -> Iterator[Document]:
+        for f in sorted((ex.root(package)).glob(pattern)):
+            stem = f.name.split(".info", 1)[0] + f.name.split(".info", 1)[1].replace(".gz", "")
+            for i, (node, text) in enumerate(info_nodes(f)):
+                yield Document(source, f"{stem}/{i:03d} {node}", normalise_text(text), {"node": node})
+    return extract
+
+
+def _dictd(source: str, package: str, name: str) -> Callable[[Extraction], Iterator[Document]]:
+    """One document per dictd entry; meta headword so the training exclusion of sliced headwords applies."""
+    def extract(ex: Extraction) -> Iterator[Document]:
+        seen: dict[str, int] = {}
+        for headword, text in read_dictd(ex.root(package) / "usr/share/dictd", name):
+            n = seen[headword] = seen.get(headword, 0) + 1
+            yield Document(source, headword if n == 1 else f"{headword}#{n}", normalise_text(text),
+                           {"headword": headword})
+    return extract
+
+
+_JARGON_CHUNK = 16_000
+
+
+def _jargon(ex: Extraction) -> Iterator[Document]:
+    """The Jargon File text, cut at paragraph ends into pieces of at most ~16,000 characters."""
+    text = normalise_text(gzip.decompress((ex.root("jargon-text") / "usr/share/doc/jargon-text/jargon.txt.gz")
+                                          .read_bytes()).decode("utf-8", errors="replace"))
+    paras, piece, k = text.split("\n\n"), [], 0
+    for para in paras + [None]:
+        if para is None or (piece and sum(len(p) + 2 for p in piece) + len(para) > _JARGON_CHUNK):
+            yield Document("technical/jargon", f"{k:04d}", normalise_text("\n\n".join(piece)))
+            piece, k = [], k + 1
+        if para is not None:
+            piece.append(para)
+
+
+def _fortunes(ex: Extraction) -> Iterator[Document]:
+    """The fortunes collection (Debian's non-offensive set): one document per topic file, quotes kept whole."""
+    folder = ex.root("fortunes") / "usr/share/games/fortunes"
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".dat", ".u8") or not f.is_file() or f.is_symlink():
+            continue
+        quotes = [q.strip("\n") for q in re.split(r"^%$", f.read_text(encoding="utf-8", errors="replace"), flags=re.M)]
+        yield Document("english/fortunes", f.name, normalise_text("\n\n".join(q for q in quotes if q.strip())))
+
+
 # ---- the table -------------------------------------------------------------------------------------
 
 SOURCES: dict[str, Source] = {s.id: s for s in (
@@ -318,6 +424,45 @@ SOURCES: dict[str, Source] = {s.id: s for s in (
            "Linux man-pages 6.03 rendered by groff -Tascii, one document per page"),
     Source("technical/python-docs", ("python3.11-doc",), _python_docs,
            "Python 3.11 documentation reST sources, one document per file"),
+    Source("code/go", ("golang-1.19-src",), _code_tree(
+        "code/go", "golang-1.19-src", "usr/share/go-1.19/src", (".go",), 16_000_000,
+        skip=lambda rel: rel.endswith("_test.go") or rel.startswith(("cmd/vendor/", "vendor/"))),
+           "Go 1.19 standard library and toolchain .go files, no tests or vendored code, capped at 16 MB"),
+    Source("code/rust", ("rust-src",), _code_tree(
+        "code/rust", "rust-src", "usr/src/rustc-1.63.0/library", (".rs",), 14_000_000,
+        skip=lambda rel: rel.startswith(("stdarch/crates/core_arch/src/x86", "stdarch/crates/core_arch/src/arm"))),
+           "Rust 1.63 standard library (library/) .rs files, no tests/benches, generated intrinsics skipped, "
+           "capped at 14 MB"),
+    Source("code/perl", ("perl-modules-5.36",), _code_tree(
+        "code/perl", "perl-modules-5.36", "usr/share/perl/5.36", (".pm",), 8_000_000),
+           "Perl 5.36 core modules (.pm, with their POD), capped at 8 MB"),
+    Source("code/ruby", ("libruby3.1",), _code_tree(
+        "code/ruby", "libruby3.1", "usr/lib/ruby/3.1.0", (".rb",), 6_000_000),
+           "Ruby 3.1 standard library .rb files, capped at 6 MB"),
+    Source("code/cpp", ("libstdc++-12-dev",), _code_tree(
+        "code/cpp", "libstdc++-12-dev", "usr/include/c++/12", ("", ".h", ".tcc"), 8_000_000),
+           "GNU libstdc++ 12 headers (C++), capped at 8 MB"),
+    Source("technical/postgresql-docs", ("postgresql-doc-15",), _html_pages(
+        "technical/postgresql-docs", "postgresql-doc-15", "usr/share/doc/postgresql-doc-15/html"),
+           "PostgreSQL 15 manual (HTML), one document per page"),
+    Source("technical/debian-handbook", ("debian-handbook",), _html_pages(
+        "technical/debian-handbook", "debian-handbook", "usr/share/doc/debian-handbook/html/en-US"),
+           "The Debian Administrator's Handbook, English HTML, one document per page"),
+    Source("technical/git-docs", ("git-doc",), _text_files(
+        "technical/git-docs", "git-doc", "usr/share/doc/git/html", "*.txt"),
+           "Git 2.39 documentation (AsciiDoc sources), one document per file"),
+    Source("technical/r-manuals", ("r-doc-info",), _info_files("technical/r-manuals", "r-doc-info",
+                                                               "usr/share/info/R-*.info*.gz"),
+           "R 4.2 manuals (GNU Info), one document per node"),
+    Source("technical/foldoc", ("dict-foldoc",), _dictd("technical/foldoc", "dict-foldoc", "foldoc"),
+           "Free On-line Dictionary of Computing, one document per entry"),
+    Source("technical/jargon", ("jargon-text",), _jargon, "The Jargon File 4.4.7, cut at paragraphs into ~16 KB pieces"),
+    Source("science/maxima-manual", ("maxima-doc",), _info_files("science/maxima-manual", "maxima-doc",
+                                                                 "usr/share/info/maxima.info*.gz"),
+           "Maxima 5.46 computer-algebra manual (GNU Info), one document per node"),
+    Source("english/fortunes", ("fortunes",), _fortunes, "fortune-mod's non-offensive quotations, one document per topic"),
+    Source("english/devil", ("dict-devil",), _dictd("english/devil", "dict-devil", "devil"),
+           "Ambrose Bierce, The Devil's Dictionary, one document per entry"),
     Source("dictionary/gcide", ("dict-gcide",), _gcide_domain("general", "dictionary/gcide"),
            "GCIDE senses with no domain tag (general vocabulary)"),
     Source("dictionary/wordnet", ("wordnet-base",), lambda ex: wordnet_documents(

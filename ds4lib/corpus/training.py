@@ -13,13 +13,19 @@ Layout (not committed; rebuilt by `ds4 corpus train-set`):
 
 Exclusion: every document reserved for any slice (`split.reserve_documents`), every other part of
 a GCIDE entry that has a reserved sense, and every dictionary document (GCIDE or WordNet) whose
-headword or a lemma equals, case-insensitively, the headword of a reserved GCIDE document. So no
-slice text and no definition of a sliced word reaches the tokenizer or the training set.
+headword or a lemma equals, case-insensitively, the headword of a reserved GCIDE document, and every
+near-duplicate of a reserved document: a document whose text, or whose slice piece
+(`split.document_piece`), is after `near_duplicate_key` (lower case, every run of non-alphanumeric
+characters one space) equal to that of a reserved document's text or piece. So no slice text and no
+definition of a sliced word reaches the tokenizer or the training set, also not as a copy under another
+name (a licence text filed twice, a man page shipped by two packages).
 
 Mixing rule: a row of a batch comes from part p with probability MIXTURE[p]; its start offset is
 uniform in that part. `draw_batch(step)` seeds NumPy's PCG64 with (seed, step), so batch k is the
 same whatever was drawn before. Small parts (finance, science) are repeated more often than large
-ones; that is the intent of the weights (domain text over filler).
+ones; that is the intent of the weights (domain text over filler). The chat part renders every
+dictionary document in `CHAT_VARIANTS` wordings (`definitions`), so it is the largest part and carries
+the most weight; the plain dictionary part holds the same texts and weighs less.
 
 Shapes: B batch rows, T tokens per row (+1 for the shifted target).
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -40,9 +47,10 @@ from .document import Document
 from .fetch import file_sha256
 from .sources import SOURCES
 from .slices import SLICES_DIR
-from .split import Reservation, reserve_documents
+from .split import Reservation, document_piece, reserve_documents
 
-__all__ = ["Exclusion", "TRAINING_PARTS", "MIXTURE", "CHAT_SOURCES", "build_training_set", "tokenizer_sample",
+__all__ = ["Exclusion", "near_duplicate_key", "TRAINING_PARTS", "MIXTURE", "CHAT_SOURCES", "CHAT_VARIANTS",
+           "build_training_set", "tokenizer_sample",
            "train_corpus_tokenizer", "TrainingSet", "load_training_set"]
 
 TRAINING_PARTS: dict[str, tuple[str, ...]] = {
@@ -51,9 +59,20 @@ TRAINING_PARTS: dict[str, tuple[str, ...]] = {
 }
 CHAT_SOURCES = ("finance/gcide", "law/gcide", "medicine/gcide", "science/gcide", "dictionary/gcide",
                 "dictionary/wordnet")
-MIXTURE: dict[str, float] = {"finance": 0.06, "code": 0.16, "law": 0.12, "medicine": 0.12, "science": 0.06,
-                             "english": 0.14, "technical": 0.14, "dictionary": 0.10, "chat": 0.10}
+MIXTURE: dict[str, float] = {"finance": 0.04, "code": 0.18, "law": 0.10, "medicine": 0.10, "science": 0.05,
+                             "english": 0.10, "technical": 0.16, "dictionary": 0.07, "chat": 0.20}
+CHAT_VARIANTS = 2
 _BATCH_DOCS = 256
+_NON_ALNUM = re.compile(r"[\W_]+")
+
+
+def near_duplicate_key(text: str) -> str:
+    """sha256 of the text lower-cased with every run of non-alphanumeric characters made one space."""
+    return hashlib.sha256(_NON_ALNUM.sub(" ", text.lower()).strip().encode("utf-8")).hexdigest()
+
+
+def _text_keys(doc: Document) -> set[str]:
+    return {near_duplicate_key(doc.text), near_duplicate_key(document_piece(doc))}
 
 
 @dataclass(frozen=True)
@@ -61,19 +80,29 @@ class Exclusion:
     keys: frozenset[str]
     entries: frozenset[int]
     headwords: frozenset[str]
+    texts: frozenset[str] = frozenset()     # near_duplicate_key of every reserved document's text and piece
 
     @classmethod
     def from_reservation(cls, reservation: Reservation) -> "Exclusion":
         docs = reservation.documents()
         return cls(frozenset(d.key for d in docs),
                    frozenset(d.meta["entry"] for d in docs if "entry" in d.meta),
-                   frozenset(d.meta["headword"].lower() for d in docs if "entry" in d.meta))
+                   frozenset(d.meta["headword"].lower() for d in docs if "entry" in d.meta),
+                   frozenset(k for d in docs for k in _text_keys(d)))
 
     def excludes(self, doc: Document) -> bool:
+        return self.by_identity(doc) or self.near_duplicate(doc)
+
+    def by_identity(self, doc: Document) -> bool:
+        """Reserved itself, part of a reserved GCIDE entry, or a definition of a sliced headword."""
         if doc.key in self.keys or doc.meta.get("entry") in self.entries:
             return True
         words = [doc.meta.get("headword", ""), *doc.meta.get("lemmas", ())]
         return any(w.lower() in self.headwords for w in words if w)
+
+    def near_duplicate(self, doc: Document) -> bool:
+        """True when the document's text or piece matches a reserved one up to case and punctuation."""
+        return bool(self.texts) and not _text_keys(doc).isdisjoint(self.texts)
 
 
 def _allowed(corpus_dir: Path, source: str, exclusion: Exclusion) -> list[Document]:
@@ -143,14 +172,19 @@ def build_training_set(*, corpus_dir: Path, tokenizer, tokenizer_path: Path, out
         for source in sources:
             docs = _allowed(corpus_dir, source, exclusion)
             per_source[source] = len(docs)
-            texts += list(render_definition_chats(docs)) if part == "chat" else [d.text for d in docs]
+            texts += (list(render_definition_chats(docs, CHAT_VARIANTS)) if part == "chat"
+                      else [d.text for d in docs])
         tokens = _encode_documents(tokenizer, texts, wrap=part != "chat")
         path = out_dir / f"{part}.npy"
         np.save(path, tokens, allow_pickle=False)
         parts[part] = {"sources": per_source, "documents": len(texts), "tokens": int(tokens.size),
                        "sha256": file_sha256(path), "weight": MIXTURE[part]}
         log(f"train/{part}: {len(texts)} {'chats' if part == 'chat' else 'documents'}, {tokens.size:,} tokens")
+    near = {s: sum(1 for d in load_source(corpus_dir, s)
+                   if not exclusion.by_identity(d) and exclusion.near_duplicate(d)) for s in sorted(SOURCES)}
     manifest = {"tokenizer_sha256": tokenizer_sha256(tokenizer_path), "excluded_documents": len(exclusion.keys),
+                "near_duplicates_excluded": {s: n for s, n in near.items() if n},
+                "chat_variants": CHAT_VARIANTS,
                 "parts": parts, "total_tokens": sum(p["tokens"] for p in parts.values())}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest

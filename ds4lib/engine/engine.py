@@ -1,5 +1,6 @@
 """The engine: loads the stack (① base GGUF, optional ② sidecar, optional ③ post-training file, the Engram
-tables from the original checkpoint directory) and runs sessions on a backend.
+tables from the original checkpoint directory, given or found beside the base by content hash:
+`find_engram_checkpoint`) and runs sessions on a backend.
 
 Public API (the server and notebooks use nothing else): `Engine`, `Session`, `SamplingParams`,
 `EngineError`. A session holds one request's state (window rings, compressed rows, index keys, Engram
@@ -24,7 +25,7 @@ from ds4lib.formats.names import KEY_SOURCE_DIR
 from ds4lib.formats.sidecar import SidecarError, read_sidecar
 from ds4lib.tokenmap import TokenMapError, load_token_map
 
-__all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan"]
+__all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan", "find_engram_checkpoint"]
 
 EOS = 1
 
@@ -90,6 +91,59 @@ class Session:
         return len(self.tokens)
 
 
+def _content_hash(d: Path) -> str:
+    reader = CheckpointReader.open(d, validate=False)
+    try:
+        return reader.content_hash()
+    finally:
+        reader.close()
+
+
+def find_engram_checkpoint(base: BaseFile, engram_dir=None) -> Path:
+    """The checkpoint folder that holds the base file's Engram tables (they are not copied into the base).
+
+    With `engram_dir`: that folder, refused unless its content hash is the one the base file records.
+    Without: the base file's own folder, then every folder beside the base file (sorted by name) that holds
+    a config.json, the first whose content hash matches. A base file written before content-hash lookup
+    (no hash recorded) falls back to the path it recorded."""
+    want = base.source_hash
+    if engram_dir:
+        d = Path(engram_dir)
+        if not d.is_dir():
+            raise EngineError(f"Engram tables: directory {d} does not exist; pass --engram-dir with the original "
+                              f"checkpoint")
+        if want:
+            try:
+                got = _content_hash(d)
+            except (CheckpointError, KeyError, OSError) as e:
+                raise EngineError(f"Engram tables: {d} is not a readable checkpoint: {e}") from None
+            if got != want:
+                raise EngineError(f"Engram tables: {d} holds checkpoint {got[:16]}..., but {base.path} was built "
+                                  f"from checkpoint {want[:16]}...; pass --engram-dir with that checkpoint")
+        return d
+    if not want:
+        legacy = base.metadata.get(KEY_SOURCE_DIR, "")
+        if legacy and Path(legacy).is_dir():
+            return Path(legacy)
+        raise EngineError(f"Engram tables: {base.path} records no source checkpoint; pass --engram-dir")
+    here = Path(base.path).resolve().parent
+    candidates = [here] + sorted(p for p in here.iterdir() if p.is_dir())
+    tried = []
+    for d in candidates:
+        if not (d / "config.json").is_file():
+            continue
+        try:
+            got = _content_hash(d)
+        except (CheckpointError, KeyError, OSError):
+            got = "unreadable"
+        if got == want:
+            return d
+        tried.append(f"{d.name or d} ({got[:16]})")
+    raise EngineError(f"Engram tables: no checkpoint with content hash {want[:16]}... (the one {Path(base.path).name} "
+                      f"was built from) beside it in {here}" + (f"; checked {', '.join(tried)}" if tried else "")
+                      + "; pass --engram-dir with the original checkpoint")
+
+
 class Engine:
     def __init__(self, base_path, *, zchain=None, posttrain=None, engram_dir=None, backend: str = "cpu",
                  mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None):
@@ -119,7 +173,8 @@ class Engine:
                 gains[l] = gains[l] * g if l in gains else g
             for l, b in sc.bias.items():
                 bias[l] = bias[l] + b if l in bias else b
-        self.engram_dir = Path(engram_dir or self.base.metadata.get(KEY_SOURCE_DIR, ""))
+        self.engram_dir = find_engram_checkpoint(self.base, engram_dir) if cfg.engram_layer_ids else \
+            Path(engram_dir or "")
         self.engram_reader, self.token_map = self._open_engram(cfg)
         self.tokenizer = self._open_tokenizer(tokenizer_path)
         self.backend = make_backend(backend, self, gains, bias)
@@ -132,9 +187,6 @@ class Engine:
         if not cfg.engram_layer_ids:
             return None, None
         d = self.engram_dir
-        if not d or not d.is_dir():
-            raise EngineError(f"Engram tables: directory {str(d) or '(none)'} does not exist; pass --engram-dir "
-                              f"with the original checkpoint")
         try:
             reader = CheckpointReader.open(d, validate=False)
             for l in cfg.engram_layer_ids:

@@ -14,8 +14,8 @@ Container. GGUF v3 written with the `gguf` package (GGUFWriter serialises header
 Metadata (all `ds4.`): format_version (uint32, the reader's whitelist is vq.KNOWN_FORMAT_VERSIONS),
 vq.magic "DQV3", vq.dim 8, vq.bits (int array, one per layer), vq.bits_plan, vq.rounds,
 vq.pool_per_codeword, vq.codebook_format "e4m3", vq.index_layout, model.config (ModelConfig.to_hf_dict()
-as JSON), source.content_hash (CheckpointReader.content_hash()), source.checkpoint_dir (where the Engram
-tables stay), size_table (JSON), quantizer, q4k.fallback.
+as JSON), source.content_hash (CheckpointReader.content_hash(): what identifies the source checkpoint; no path
+is recorded), size_table (JSON), quantizer, q4k.fallback.
 
 Tensors, in the checkpoint inventory's order (ds4lib.inventory), names as in the official checkpoint:
 - routed experts of layer prefix P (`layers.{l}.` / `mtp.{s}.`) -> the VQ block, in place of the first
@@ -26,7 +26,7 @@ Tensors, in the checkpoint inventory's order (ds4lib.inventory), names as in the
   main_proj and Markov head, Engram wkv) -> `X.weight` as Q4_K (row length % 256 == 0), else Q8_0, else F16
   (q4k.linear_type); their `.scale` is folded in and not stored;
 - Engram tables (`*.engram.embed.weight/.scale`) -> not copied; the engine reads them from the original
-  checkpoint directory (ds4.source.checkpoint_dir or its own --engram-dir);
+  checkpoint, given by --engram-dir or found beside the base file by its content hash;
 - everything else (router, norms, mHC, sinks, biases, compressor and indexer projections, confidence head)
   -> as stored: BF16 as BF16, F32 as F32, FP8 E4M3 codes and their UE8M0 `.scale` as I8 bytes;
 - last, `ds4.vq.stats` F64 [L, 3, 2]: per layer and matrix (w1, w2, w3) the quantizer's sum of squared

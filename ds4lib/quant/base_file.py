@@ -5,10 +5,12 @@ streaming one layer at a time (VQ experts through ds4lib.quant.vq_layer, q4_K / 
 ds4lib.formats.q4k, everything else copied as stored), the statistics tensor last, and the report.
 The same function backs `ds4 quantize` and notebooks/quantize.ipynb.
 
-Determinism: the output depends only on the checkpoint bytes, its directory path (recorded for the Engram
-tables), the bit plan and the number of rounds; not on the device (CPU and CUDA paths give identical
-indices, see ds4lib.solvers.vq), the thread count or the time. The metadata therefore holds no device,
-timestamp or host name.
+Determinism: the output depends only on the checkpoint bytes, the bit plan and the number of rounds; not on
+the checkpoint's folder, the device (CPU and CUDA paths give identical indices, see ds4lib.solvers.vq), the
+thread count or the time. The metadata therefore holds no path, device, timestamp or host name: the source
+checkpoint is identified by its content hash (`ds4.source.content_hash`), and the engine finds the Engram
+tables by that hash (ds4lib.engine.engine.find_engram_checkpoint), so the same build in any two folders
+gives the same bytes.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def _metadata(cfg, plan, rounds, source_hash, checkpoint_dir):
+def _metadata(cfg, plan, rounds, source_hash):
     return [
         (N.KEY_FORMAT_VERSION, FORMAT_VERSION, VT.UINT32),
         (N.KEY_VQ_MAGIC, VQ_MAGIC, VT.STRING),
@@ -94,7 +96,6 @@ def _metadata(cfg, plan, rounds, source_hash, checkpoint_dir):
         (N.KEY_VQ_LAYOUT, INDEX_LAYOUT, VT.STRING),
         (N.KEY_MODEL_CONFIG, json.dumps(cfg.to_hf_dict(), sort_keys=True), VT.STRING),
         (N.KEY_SOURCE_HASH, source_hash, VT.STRING),
-        (N.KEY_SOURCE_DIR, checkpoint_dir, VT.STRING),
         (N.KEY_QUANTIZER, QUANTIZER_ID, VT.STRING),
         (N.KEY_Q4K_FALLBACK, "q8_0 (f16 if not a multiple of 32)", VT.STRING),
     ]
@@ -152,8 +153,7 @@ def quantize_checkpoint(*, checkpoint, out, bits_plan="auto", rounds: int = DEFA
     backend = make_backend(device)
     layout = base_file_layout(cfg, plan.bits)
     source_hash = reader.content_hash()
-    kv, table = _with_size_table(cfg, layout, _metadata(cfg, plan, rounds, source_hash,
-                                                        str(Path(checkpoint).resolve())), plan.bits)
+    kv, table = _with_size_table(cfg, layout, _metadata(cfg, plan, rounds, source_hash), plan.bits)
     n_vq = sum(2 * 3 * cfg.moe_shape(l)[0] + rounds for l in range(cfg.n_all_layers))
     bar = tqdm(total=n_vq + sum(1 for t in layout if not t.kind.startswith("vq_")), unit="step",
                desc="ds4 quantize", disable=not progress)

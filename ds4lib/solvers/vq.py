@@ -149,8 +149,13 @@ def _round_sig12_bits(u):
     return (u + np.uint32((1 << (_SIG_DROP - 1)) - 1) + lsb) & np.uint32(0xFFFFFFFF ^ ((1 << _SIG_DROP) - 1))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath={"contract"})
 def _assign_cpu(x, cbm2, cnorm, out):
+    """The assignment rule, SIMD across the TILE vectors of a tile, four codewords per pass over the tile.
+
+    Same bits as the plain statement (`assign_reference`): each d is accumulated in the fixed order i = 0..7
+    from the exact products of 12-bit values, so fusing multiply and add ("contract") rounds the same sums;
+    codewords are compared in increasing order with a strict <, so ties still go to the lowest index."""
     n = x.shape[0]
     k = cbm2.shape[0]
     xu = x.view(np.uint32)
@@ -165,7 +170,71 @@ def _assign_cpu(x, cbm2, cnorm, out):
         xs = tile.view(np.float32)
         best = np.full(TILE, np.inf, dtype=np.float32)
         bi = np.zeros(TILE, dtype=np.int32)
-        for c in range(k):
+        c = 0
+        while c + 4 <= k:                                     # four codewords per pass: x loaded once
+            a0, a1, a2, a3 = cbm2[c, 0], cbm2[c, 1], cbm2[c, 2], cbm2[c, 3]
+            a4, a5, a6, a7 = cbm2[c, 4], cbm2[c, 5], cbm2[c, 6], cbm2[c, 7]
+            b0, b1, b2, b3 = cbm2[c + 1, 0], cbm2[c + 1, 1], cbm2[c + 1, 2], cbm2[c + 1, 3]
+            b4, b5, b6, b7 = cbm2[c + 1, 4], cbm2[c + 1, 5], cbm2[c + 1, 6], cbm2[c + 1, 7]
+            e0, e1, e2, e3 = cbm2[c + 2, 0], cbm2[c + 2, 1], cbm2[c + 2, 2], cbm2[c + 2, 3]
+            e4, e5, e6, e7 = cbm2[c + 2, 4], cbm2[c + 2, 5], cbm2[c + 2, 6], cbm2[c + 2, 7]
+            f0, f1, f2, f3 = cbm2[c + 3, 0], cbm2[c + 3, 1], cbm2[c + 3, 2], cbm2[c + 3, 3]
+            f4, f5, f6, f7 = cbm2[c + 3, 4], cbm2[c + 3, 5], cbm2[c + 3, 6], cbm2[c + 3, 7]
+            na, nb, ne, nf = cnorm[c], cnorm[c + 1], cnorm[c + 2], cnorm[c + 3]
+            ia, ib, ie, jf = np.int32(c), np.int32(c + 1), np.int32(c + 2), np.int32(c + 3)
+            for v in range(TILE):
+                x0, x1, x2, x3 = xs[0, v], xs[1, v], xs[2, v], xs[3, v]
+                x4, x5, x6, x7 = xs[4, v], xs[5, v], xs[6, v], xs[7, v]
+                da = na + x0 * a0
+                da = da + x1 * a1
+                da = da + x2 * a2
+                da = da + x3 * a3
+                da = da + x4 * a4
+                da = da + x5 * a5
+                da = da + x6 * a6
+                da = da + x7 * a7
+                db = nb + x0 * b0
+                db = db + x1 * b1
+                db = db + x2 * b2
+                db = db + x3 * b3
+                db = db + x4 * b4
+                db = db + x5 * b5
+                db = db + x6 * b6
+                db = db + x7 * b7
+                de = ne + x0 * e0
+                de = de + x1 * e1
+                de = de + x2 * e2
+                de = de + x3 * e3
+                de = de + x4 * e4
+                de = de + x5 * e5
+                de = de + x6 * e6
+                de = de + x7 * e7
+                df = nf + x0 * f0
+                df = df + x1 * f1
+                df = df + x2 * f2
+                df = df + x3 * f3
+                df = df + x4 * f4
+                df = df + x5 * f5
+                df = df + x6 * f6
+                df = df + x7 * f7
+                b = best[v]
+                j = bi[v]
+                lt = da < b
+                b = da if lt else b
+                j = ia if lt else j
+                lt = db < b
+                b = db if lt else b
+                j = ib if lt else j
+                lt = de < b
+                b = de if lt else b
+                j = ie if lt else j
+                lt = df < b
+                b = df if lt else b
+                j = jf if lt else j
+                best[v] = b
+                bi[v] = j
+            c += 4
+        while c < k:                                          # the last k % 4 codewords
             c0, c1, c2, c3 = cbm2[c, 0], cbm2[c, 1], cbm2[c, 2], cbm2[c, 3]
             c4, c5, c6, c7 = cbm2[c, 4], cbm2[c, 5], cbm2[c, 6], cbm2[c, 7]
             nc = cnorm[c]
@@ -183,6 +252,7 @@ def _assign_cpu(x, cbm2, cnorm, out):
                 lt = d < b
                 best[v] = d if lt else b
                 bi[v] = ci if lt else bi[v]
+            c += 1
         for v in range(m):
             out[v0 + v] = bi[v]
 

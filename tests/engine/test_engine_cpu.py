@@ -139,3 +139,23 @@ def test_stop_strings_are_cut(engine):
     assert out[-1]["finish_reason"] == "stop"
     assert out[-1]["text"] == full[:full.find(stop)]
     assert "".join(e["text"] for e in out if e["type"] == "token") == out[-1]["text"]
+
+
+def test_engram_checkpoint_found_beside_the_base_by_content_hash(tiny_stack, tmp_path):
+    from ds4lib.config import ModelConfig
+    from ds4lib.synth import write_random_checkpoint
+    ckpt, base = tiny_stack                      # base.gguf and ckpt/ share a folder
+    found = Engine(base, tokenizer_path=_tok())
+    assert found.engram_dir.resolve() == ckpt.resolve()
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copy(base, moved / "base.gguf")
+    shutil.copytree(ckpt, moved / "renamed-checkpoint")
+    other = write_random_checkpoint(moved / "a-different-model", ModelConfig.tiny(), seed=1)
+    e = Engine(moved / "base.gguf", tokenizer_path=_tok())
+    assert e.engram_dir.name == "renamed-checkpoint"
+    with pytest.raises(EngineError, match="holds checkpoint .* but .* was built from checkpoint"):
+        Engine(moved / "base.gguf", engram_dir=other, tokenizer_path=_tok())
+    shutil.rmtree(moved / "renamed-checkpoint")
+    with pytest.raises(EngineError, match=r"no checkpoint with content hash .*checked a-different-model"):
+        Engine(moved / "base.gguf", tokenizer_path=_tok())

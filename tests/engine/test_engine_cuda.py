@@ -6,8 +6,9 @@ Two tiers:
   ds4lib.quant.base_file: two one-token decode steps against the CPU backend's prefill, and device sampling.
 - `test_gpu_*` need a real GPU (a full forward of a real model is far too slow for the simulator): CUDA vs CPU top-1
   agreement on judging windows, chunked prefill == decode bit for bit, greedy byte-identity across runs, an identity
-  sidecar == no sidecar exactly, memory plan. They use ds4-tiny (cache/ds4-tiny-base.gguf with models/ds4-tiny) when
-  present, else the random tiny stack. Without a GPU they skip, and with DS4_REQUIRE_CUDA=1 they fail instead.
+  sidecar == no sidecar exactly, memory plan. They use ds4-tiny (the shipped models/ds4-tiny-base.gguf with
+  models/ds4-tiny) when present, else the random tiny stack. Without a GPU they skip, and with DS4_REQUIRE_CUDA=1
+  they fail instead.
 """
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ from ds4lib.engine import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "data" / "tokenizer" / "tokenizer.json"
-TINY_BASE = ROOT / "cache" / "ds4-tiny-base.gguf"
+TINY_BASE = ROOT / "models" / "ds4-tiny-base.gguf"
 TINY_CKPT = ROOT / "models" / "ds4-tiny"
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 REQUIRE = os.environ.get("DS4_REQUIRE_CUDA", "0") not in ("", "0")

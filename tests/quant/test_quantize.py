@@ -59,3 +59,19 @@ def test_measurements(micro_checkpoint):
     cmp = shared_vs_per_expert(checkpoint=micro_checkpoint, layers=[1], bits=8, rounds=2)
     assert [r["scheme"] for r in cmp] == ["shared per layer", "one per expert"]
     assert cmp[1]["codebooks"] == 4 and cmp[1]["bits_per_weight"] > cmp[0]["bits_per_weight"]
+
+
+def test_same_checkpoint_in_two_folders_gives_identical_bytes_and_no_path(micro_checkpoint, tmp_path):
+    import shutil
+    from ds4lib.formats import names as N
+    from ds4lib.quant import quantize_checkpoint
+    a = shutil.copytree(micro_checkpoint, tmp_path / "one" / "ck")
+    b = shutil.copytree(micro_checkpoint, tmp_path / "two" / "deeper" / "other-name")
+    quantize_checkpoint(checkpoint=a, out=tmp_path / "a.gguf", rounds=1, bits_plan="2", progress=False)
+    quantize_checkpoint(checkpoint=b, out=tmp_path / "b.gguf", rounds=1, bits_plan="2", progress=False)
+    raw = (tmp_path / "a.gguf").read_bytes()
+    assert raw == (tmp_path / "b.gguf").read_bytes()
+    assert str(tmp_path).encode() not in raw and b"/ck" not in raw
+    base = BaseFile.open(tmp_path / "a.gguf")
+    assert N.KEY_SOURCE_DIR not in base.metadata
+    assert base.source_hash == CheckpointReader.open(micro_checkpoint).content_hash()

@@ -102,3 +102,24 @@ def test_numba_rounding_matches_the_numpy_spec():
                         np.float32([0, -0.0, 1 + 2 ** -12, 1 + 3 * 2 ** -12, -(1 + 2 ** -12), 2.0 ** -61, 2.0 ** -60])])
     got = np.array([_round_sig12_bits(u) for u in x.view(np.uint32)], dtype=np.uint32)
     assert np.array_equal(got, round_sig12(x).view(np.uint32))
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 5, 703])
+def test_cpu_assignment_blocks_of_four_and_the_tail_keep_the_rule(k):
+    """The CPU kernel compares four codewords per pass and the last k % 4 one by one: ties inside a block,
+    across blocks and in the tail all go to the lowest index, and every index equals the NumPy rule."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((1000, 8)).astype(np.float32)
+    x[:50] = 0.0                                          # all-zero vectors: every d is |c|^2
+    x[50:60] = 1e-30                                      # flushed to zero by the 12-bit rounding
+    cb = rng.standard_normal((k, 8)).astype(np.float32)
+    if k >= 4:
+        cb[k - 1] = cb[k - 2]                             # a tie in the tail or the last block
+        cb[1] = cb[0]                                     # a tie inside the first block
+        x[60:200] = cb[0] + np.float32(1e-3) * rng.standard_normal((140, 8)).astype(np.float32)
+    p = prepare_codebook(cb)
+    be = CpuLloyd()
+    got = be.fetch(be.assign(be.put(x), p))
+    assert np.array_equal(got, assign_reference(x, p))
+    if k >= 4:
+        assert not np.any(got == 1) and not np.any(got == k - 1)
