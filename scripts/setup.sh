@@ -7,10 +7,13 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
+# DS4_EXTRAS: the optional dependency groups; scripts/test.sh adds `train` (PyTorch, CPU build, for the trainer's
+# tests), the main job does without it
+EXTRAS=${DS4_EXTRAS:-cuda,notebooks,test}
 stamp=.venv/.ds4-installed
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml constraints.txt; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[cuda,notebooks,test,train]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi

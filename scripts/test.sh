@@ -10,7 +10,7 @@ if ! command -v chromium >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
-bash scripts/setup.sh
+DS4_EXTRAS=cuda,notebooks,test,train bash scripts/setup.sh
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

@@ -33,6 +33,15 @@ def rbf16(x):
     return x.to(BF16).to(torch.float32)
 
 
+def bf16_mm(op, *xs):
+    """A product of BF16 inputs with FP32 accumulation and a BF16-valued FP32 result. On the GPU: BF16 tensor
+    cores. On the CPU, where BF16 GEMMs are emulated and slow, the same values in FP32 (products of BF16 values
+    are exact in FP32), rounded once to BF16: equal up to the accumulation order."""
+    if xs[0].is_cuda:
+        return op(*(x.to(BF16) for x in xs)).float()
+    return rbf16(op(*(rbf16(x) for x in xs)))
+
+
 def _pow2_ceil(x):
     return torch.exp2(torch.ceil(torch.log2(x)))
 
@@ -112,7 +121,7 @@ class Linear(nn.Module):
             return x @ w.t()
         if self.kind in ("fp8", "fp4") and self.qat:
             x = act_quant_fp8(x)
-        return (x.to(BF16) @ w.to(BF16).t()).float()       # BF16 inputs, FP32 accumulate, BF16 output values
+        return bf16_mm(torch.matmul, x, w.t())             # BF16 inputs, FP32 accumulate, BF16 output values
 
 
 class RMSNorm(nn.Module):
@@ -205,16 +214,16 @@ class MoE(nn.Module):
         xq = act_quant_fp8(x) if self.qat else x
         w1, w2, w3 = (self._stacked(name) for name in ("w1", "w2", "w3"))                  # [E, F, D], [E, D, F]
         Fi = w1.shape[1]
-        g = (xq.to(BF16) @ w1.reshape(E * Fi, -1).to(BF16).t()).float().reshape(N, E, Fi)  # [N, E, F]
-        u = (xq.to(BF16) @ w3.reshape(E * Fi, -1).to(BF16).t()).float().reshape(N, E, Fi)
+        g = bf16_mm(torch.matmul, xq, w1.reshape(E * Fi, -1).t()).reshape(N, E, Fi)      # [N, E, F]
+        u = bf16_mm(torch.matmul, xq, w3.reshape(E * Fi, -1).t()).reshape(N, E, Fi)
         if cfg.swiglu_limit > 0:
             u = u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
             g = g.clamp(max=cfg.swiglu_limit)
         a = rbf16(F.silu(g) * u * wt[..., None])
         if self.qat:
             a = act_quant_fp8(a)
-        ye = torch.bmm(a.to(BF16).transpose(0, 1), w2.to(BF16).transpose(1, 2))           # [E, N, D] BF16
-        y = ye.float().sum(0) + expert_forward(self.shared_experts, x, cfg.swiglu_limit)
+        ye = bf16_mm(torch.bmm, a.transpose(0, 1), w2.transpose(1, 2))                    # [E, N, D]
+        y = ye.sum(0) + expert_forward(self.shared_experts, x, cfg.swiglu_limit)
         return rbf16(y).reshape(shp), load
 
     def _stacked(self, name):
@@ -311,7 +320,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         o = apply_rope(o, cos, sin, inverse=True).reshape(B, T, cfg.o_groups, -1)
         wo_a = self.wo_a.eff_weight().reshape(cfg.o_groups, cfg.o_lora_rank, -1)
-        u = rbf16(torch.einsum("btgd,grd->btgr", o.to(BF16), wo_a.to(BF16)).float())
+        u = bf16_mm(lambda a, b: torch.einsum("btgd,grd->btgr", a, b), o, wo_a)
         return self.wo_b(u.reshape(B, T, -1))
 
 
@@ -523,7 +532,7 @@ class Model(nn.Module):
                 shared["sel", role.layer] = sel
                 # indexer KL toward the main attention over reachable compressed rows (targets detached)
                 with torch.no_grad():
-                    za = torch.einsum("bthd,bgd->bhtg", q.to(BF16), ckv.to(BF16)).float() * cfg.head_dim ** -0.5
+                    za = bf16_mm(lambda a, b: torch.einsum("bthd,bgd->bhtg", a, b), q, ckv) * cfg.head_dim ** -0.5
                     pa = torch.softmax(za.masked_fill(~reachable, float("-inf")), -1).nan_to_num(0).sum(1)
                     pa = pa / pa.sum(-1, keepdim=True).clamp_min(1e-30)
                 logq = torch.log_softmax(score, -1).masked_fill(~reachable, 0)
@@ -614,7 +623,7 @@ class Model(nn.Module):
                 o = sink_attention(q, keys, full_mask, a.attn_sink, cfg.head_dim ** -0.5)
                 o = apply_rope_rows(o, bcos, bsin, inverse=True).reshape(N, Bk, cfg.o_groups, -1)
                 wo_a = a.wo_a.eff_weight().reshape(cfg.o_groups, cfg.o_lora_rank, -1)
-                u = rbf16(torch.einsum("btgd,grd->btgr", o.to(BF16), wo_a.to(BF16)).float())
+                u = bf16_mm(lambda a, b: torch.einsum("btgd,grd->btgr", a, b), o, wo_a)
                 return a.wo_b(u.reshape(N, Bk, -1))
             h, pre = stage(h, pre, attend, loads)
         last = self.mtp[-1]
