@@ -1,5 +1,5 @@
 """`ds4-server -m BASE.gguf [--zchain DIR] [--posttrain DIR] [--engram-dir DIR] [--mem-budget-mb MB] [--cuda]
-[--host 127.0.0.1] [--port 8000] [--alias NAME] [--max-queue N] [--threads N] [--default-max-tokens N]`
+[--host 127.0.0.1] [--port 8000] [--alias NAME] [--model-alias NAME ...] [--max-queue N] [--threads N] [--default-max-tokens N]`
 
 Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at
 once and /health answers 503 while the engine loads on the worker thread; if loading fails the process exits
@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = LAN)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--alias", default=None, help="model name the API reports (default: the base file's stem)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another model name requests may use (repeatable); any other name gets a 404. The served "
+                        "name and deepseek-reasoner (thinking on) are always accepted")
     p.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait for the engine; more get a 503")
     p.add_argument("--threads", type=int, default=None,
                    help="HTTP threads (default: max-queue + 8, since each waiting request holds one and /health, "
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # a failed load interrupts the main thread (on_fatal) wherever it is, possibly before server.run()
     try:
-        app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem,
+        app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem, aliases=args.model_alias,
                          default_max_tokens=args.default_max_tokens, max_queue=args.max_queue, on_fatal=on_fatal)
         threads = args.threads or args.max_queue + 8
         server = waitress.create_server(app, host=args.host, port=args.port, threads=threads,

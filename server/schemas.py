@@ -5,11 +5,12 @@ Owns: the request dataclasses (`GenerationRequest`, `Sampling`), their validatio
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
 SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools,
 images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Also owns the
-resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort` high|max,
-`thinking: {"type": "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). "max" is thinking
-like "high": its instruction prefix applies only at >= 384K context (ARCHITECTURE.md §6), which no ds4-tiny
-stack has. Anthropic's `thinking.budget_tokens` is validated but not enforced (the engine has no way to force
-`</think>`); `max_tokens` bounds the reasoning and the answer together.
+resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
+"enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
+release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
+levels (thinking, with the level's instruction prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any
+other value is a 400 naming the accepted ones. Anthropic's `thinking.budget_tokens` is validated but not
+enforced (the engine has no way to force `</think>`); `max_tokens` bounds the reasoning and the answer together.
 
 Does not own: tokenization, context checks and chat rendering (prompts.py), response shapes (openai_api.py,
 anthropic_api.py).
@@ -22,8 +23,8 @@ __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse
            "parse_messages", "parse_count_tokens", "REASONER_MODEL"]
 
 REASONER_MODEL = "deepseek-reasoner"
-_THINKING_EFFORTS = {"high", "max"}
-_EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
+# API value -> the encoder's effort level (None: non-thinking)
+_EFFORTS = {"none": None, "low": "low", "high": "high", "max": "max", "xhigh": "max"}
 _MAX_STOPS = 16
 _SEED_MOD = 1 << 63
 
@@ -59,6 +60,7 @@ class GenerationRequest:
     messages: tuple = ()
     prompt: str | tuple | None = None
     thinking: bool = False
+    effort: str | None = None                 # the encoder's reasoning-effort level (thinking mode only)
     stream: bool = False
     include_usage: bool = False
     extras: dict = field(default_factory=dict)   # values echoed back in the response (responses API)
@@ -165,14 +167,16 @@ def _refuse_openai_extras(body: dict) -> None:
         raise RequestError("'logit_bias' is not supported", param="logit_bias", code="unsupported_value")
 
 
-def _thinking(body: dict, model: str | None, *, effort: str | None = None) -> bool:
-    """SEED §7: any explicit switch decides (on wins over off); otherwise the model name; otherwise off."""
-    votes = []
+def _thinking(body: dict, model: str | None, *, effort: str | None = None, effort_param: str = "reasoning_effort"):
+    """(thinking, effort level). SEED §7: any explicit switch decides (on wins over off); otherwise the model
+    name; otherwise off. A reasoning effort other than "none" is a switch to on."""
+    votes, level = [], None
     if effort is not None:
         if effort not in _EFFORTS:
-            raise RequestError(f"reasoning effort must be one of {sorted(_EFFORTS)}, got {effort!r}",
-                               param="reasoning_effort", code="invalid_value")
-        votes.append(effort in _THINKING_EFFORTS)
+            raise RequestError(f"'{effort_param}' must be one of {', '.join(_EFFORTS)}, got {effort!r}",
+                               param=effort_param, code="invalid_value")
+        level = _EFFORTS[effort]
+        votes.append(level is not None)
     th = _get(body, "thinking", "object")
     if th is not None:
         kind = _get(th, "type", "string", required=True, where="thinking.")
@@ -184,9 +188,13 @@ def _thinking(body: dict, model: str | None, *, effort: str | None = None) -> bo
     think = _get(body, "think", "boolean")
     if think is not None:
         votes.append(think)
-    if votes:
-        return any(votes)
-    return model == REASONER_MODEL
+    on = any(votes) if votes else model == REASONER_MODEL
+    return on, (level if on else None)
+
+
+def _thinking_fields(body: dict, model: str | None, **kw) -> dict:
+    on, level = _thinking(body, model, **kw)
+    return {"thinking": on, "effort": level}
 
 
 def _text_parts(content, where: str, text_types: tuple) -> str:
@@ -252,7 +260,7 @@ def parse_chat(body) -> GenerationRequest:
         api="chat", model=model, messages=_openai_messages(body.get("messages")),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                            stop_key="stop"),
-        thinking=_thinking(body, model, effort=_get(body, "reasoning_effort", "string")),
+        **_thinking_fields(body, model, effort=_get(body, "reasoning_effort", "string")),
         stream=bool(_get(body, "stream", "boolean", False)),
         include_usage=bool(_get(opts, "include_usage", "boolean", False, where="stream_options.")))
 
@@ -326,7 +334,7 @@ def parse_responses(body) -> GenerationRequest:
     return GenerationRequest(
         api="responses", model=model, messages=_responses_input(body.get("input"), instructions),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
-        thinking=_thinking(body, model, effort=effort),
+        **_thinking_fields(body, model, effort=effort, effort_param="reasoning.effort"),
         stream=bool(_get(body, "stream", "boolean", False)),
         extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {}})
 
@@ -386,14 +394,15 @@ def _anthropic_messages(body: dict) -> tuple:
     return tuple(out)
 
 
-def _anthropic_thinking(body: dict, model: str | None) -> bool:
+def _anthropic_thinking(body: dict, model: str | None) -> dict:
     """`thinking` ({"type": "enabled" | "adaptive" | "between_tools" | "disabled"}), `output_config.effort` (high |
     max, as reasoning_effort), `think`, or the reasoner model name."""
     cfg = _get(body, "output_config", "object") or {}
     if _get(cfg, "format", "object", where="output_config."):
         raise RequestError("structured output (output_config.format) is not supported", param="output_config.format",
                            code="unsupported_value")
-    return _thinking(body, model, effort=_get(cfg, "effort", "string", where="output_config."))
+    return _thinking_fields(body, model, effort=_get(cfg, "effort", "string", where="output_config."),
+                            effort_param="output_config.effort")
 
 
 def parse_messages(body) -> GenerationRequest:
@@ -409,7 +418,7 @@ def parse_messages(body) -> GenerationRequest:
         api="messages", model=model, messages=_anthropic_messages(body),
         sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
                            max_tokens_required=True),
-        thinking=_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
+        **_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
 
 
 def parse_count_tokens(body) -> GenerationRequest:
@@ -417,4 +426,4 @@ def parse_count_tokens(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     return GenerationRequest(api="messages", model=model, messages=_anthropic_messages(body), sampling=Sampling(),
-                             thinking=_anthropic_thinking(body, model))
+                             **_anthropic_thinking(body, model))

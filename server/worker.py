@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ds4lib.chat import END_THINK, THINK
 from ds4lib.engine import Cancelled, EngineError, SamplingParams
+from ds4lib.tokenizer import TextEncoder
 
 from server.metrics import Metrics
 from server.schemas import RequestError
@@ -102,7 +103,7 @@ class Worker:
     def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, on_fatal=None):
         self._load, self._on_fatal = load, on_fatal
         self.metrics, self.max_queue = metrics, max_queue
-        self.engine = None
+        self.engine = self.encoder = None
         self.state, self.error = "loading", None
         self.running = 0
         self._current: Job | None = None
@@ -160,6 +161,7 @@ class Worker:
         try:
             self.engine = self._load()
             tok = self.engine.tokenizer
+            self.encoder = TextEncoder(tok)
             self._think_id, self._end_think_id = tok.token_to_id(THINK), tok.token_to_id(END_THINK)
         except Exception as e:                        # any load failure: report it, never hang in "loading"
             self.state, self.error = "failed", str(e)
