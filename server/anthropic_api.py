@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from ds4lib.chat import parse_reply
 
-from server.reply import ANSWER, REASONING, split_events
+from server.reply import ANSWER, KEEPALIVE, REASONING, split_events
 from server.schemas import RequestError
+from server.sse import KEEPALIVE as SSE_KEEPALIVE
 from server.sse import frame
 from server.worker import JobError
 
@@ -69,6 +70,9 @@ def message_stream(req, job, model: str, disconnected):
 
     try:
         for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+            if kind == KEEPALIVE:
+                yield SSE_KEEPALIVE
+                continue
             if kind in (REASONING, ANSWER):
                 if not blocks or blocks[-1] != kind:
                     yield from open_block(kind)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="HTTP threads (default: max-queue + 8, since each waiting request holds one and /health, "
                         "/metrics and the page need a few more)")
+    p.add_argument("--sse-keepalive-s", type=float, default=15.0,
+                   help="a stream that waits this long (queue, long prefill) gets an SSE comment line; 0 = never")
     p.add_argument("--default-max-tokens", type=int, default=4096,
                    help="generation length when a request gives none (capped by the context)")
     return p
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
     # a failed load interrupts the main thread (on_fatal) wherever it is, possibly before server.run()
     try:
         app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem, aliases=args.model_alias,
-                         default_max_tokens=args.default_max_tokens, max_queue=args.max_queue, on_fatal=on_fatal)
+                         default_max_tokens=args.default_max_tokens, max_queue=args.max_queue, on_fatal=on_fatal,
+                         keepalive_s=args.sse_keepalive_s or None)
         threads = args.threads or args.max_queue + 8
         server = waitress.create_server(app, host=args.host, port=args.port, threads=threads,
                                         channel_request_lookahead=1, ident="ds4-server",

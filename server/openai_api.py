@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from ds4lib.chat import parse_reply
 
-from server.reply import ANSWER, DONE, REASONING, split_events
+from server.reply import ANSWER, DONE, KEEPALIVE, REASONING, split_events
 from server.schemas import RequestError
 from server.sse import DONE as SSE_DONE
+from server.sse import KEEPALIVE as SSE_KEEPALIVE
 from server.sse import frame
 from server.worker import JobError
 
@@ -61,7 +62,9 @@ def chat_stream(req, job, model: str, disconnected):
     yield chunk({"role": "assistant", "content": ""})
     try:
         for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
-            if kind == REASONING:
+            if kind == KEEPALIVE:
+                yield SSE_KEEPALIVE
+            elif kind == REASONING:
                 yield chunk({"reasoning_content": value})
             elif kind == ANSWER:
                 yield chunk({"content": value})
@@ -93,7 +96,9 @@ def completion_stream(req, job, model: str, disconnected):
 
     try:
         for ev in job.events_iter(disconnected):
-            if ev["type"] == "token":
+            if ev["type"] == "keepalive":
+                yield SSE_KEEPALIVE
+            elif ev["type"] == "token":
                 if ev["text"]:
                     yield chunk(ev["text"])
             else:
@@ -213,6 +218,9 @@ def responses_stream(req, job, model: str, disconnected):
     yield ev.emit("response.in_progress", response=ev.response("in_progress"))
     try:
         for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+            if kind == KEEPALIVE:
+                yield SSE_KEEPALIVE
+                continue
             if kind != DONE:
                 yield from ev.delta(kind, value)
                 continue

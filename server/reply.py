@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from ds4lib.chat import END_THINK, THINK
 
-__all__ = ["ReplySplitter", "split_events", "REASONING", "ANSWER", "DONE"]
+__all__ = ["ReplySplitter", "split_events", "REASONING", "ANSWER", "DONE", "KEEPALIVE"]
 
-REASONING, ANSWER, DONE = "reasoning", "answer", "done"
+REASONING, ANSWER, DONE, KEEPALIVE = "reasoning", "answer", "done", "keepalive"
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -72,10 +72,13 @@ class ReplySplitter:
 
 
 def split_events(events, thinking_open: bool):
-    """Engine events -> (REASONING | ANSWER, text) pieces, then (DONE, the done event)."""
+    """Engine events -> (REASONING | ANSWER, text) pieces, (KEEPALIVE, None) while waiting, then (DONE, the done
+    event)."""
     splitter = ReplySplitter(thinking_open)
     for ev in events:
-        if ev["type"] == "token":
+        if ev["type"] == "keepalive":
+            yield KEEPALIVE, None
+        elif ev["type"] == "token":
             yield from splitter.feed(ev["text"])
         elif ev["type"] == "done":
             yield from splitter.finish()

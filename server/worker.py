@@ -52,6 +52,7 @@ class Job:
     t_arrival: float = field(default_factory=time.perf_counter)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    keepalive_s: float | None = None            # a quiet stream gets a keep-alive event this often
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -68,20 +69,28 @@ class Job:
 
     def events_iter(self, disconnected=_never):
         """The job's events up to and including "done". Returns early (after cancelling) when `disconnected()`
-        turns true while waiting; raises JobError on an engine failure."""
+        turns true while waiting; raises JobError on an engine failure. With `keepalive_s`, a wait longer than that
+        (in the queue, or a long prefill) yields {"type": "keepalive"} so proxies and clients keep the stream open."""
         next_check = time.monotonic() + _POLL_S
+        last = time.monotonic()
+        poll = min(_POLL_S, self.keepalive_s) if self.keepalive_s else _POLL_S
         while True:
             try:
-                ev = self.events.get(timeout=_POLL_S)
+                ev = self.events.get(timeout=poll)
             except queue.Empty:
                 ev = None
-            if time.monotonic() >= next_check:     # by the clock: tokens may arrive faster than the poll period
-                next_check = time.monotonic() + _POLL_S
+            now = time.monotonic()
+            if now >= next_check:                  # by the clock: tokens may arrive faster than the poll period
+                next_check = now + _POLL_S
                 if disconnected():
                     self.cancel()
                     return
             if ev is None:
+                if self.keepalive_s and now - last >= self.keepalive_s:
+                    last = now
+                    yield {"type": "keepalive"}
                 continue
+            last = now
             if ev["type"] == "error":
                 raise JobError(ev["message"], ev["status"])
             yield ev
@@ -100,8 +109,9 @@ class Job:
 class Worker:
     """`load` is called on the worker thread and returns the Engine; `on_fatal(exc)` runs if it fails."""
 
-    def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, on_fatal=None):
-        self._load, self._on_fatal = load, on_fatal
+    def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, on_fatal=None,
+                 keepalive_s: float | None = None):
+        self._load, self._on_fatal, self.keepalive_s = load, on_fatal, keepalive_s
         self.metrics, self.max_queue = metrics, max_queue
         self.engine = self.encoder = None
         self.state, self.error = "loading", None
@@ -135,7 +145,7 @@ class Worker:
         if self._queue.qsize() >= self.max_queue:
             raise RequestError(f"{self._queue.qsize()} requests are already waiting; try again later", status=503,
                                kind="overloaded_error", code="queue_full")
-        job = Job(list(prompt_ids), params, thinking_open)
+        job = Job(list(prompt_ids), params, thinking_open, keepalive_s=self.keepalive_s)
         self._queue.put(job)
         return job
 

@@ -12,7 +12,7 @@ from ds4lib.engine import EngineError
 from server import create_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-MSGS = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+MSGS = {"model": "ds4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def _wait(cond, timeout=10.0):
@@ -29,7 +29,7 @@ def test_health_is_503_while_loading_then_200(engine):
         release.wait(30)
         return engine
 
-    app = create_app(load=load, model_name="ds4-test")
+    app = create_app(load=load, model_name="ds4-test", aliases=("ds4",))
     c = app.test_client()
     r = c.get("/health")
     assert r.status_code == 503 and r.json["status"] == "loading"
@@ -121,3 +121,33 @@ def test_create_app_needs_exactly_one_source(engine):
         create_app()
     with pytest.raises(ValueError):
         create_app(engine, load=lambda: engine)
+
+
+class _SlowPrefill:
+    """An engine whose prefill takes `delay` seconds: streams must carry keep-alive comments meanwhile."""
+
+    def __init__(self, engine, delay):
+        self.engine, self.delay = engine, delay
+        self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
+
+    def generate(self, prompt_ids, params, should_stop=None):
+        time.sleep(self.delay)
+        yield from self.engine.generate(prompt_ids, params, should_stop=should_stop)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x",
+                                       "max_tokens": 2}), ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                                       ("/v1/messages", MSGS)])
+def test_streams_send_keepalive_comments_while_waiting(engine, path, body):
+    app = create_app(_SlowPrefill(engine, 0.6), keepalive_s=0.1)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    text = c.post(path, json=dict(body, stream=True)).get_data(as_text=True)
+    frames = text.split("\n\n")
+    keep = [i for i, f in enumerate(frames) if f == ": keep-alive"]
+    tokens = [i for i, f in enumerate(frames) if any(m in f for m in ('"delta":{"content"', '"text_delta"',
+                                                                     "output_text.delta", '"text_completion"'))]
+    assert tokens and len([i for i in keep if i < min(tokens)]) >= 3, frames[:12]
+    plain = c.post(path, json=body)
+    assert plain.status_code == 200 and b"keep-alive" not in plain.data
+    app.extensions["ds4"].worker.stop(timeout=5)
