@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from ds4lib.tools.argtypes import finite_float, int_at_least
 from ds4lib.tools.engine_args import add_engine_args, open_engine
 
 __all__ = ["main", "build_parser"]
@@ -28,18 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 "HTTP APIs, with a chat page at /.")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = LAN)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--alias", default=None, help="model name the API reports (default: the base file's stem)")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
                    help="another model name requests may use (repeatable); any other name gets a 404. The served "
                         "name and deepseek-reasoner (thinking on) are always accepted")
-    p.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait for the engine; more get a 503")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--max-queue", type=int_at_least(0), default=32, help="requests allowed to wait for the engine; more get a 503")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="HTTP threads (default: max-queue + 8, since each waiting request holds one and /health, "
                         "/metrics and the page need a few more)")
-    p.add_argument("--sse-keepalive-s", type=float, default=15.0,
+    p.add_argument("--sse-keepalive-s", type=finite_float(0.0), default=15.0,
                    help="a stream that waits this long (queue, long prefill) gets an SSE comment line; 0 = never")
-    p.add_argument("--default-max-tokens", type=int, default=4096,
+    p.add_argument("--default-max-tokens", type=int_at_least(1), default=4096,
                    help="generation length when a request gives none (capped by the context)")
     return p
 

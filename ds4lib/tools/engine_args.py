@@ -1,6 +1,8 @@
 """Command-line flags that open an engine stack, shared by `ds4`, `ds4 score`, `ds4 eval` and `ds4-server`."""
 from __future__ import annotations
 
+from ds4lib.tools.argtypes import finite_float
+
 __all__ = ["add_engine_args", "open_engine"]
 
 
@@ -11,7 +13,7 @@ def add_engine_args(p, model_required: bool = True):
     p.add_argument("--engram-dir", default=None, help="original checkpoint directory holding the Engram tables "
                                                       "(default: the one recorded in the base file)")
     p.add_argument("--cuda", action="store_true", help="run on the GPU (Numba CUDA kernels)")
-    p.add_argument("--mem-budget-mb", type=float, default=None, help="refuse to start if the stack needs more")
+    p.add_argument("--mem-budget-mb", type=finite_float(0.0, lo_open=True), default=None, help="refuse to start if the stack needs more")
 
 
 def open_engine(args):

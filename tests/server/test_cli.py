@@ -25,6 +25,13 @@ def _run(args, timeout=120, **kw):
                           timeout=timeout, **kw)
 
 
+def test_bad_flag_values_are_usage_errors():
+    for args, flag in ((["--max-queue", "-1"], "--max-queue"), (["--port", "x"], "--port"),
+                       (["--sse-keepalive-s", "nan"], "--sse-keepalive-s"), (["--mem-budget-mb", "0"], "--mem-budget")):
+        r = _run(["-m", "b.gguf", *args])
+        assert r.returncode == 2 and f"argument {flag}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_missing_base_file_exits_2():
     r = _run(["-m", "/nonexistent/base.gguf"])
     assert r.returncode == 2 and "no such base file" in r.stderr
