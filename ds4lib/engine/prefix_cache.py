@@ -300,9 +300,11 @@ class PrefixCache:
             if best is None:
                 self.misses += 1
                 return None, [], 0
-            self._entries.move_to_end(best.tokens)
             self.hits += 1
             self.tokens_reused += len(best.tokens)
+            if best.tokens not in self._entries:           # loaded from disk, too big for memory: hand it over
+                return best.state, best.features, len(best.tokens)
+            self._entries.move_to_end(best.tokens)
             return (self._copy_state(best.state), [np.array(f) for f in best.features], len(best.tokens))
 
     def store(self, tokens, state, features=()) -> None:
