@@ -36,9 +36,10 @@ def _stop(done: dict) -> tuple:
     return "end_turn", None
 
 
-def _usage(job, output_tokens: int) -> dict:
-    return {"input_tokens": job.prompt_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}
+def _usage(job, output_tokens: int, cached: int = 0) -> dict:
+    """Anthropic counts cache reads apart from input_tokens (input = uncached + read + created)."""
+    return {"input_tokens": job.prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def message_body(req, job, model: str, done: dict) -> dict:
@@ -47,7 +48,8 @@ def message_body(req, job, model: str, done: dict) -> dict:
     content.append({"type": "text", "text": answer})
     stop_reason, stop_sequence = _stop(done)
     return {"id": f"msg_{job.id}", "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(job, done["completion_tokens"])}
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(job, done["completion_tokens"], done.get("cached_tokens", 0))}
 
 
 def message_stream(req, job, model: str, disconnected):

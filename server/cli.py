@@ -1,5 +1,5 @@
 """`ds4-server -m BASE.gguf [--zchain DIR] [--posttrain DIR] [--engram-dir DIR] [--mem-budget-mb MB] [--cuda]
-[--host 127.0.0.1] [--port 8000] [--alias NAME] [--model-alias NAME ...] [--max-queue N] [--threads N] [--default-max-tokens N]`
+[--prefix-cache-mb MB] [--kv-disk-dir DIR] [--kv-disk-mb MB] [--host 127.0.0.1] [--port 8000] [--alias NAME] [--model-alias NAME ...] [--max-queue N] [--threads N] [--default-max-tokens N]`
 
 Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at
 once and /health answers 503 while the engine loads on the worker thread; if loading fails the process exits
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ds4lib.tools.argtypes import finite_float, int_at_least
-from ds4lib.tools.engine_args import add_engine_args, open_engine
+from ds4lib.tools.engine_args import add_engine_args, add_prefix_cache_args, open_engine
 
 __all__ = ["main", "build_parser"]
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-server", description="Serve a ds4 stack over OpenAI- and Anthropic-style "
                                 "HTTP APIs, with a chat page at /.")
     add_engine_args(p)
+    add_prefix_cache_args(p, default_mb=1024.0)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = LAN)")
     p.add_argument("--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--alias", default=None, help="model name the API reports (default: the base file's stem)")

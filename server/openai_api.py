@@ -35,6 +35,7 @@ def error_body(e: RequestError | JobError) -> dict:
 def _usage(job, done) -> dict:
     n = done["completion_tokens"]
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": n, "total_tokens": job.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": done.get("cached_tokens", 0)},
             "completion_tokens_details": {"reasoning_tokens": done["reasoning_tokens"]}}
 
 
@@ -113,7 +114,7 @@ def completion_stream(req, job, model: str, disconnected):
 # ---------------------------------------------------------------------------------------------- responses
 def _response_usage(job, done) -> dict:
     n = done["completion_tokens"]
-    return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": done.get("cached_tokens", 0)},
             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": done["reasoning_tokens"]},
             "total_tokens": job.prompt_tokens + n}
 

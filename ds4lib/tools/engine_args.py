@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ds4lib.tools.argtypes import finite_float
 
-__all__ = ["add_engine_args", "open_engine"]
+__all__ = ["add_engine_args", "add_prefix_cache_args", "open_engine"]
 
 
 def add_engine_args(p, model_required: bool = True):
@@ -13,10 +13,23 @@ def add_engine_args(p, model_required: bool = True):
     p.add_argument("--engram-dir", default=None, help="original checkpoint directory holding the Engram tables "
                                                       "(default: the one recorded in the base file)")
     p.add_argument("--cuda", action="store_true", help="run on the GPU (Numba CUDA kernels)")
-    p.add_argument("--mem-budget-mb", type=finite_float(0.0, lo_open=True), default=None, help="refuse to start if the stack needs more")
+    p.add_argument("--mem-budget-mb", type=finite_float(0.0, lo_open=True), default=None,
+                   help="refuse to start if the stack needs more")
+
+
+def add_prefix_cache_args(p, default_mb: float = 0.0):
+    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server)."""
+    p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=default_mb,
+                   help=f"memory for recent sessions' states, reused by requests that extend them (default "
+                        f"{default_mb:g}; 0 = off; CPU backend)")
+    p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
+                                                       "survives restarts)")
+    p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
+                   help="size cap of --kv-disk-dir (default 4096)")
 
 
 def open_engine(args):
     from ds4lib.engine import Engine
+    cache = {k: getattr(args, k) for k in ("prefix_cache_mb", "kv_disk_dir", "kv_disk_mb") if hasattr(args, k)}
     return Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
-                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb)
+                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)
