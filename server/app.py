@@ -81,7 +81,9 @@ def _is_anthropic() -> bool:
 
 def _error_response(e: RequestError | JobError, status: int):
     body = anthropic_api.error_body(e) if _is_anthropic() else openai_api.error_body(e)
-    return jsonify(body), status
+    response = jsonify(body)
+    response.headers.update(getattr(e, "headers", None) or {})
+    return response, status
 
 
 def _register_errors(app: Flask) -> None:
@@ -109,7 +111,8 @@ def _register_errors(app: Flask) -> None:
 
 
 def create_app(engine=None, *, load=None, model_name: str = "ds4", aliases=(), default_max_tokens: int = 4096,
-               max_queue: int = 32, on_fatal=None, keepalive_s: float | None = 15.0) -> Flask:
+               max_queue: int = 32, max_running: int = 4, on_fatal=None,
+               keepalive_s: float | None = 15.0) -> Flask:
     """Exactly one of `engine` (loaded) or `load` (a callable returning one, run on the worker thread)."""
     if (engine is None) == (load is None):
         raise ValueError("pass exactly one of engine= or load=")
@@ -118,7 +121,7 @@ def create_app(engine=None, *, load=None, model_name: str = "ds4", aliases=(), d
     app.json.ensure_ascii = False
     metrics = Metrics()
     worker = Worker(load if load is not None else (lambda: engine), metrics=metrics, max_queue=max_queue,
-                    on_fatal=on_fatal, keepalive_s=keepalive_s).start()
+                    max_running=max_running, on_fatal=on_fatal, keepalive_s=keepalive_s).start()
     app.extensions["ds4"] = ServerState(worker, metrics, model_name, default_max_tokens, tuple(aliases))
     app.register_blueprint(bp)
     _register_errors(app)

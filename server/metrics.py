@@ -89,7 +89,7 @@ class Metrics:
                 ("ds4_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
                  round(self.last_tokens_per_second, 3)),
                 ("ds4_queue_depth", "gauge", "Requests waiting for the worker.", queue_depth),
-                ("ds4_requests_running", "gauge", "Generations running now (0 or 1).", running),
+                ("ds4_requests_running", "gauge", "Generations admitted and interleaved now (at most --max-running).", running),
                 ("ds4_engine_loaded", "gauge", "1 once the engine has loaded.", int(loaded)),
             ]
             for name, kind, help_, value in scalars:

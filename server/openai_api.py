@@ -22,7 +22,8 @@ from server.worker import JobError
 __all__ = ["error_body", "chat_body", "chat_stream", "completion_body", "completion_stream", "responses_body",
            "responses_stream"]
 
-_TYPES = {"not_found_error": "invalid_request_error", "overloaded_error": "server_error", "api_error": "server_error"}
+_TYPES = {"not_found_error": "invalid_request_error", "overloaded_error": "server_error", "api_error": "server_error",
+          "rate_limit_error": "rate_limit_exceeded"}
 
 
 def error_body(e: RequestError | JobError) -> dict:

@@ -33,9 +33,10 @@ class RequestError(ValueError):
     """A request the server refuses: rendered as the calling API's error body with `status`."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = headers or {}
 
 
 @dataclass(frozen=True)

@@ -289,11 +289,22 @@ class Engine:
         s = self.resume(prompt_ids)
         return s, list(prompt_ids)[s.position:]
 
-    def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool):
+    def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool, progress: bool = False):
+        """With `progress`, also yields None after each prefill block but the last (a caller interleaving several
+        generations steps each one block at a time)."""
         self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
         try:
-            logits = self.prefill(s, prompt_ids, should_stop=should_stop)
+            if progress:
+                B = self.prefill_block
+                for i in range(0, len(prompt_ids), B):
+                    if i:
+                        yield None
+                        if should_stop is not None and should_stop():
+                            raise Cancelled("cancelled during prefill")
+                    logits = self.prefill(s, prompt_ids[i:i + B])
+            else:
+                logits = self.prefill(s, prompt_ids, should_stop=should_stop)
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
             for step in range(params.max_tokens):
                 tok = self.backend.sample(logits, params, seed, step)
@@ -309,16 +320,18 @@ class Engine:
             if store and clean and self.prefix_cache is not None:
                 self.prefix_cache.store(s.tokens, s.state, s.features)
 
-    def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
+    def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None,
+                 progress: bool = False):
         """Yield one {"type": "token", "id", "text"} event per generated token (EOS excepted), `text` being the new
         text, possibly empty (held back while it may be an incomplete UTF-8 character or the start of a stop
         string); at the end, held-back text that turned out not to start a stop string comes as one more event with
         id None; then {"type": "done", "finish_reason": "stop" | "length", "stop": the matched stop string or None,
         "completion_tokens", "text", "cached_tokens": prompt tokens taken from the prefix cache}. A stop string ends
-        generation and is not emitted; EOS is not counted."""
+        generation and is not emitted; EOS is not counted. With `progress`, {"type": "prefill", "position"} comes
+        after each prefill block but the last, so that a caller can interleave generations block by block."""
         stops = tuple(s for s in params.stop if s)
         sess, rest = self._session_for(prompt_ids, session)
-        gen = self._generate_ids(sess, rest, params, should_stop, store=session is None)
+        gen = self._generate_ids(sess, rest, params, should_stop, store=session is None, progress=progress)
         try:                          # closing this generator closes the token stream at once (and caches it)
             yield from self._events(gen, stops, sess)
         finally:
@@ -328,6 +341,9 @@ class Engine:
         ids, emitted, finish, matched = [], "", "length", None
         decode = self.tokenizer.decode
         for tok in gen:
+            if tok is None:
+                yield {"type": "prefill", "position": sess.position}
+                continue
             if tok == EOS:
                 finish = "stop"
                 break

@@ -34,7 +34,7 @@ def test_health_is_503_while_loading_then_200(engine):
     r = c.get("/health")
     assert r.status_code == 503 and r.json["status"] == "loading"
     r = c.post("/v1/chat/completions", json=CHAT)
-    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready"
+    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready" and r.headers["Retry-After"]
     r = c.post("/v1/messages", json=MSGS)
     assert r.status_code == 503 and r.json["type"] == "error" and r.json["error"]["type"] == "overloaded_error"
     assert "ds4_engine_loaded 0" in c.get("/metrics").text
@@ -61,13 +61,15 @@ def test_failed_load_reports_and_calls_on_fatal():
     assert "failed to load" in c.post("/v1/chat/completions", json=CHAT).json["error"]["message"]
 
 
-def test_full_queue_is_503_in_each_shape(engine):
+def test_full_queue_is_429_with_retry_after_in_each_shape(engine):
     app = create_app(engine, max_queue=0)
     c = app.test_client()
     _wait(lambda: c.get("/health").status_code == 200)
     r = c.post("/v1/chat/completions", json=CHAT)
-    assert r.status_code == 503 and r.json["error"]["code"] == "queue_full"
-    assert c.post("/v1/messages", json=MSGS).json["error"]["type"] == "overloaded_error"
+    assert r.status_code == 429 and r.json["error"]["code"] == "queue_full"
+    assert int(r.headers["Retry-After"]) >= 1
+    r = c.post("/v1/messages", json=MSGS)
+    assert r.status_code == 429 and r.json["error"]["type"] == "rate_limit_error" and r.headers["Retry-After"]
     app.extensions["ds4"].worker.stop(timeout=5)
 
 
@@ -78,8 +80,8 @@ class _Exploding:
         self.engine, self.fail = engine, True
         self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
 
-    def generate(self, prompt_ids, params, should_stop=None):
-        for ev in self.engine.generate(prompt_ids, params, should_stop=should_stop):
+    def generate(self, prompt_ids, params, **kw):
+        for ev in self.engine.generate(prompt_ids, params, **kw):
             yield ev
             if self.fail:
                 raise RuntimeError("kernel exploded")
@@ -130,9 +132,9 @@ class _SlowPrefill:
         self.engine, self.delay = engine, delay
         self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
 
-    def generate(self, prompt_ids, params, should_stop=None):
+    def generate(self, prompt_ids, params, **kw):
         time.sleep(self.delay)
-        yield from self.engine.generate(prompt_ids, params, should_stop=should_stop)
+        yield from self.engine.generate(prompt_ids, params, **kw)
 
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x",
