@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start(args, extra):
-    log = open(Path(args.log_dir) / f"bench_prefix_cache_{len(extra)}.log", "w")
+    log = open(Path(args.log_dir) / ("bench_server" + "".join(extra).replace("-", "_") + ".log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "-m", args.base, "--engram-dir", args.engram_dir,
                              "--port", "0", "--alias", "bench", *extra], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
