@@ -10,9 +10,9 @@ Does not own: validation (schemas.py) or generation (worker.py).
 """
 from __future__ import annotations
 
-from ds4lib.chat import parse_reply
+from ds4lib.chat import parse_reply, split_answer
 
-from server.reply import ANSWER, DONE, KEEPALIVE, REASONING, split_events
+from server.reply import ANSWER, DONE, KEEPALIVE, REASONING, TOOL_CALL, split_events
 from server.schemas import RequestError
 from server.sse import DONE as SSE_DONE
 from server.sse import KEEPALIVE as SSE_KEEPALIVE
@@ -41,13 +41,27 @@ def _usage(job, done) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- chat
+def _call_id(job, i: int) -> str:
+    return f"call_{job.id}_{i}"
+
+
+def _finish(done: dict, called: bool) -> str:
+    return "tool_calls" if called and done["finish_reason"] == "stop" else done["finish_reason"]
+
+
 def chat_body(req, job, model: str, done: dict) -> dict:
     reasoning, answer = parse_reply(done["text"], thinking=job.thinking_open)
-    message = {"role": "assistant", "content": answer}
+    content, calls = split_answer(answer) if req.tools else (answer, [])
+    message = {"role": "assistant", "content": content if content or not calls else None}
     if req.thinking or reasoning:
         message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": _call_id(job, i), "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for i, c in enumerate(calls)]
     return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": done["finish_reason"], "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish(done, bool(calls)),
+                         "logprobs": None}],
             "usage": _usage(job, done), "system_fingerprint": None}
 
 
@@ -62,16 +76,22 @@ def chat_stream(req, job, model: str, disconnected):
         return frame(c)
 
     yield chunk({"role": "assistant", "content": ""})
+    called = False
     try:
-        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open, bool(req.tools)):
             if kind == KEEPALIVE:
                 yield SSE_KEEPALIVE
             elif kind == REASONING:
                 yield chunk({"reasoning_content": value})
             elif kind == ANSWER:
                 yield chunk({"content": value})
+            elif kind == TOOL_CALL:                   # the call's head, then its arguments as one delta
+                called, i = True, value["index"]
+                yield chunk({"tool_calls": [{"index": i, "id": _call_id(job, i), "type": "function",
+                                             "function": {"name": value["name"], "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": value["arguments"]}}]})
             else:
-                yield chunk({}, finish=value["finish_reason"])
+                yield chunk({}, finish=_finish(value, called))
                 if req.include_usage:
                     yield frame(dict(head, choices=[], usage=_usage(job, value)))
                 yield SSE_DONE

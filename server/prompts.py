@@ -36,11 +36,14 @@ def _chat_pieces(req: GenerationRequest) -> tuple[list, bool]:
     if not any(m["role"] == "user" for m in msgs):
         raise RequestError("the conversation needs at least one user message", param="messages",
                            code="invalid_value")
-    if msgs[-1]["role"] != "user":
-        raise RequestError("the last message must come from the user (or be one assistant prefill after it)",
+    if msgs[-1]["role"] not in ("user", "tool"):
+        raise RequestError("the last message must come from the user or a tool (or be one assistant prefill after "
+                           "it)", param="messages", code="invalid_value")
+    if prefill is not None and prefill.get("tool_calls"):
+        raise RequestError("a trailing assistant message is a prefill for the reply; it cannot hold tool calls",
                            param="messages", code="invalid_value")
     try:
-        pieces = chat_pieces(msgs, thinking=req.thinking, reasoning_effort=req.effort)
+        pieces = chat_pieces(msgs, thinking=req.thinking, reasoning_effort=req.effort, tools=req.tools)
     except ChatError as e:
         raise RequestError(str(e), param="messages", code="invalid_value") from None
     open_thinking = req.thinking

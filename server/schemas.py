@@ -3,8 +3,10 @@ messages and messages/count_tokens.
 
 Owns: the request dataclasses (`GenerationRequest`, `Sampling`), their validation and `RequestError`. A field
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
-SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools,
-images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Also owns the
+SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
+tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
+silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
+parsed into ds4lib.chat's message form. Also owns the
 resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
 "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
 release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
@@ -17,6 +19,8 @@ anthropic_api.py).
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 
 __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
@@ -60,6 +64,7 @@ class GenerationRequest:
     sampling: Sampling
     messages: tuple = ()
     prompt: str | tuple | None = None
+    tools: tuple = ()                         # function definitions {"name", "description"?, "parameters"?}
     thinking: bool = False
     effort: str | None = None                 # the encoder's reasoning-effort level (thinking mode only)
     stream: bool = False
@@ -136,8 +141,9 @@ def _sampling(body: dict, *, max_temperature: float, max_tokens_keys: tuple, sto
 
 
 _IGNORED_OPENAI = (("user", "string"), ("metadata", "object"), ("store", "boolean"), ("service_tier", "string"),
-                   ("parallel_tool_calls", "boolean"), ("tool_choice", ("string", "object")))
-_IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"), ("tool_choice", "object"))
+                   ("parallel_tool_calls", "boolean"))
+_IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"))
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 def _check_ignored(body: dict, fields) -> None:
@@ -158,9 +164,6 @@ def _refuse_openai_extras(body: dict) -> None:
         raise RequestError("only n = 1 is supported", param="n", code="unsupported_value")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise RequestError("logprobs are not supported by this server", param="logprobs", code="unsupported_value")
-    if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
     for key in ("presence_penalty", "frequency_penalty"):
         if _get(body, key, "number", 0.0) != 0.0:
             raise RequestError(f"'{key}' is not supported (only 0)", param=key, code="unsupported_value")
@@ -219,8 +222,83 @@ def _text_parts(content, where: str, text_types: tuple) -> str:
     return "".join(out)
 
 
+# ---------------------------------------------------------------------------------------------- tools
+def _check_tool_choice(choice, where: str) -> None:
+    """Automatic tool use or none; a forced call is refused (it needs constrained decoding, which this server does
+    not have)."""
+    if choice not in ("auto", "none"):
+        raise RequestError(f"'{where}' {json.dumps(choice)[:60]} is not supported: only automatic tool use (auto) or "
+                           f"none; forcing a call needs constrained decoding", param=where, code="unsupported_value")
+
+
+def _function(name, description, parameters, where: str) -> dict:
+    if not _TOOL_NAME.match(name):
+        raise RequestError(f"'{where}' {name[:40]!r} must be 1-128 of letters, digits, _ . : -", param=where,
+                           code="invalid_value")
+    d = {"name": name}
+    if description is not None:
+        d["description"] = description
+    if parameters is not None:
+        d["parameters"] = parameters
+    return d
+
+
+def _unique(tools: list) -> tuple:
+    names = [t["name"] for t in tools]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise RequestError(f"tool names must be unique; repeated: {sorted(dup)}", param="tools", code="invalid_value")
+    return tuple(tools)
+
+
+def _openai_tools(body: dict) -> tuple:
+    tools = _get(body, "tools", "array")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        _check_tool_choice(choice, "tool_choice")
+    if not tools or choice == "none":
+        return ()                                     # "none": the tools stay out of the prompt
+    out = []
+    for i, t in enumerate(tools):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"'{w}' must be a function tool ({{'type': 'function', 'function': {{...}}}})",
+                               param=w, code="unsupported_value")
+        fn = _get(t, "function", "object", required=True, where=f"{w}.")
+        out.append(_function(_get(fn, "name", "string", required=True, where=f"{w}.function."),
+                             _get(fn, "description", "string", where=f"{w}.function."),
+                             _get(fn, "parameters", "object", where=f"{w}.function."), f"{w}.function.name"))
+    return _unique(out)
+
+
+def _openai_tool_calls(raw, where: str) -> list:
+    if not isinstance(raw, list):
+        raise RequestError(f"'{where}' must be an array", param=where, code="invalid_type")
+    calls = []
+    for i, c in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(c, dict) or c.get("type", "function") != "function":
+            raise RequestError(f"'{w}' must be a function call", param=w, code="invalid_type")
+        fn = _get(c, "function", "object", required=True, where=f"{w}.")
+        args = _get(fn, "arguments", "string", "{}", where=f"{w}.function.")
+        _json_object(args, f"{w}.function.arguments")
+        calls.append({"id": _get(c, "id", "string", "", where=f"{w}."),
+                      "name": _get(fn, "name", "string", required=True, where=f"{w}.function."), "arguments": args})
+    return calls
+
+
+def _json_object(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"'{where}' is not JSON: {e}", param=where, code="invalid_value") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"'{where}' must be a JSON object", param=where, code="invalid_value")
+    return value
+
+
 # ---------------------------------------------------------------------------------------------- OpenAI
-_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _openai_messages(raw, where: str = "messages") -> tuple:
@@ -233,13 +311,17 @@ def _openai_messages(raw, where: str = "messages") -> tuple:
             raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
         role = _get(m, "role", "string", required=True, where=f"{w}.")
         if role not in _OPENAI_ROLES:
-            raise RequestError(f"'{w}.role' {role!r} is not supported (system, developer, user, assistant)",
+            raise RequestError(f"'{w}.role' {role!r} is not supported (system, developer, user, assistant, tool)",
                                param=f"{w}.role", code="unsupported_value")
-        if m.get("tool_calls"):
-            raise RequestError("tool calls are not supported by this model's chat encoding", param=f"{w}.tool_calls",
-                               code="unsupported_value")
         msg = {"role": _OPENAI_ROLES[role],
                "content": _text_parts(m.get("content"), f"{w}.content", ("text", "input_text", "output_text"))}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise RequestError(f"'{w}.tool_calls' belong to assistant messages", param=f"{w}.tool_calls",
+                                   code="invalid_value")
+            msg["tool_calls"] = _openai_tool_calls(m["tool_calls"], f"{w}.tool_calls")
+        if role == "tool":
+            msg["tool_call_id"] = _get(m, "tool_call_id", "string", required=True, where=f"{w}.")
         reasoning = _get(m, "reasoning_content", "string", where=f"{w}.")
         if reasoning and role == "assistant":
             msg["reasoning_content"] = reasoning
@@ -258,7 +340,7 @@ def parse_chat(body) -> GenerationRequest:
                            code="unsupported_value")
     opts = _get(body, "stream_options", "object") or {}
     return GenerationRequest(
-        api="chat", model=model, messages=_openai_messages(body.get("messages")),
+        api="chat", model=model, messages=_openai_messages(body.get("messages")), tools=_openai_tools(body),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                            stop_key="stop"),
         **_thinking_fields(body, model, effort=_get(body, "reasoning_effort", "string")),
@@ -270,6 +352,8 @@ def parse_completion(body) -> GenerationRequest:
     """POST /v1/completions: raw text after BOS (no chat template), OpenAI's default max_tokens of 16."""
     body = _body(body)
     _refuse_openai_extras(body)
+    if _get(body, "tools", "array"):
+        raise RequestError("tools need a chat: use /v1/chat/completions", param="tools", code="unsupported_value")
     for key in ("echo", "suffix"):
         if body.get(key):
             raise RequestError(f"'{key}' is not supported", param=key, code="unsupported_value")
@@ -327,8 +411,8 @@ def parse_responses(body) -> GenerationRequest:
         raise RequestError("previous_response_id is not supported: this server stores no responses; send the "
                            "conversation in 'input'", param="previous_response_id", code="unsupported_value")
     if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
+        raise RequestError("tools are not supported on /v1/responses yet: use /v1/chat/completions or /v1/messages",
+                           param="tools", code="unsupported_value")
     reasoning = _get(body, "reasoning", "object") or {}
     effort = _get(reasoning, "effort", "string", where="reasoning.")
     instructions = _get(body, "instructions", "string")
@@ -341,13 +425,22 @@ def parse_responses(body) -> GenerationRequest:
 
 
 # ---------------------------------------------------------------------------------------------- Anthropic
-def _anthropic_content(content, role: str, where: str) -> dict:
+def _tool_result_text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n\n".join(_text_parts([b], where, ("text",)) for b in content) if isinstance(content, list) else \
+        _text_parts(content, where, ("text",))
+
+
+def _anthropic_content(content, role: str, where: str) -> list:
+    """One Anthropic message -> chat messages: tool_result blocks become tool messages (before the user's text, as
+    the API puts them first), tool_use blocks the assistant's tool calls."""
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise RequestError(f"'{where}' must be a string or an array of content blocks", param=where,
                            code="invalid_type")
-    text, reasoning = [], []
+    text, reasoning, calls, results = [], [], [], []
     for i, block in enumerate(content):
         w = f"{where}[{i}]"
         if not isinstance(block, dict):
@@ -359,14 +452,45 @@ def _anthropic_content(content, role: str, where: str) -> dict:
             reasoning.append(_get(block, "thinking", "string", "", where=f"{w}."))
         elif kind == "redacted_thinking" and role == "assistant":
             continue
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": _get(block, "id", "string", "", where=f"{w}."),
+                          "name": _get(block, "name", "string", required=True, where=f"{w}."),
+                          "arguments": json.dumps(_get(block, "input", "object", {}, where=f"{w}."),
+                                                  ensure_ascii=False)})
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "tool_call_id": _get(block, "tool_use_id", "string", required=True,
+                                                                 where=f"{w}."),
+                            "content": _tool_result_text(block.get("content"), f"{w}.content")})
         else:
             raise RequestError(f"content block type {kind!r} is not supported in a {role} message (text"
-                               f"{' and thinking' if role == 'assistant' else ''} only)", param=f"{w}.type",
-                               code="unsupported_value")
+                               f"{', thinking and tool_use' if role == 'assistant' else ' and tool_result'} only)",
+                               param=f"{w}.type", code="unsupported_value")
     msg = {"role": role, "content": "".join(text)}
     if reasoning:
         msg["reasoning_content"] = "".join(reasoning)
-    return msg
+    if calls:
+        msg["tool_calls"] = calls
+    return results + ([msg] if not results or text else [])
+
+
+def _anthropic_tools(body: dict) -> tuple:
+    tools = _get(body, "tools", "array")
+    choice = _get(body, "tool_choice", "object")
+    if choice is not None:
+        kind = _get(choice, "type", "string", required=True, where="tool_choice.")
+        _check_tool_choice(kind, "tool_choice.type")
+        if kind == "none":
+            return ()
+    out = []
+    for i, t in enumerate(tools or []):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+            raise RequestError(f"'{w}' must be a client tool (name, description, input_schema); server tools are not "
+                               f"supported", param=w, code="unsupported_value")
+        out.append(_function(_get(t, "name", "string", required=True, where=f"{w}."),
+                             _get(t, "description", "string", where=f"{w}."),
+                             _get(t, "input_schema", "object", required=True, where=f"{w}."), f"{w}.name"))
+    return _unique(out)
 
 
 def _anthropic_messages(body: dict) -> tuple:
@@ -391,7 +515,7 @@ def _anthropic_messages(body: dict) -> tuple:
         if role not in ("user", "assistant"):
             raise RequestError(f"'{w}.role' must be user or assistant, got {role!r}", param=f"{w}.role",
                                code="invalid_value")
-        out.append(_anthropic_content(m.get("content"), role, f"{w}.content"))
+        out += _anthropic_content(m.get("content"), role, f"{w}.content")
     return tuple(out)
 
 
@@ -412,11 +536,8 @@ def parse_messages(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     _check_ignored(body, _IGNORED_ANTHROPIC)
-    if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
     return GenerationRequest(
-        api="messages", model=model, messages=_anthropic_messages(body),
+        api="messages", model=model, messages=_anthropic_messages(body), tools=_anthropic_tools(body),
         sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
                            max_tokens_required=True),
         **_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
@@ -427,4 +548,5 @@ def parse_count_tokens(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     return GenerationRequest(api="messages", model=model, messages=_anthropic_messages(body), sampling=Sampling(),
+                             tools=_anthropic_tools(body),
                              **_anthropic_thinking(body, model))
