@@ -128,7 +128,9 @@ def health():
 @bp.get("/metrics")
 def metrics():
     st = _state()
-    text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready)
+    engine = st.worker.engine if st.worker.ready else None
+    text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready,
+                             prefix_cache=getattr(engine, "prefix_cache", None))
     return Response(text, mimetype="text/plain; version=0.0.4")
 
 

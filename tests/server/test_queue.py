@@ -211,3 +211,23 @@ def test_metrics_count_requests_and_tokens(live_server):
     assert "ds4_time_to_first_token_seconds_count" in text and "ds4_tokens_per_second" in text
     assert live_server.metric("ds4_engine_loaded") == 1
     assert live_server.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_second_turn_reuses_the_first_turns_state(live_server):
+    """The live server keeps finished sessions (--prefix-cache-mb, on by default): a follow-up turn reports the
+    reused prompt tokens in each API's usage, and /metrics counts the hit."""
+    hits = live_server.metric("ds4_prefix_cache_hits_total")
+    first = [{"role": "user", "content": "Tell me about double-entry bookkeeping in detail."}]
+    r1 = live_server.post(CHAT, json={"messages": first, "max_tokens": 4, "temperature": 0}).json()
+    second = first + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "And single-entry?"}]
+    r2 = live_server.post(CHAT, json={"messages": second, "max_tokens": 2, "temperature": 0}).json()
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert r1["usage"]["prompt_tokens"] <= cached < r2["usage"]["prompt_tokens"]
+    assert live_server.metric("ds4_prefix_cache_hits_total") > hits
+    third = second + [{"role": "assistant", "content": r2["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Thanks."}]
+    r3 = live_server.post("/v1/messages", json={"model": "ds4-test", "messages": third, "max_tokens": 2,
+                                                "temperature": 0}).json()
+    u = r3["usage"]
+    assert u["cache_read_input_tokens"] >= r2["usage"]["prompt_tokens"] - 2 and u["input_tokens"] > 0
