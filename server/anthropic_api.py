@@ -112,8 +112,9 @@ def message_stream(req, job, model: str, disconnected):
                 yield from open_block(ANSWER)          # the text block always exists, even when empty
             yield frame({"type": "content_block_stop", "index": len(blocks) - 1}, event="content_block_stop")
             stop_reason, stop_sequence = _stop(value, called)
+            usage = _usage(job, value["completion_tokens"], value.get("cached_tokens", 0))   # final, as unstreamed
             yield frame({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                         "usage": {"output_tokens": value["completion_tokens"]}}, event="message_delta")
+                         "usage": usage}, event="message_delta")
             yield frame({"type": "message_stop"}, event="message_stop")
     except JobError as e:
         yield frame(error_body(e), event="error")
