@@ -18,10 +18,12 @@ def add_engine_args(p, model_required: bool = True):
 
 
 def add_prefix_cache_args(p, default_mb: float = 0.0):
-    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server)."""
-    p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=default_mb,
+    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server). The default
+    applies to the CPU backend; the CUDA backend has no state snapshots yet, so there it defaults to off."""
+    p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=None,
                    help=f"memory for recent sessions' states, reused by requests that extend them (default "
-                        f"{default_mb:g}; 0 = off; CPU backend)")
+                        f"{default_mb:g} on the CPU backend, off with --cuda; 0 = off)")
+    p.set_defaults(prefix_cache_default_mb=default_mb)
     p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
                                                        "survives restarts)")
     p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
@@ -31,5 +33,7 @@ def add_prefix_cache_args(p, default_mb: float = 0.0):
 def open_engine(args):
     from ds4lib.engine import Engine
     cache = {k: getattr(args, k) for k in ("prefix_cache_mb", "kv_disk_dir", "kv_disk_mb") if hasattr(args, k)}
+    if cache and cache["prefix_cache_mb"] is None:
+        cache["prefix_cache_mb"] = 0.0 if args.cuda else args.prefix_cache_default_mb
     return Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
                   backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)
