@@ -40,11 +40,16 @@ def test_malformed_json_anthropic_shape(live_server, path):
 @pytest.mark.parametrize("patch,param", [
     ({"temperature": "hot"}, "temperature"), ({"max_tokens": "ten"}, "max_tokens"), ({"top_p": 0}, "top_p"),
     ({"messages": "hi"}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"), ({"stop": 3}, "stop"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+     "messages"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"reasoning_effort": "medium"}, "reasoning_effort"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
 ])
