@@ -1,13 +1,13 @@
 """JSON -> typed requests for the served APIs: OpenAI chat completions, completions and responses, Anthropic
 messages and messages/count_tokens.
 
-Owns: the request dataclasses (`GenerationRequest`, `Sampling`), their validation and `RequestError`. A field
+Owns: the request dataclasses (`GenerationRequest`, `Sampling`) and their validation (field checks and
+`RequestError` in fields.py, tools and tool results in tool_schemas.py; re-exported here). A field
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
 SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
 tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
 silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
-parsed into ds4lib.chat's message form. Also owns the
-resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
+parsed into ds4lib.chat's message form. Also owns the resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
 "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
 release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
 levels (thinking, with the level's instruction prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any
@@ -20,8 +20,18 @@ anthropic_api.py).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
+
+from server.fields import JSON_TYPES as _TYPES
+from server.fields import RequestError
+from server.fields import body_object as _body
+from server.fields import get_field as _get
+from server.fields import in_range as _in_range
+from server.fields import text_parts as _text_parts
+from server.tool_schemas import anthropic_tools as _anthropic_tools
+from server.tool_schemas import openai_tool_calls as _openai_tool_calls
+from server.tool_schemas import openai_tools as _openai_tools
+from server.tool_schemas import tool_result_text as _tool_result_text
 
 __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
            "parse_messages", "parse_count_tokens", "REASONER_MODEL"]
@@ -31,16 +41,6 @@ REASONER_MODEL = "deepseek-reasoner"
 _EFFORTS = {"none": None, "low": "low", "high": "high", "max": "max", "xhigh": "max"}
 _MAX_STOPS = 16
 _SEED_MOD = 1 << 63
-
-
-class RequestError(ValueError):
-    """A request the server refuses: rendered as the calling API's error body with `status`."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
-        self.headers = headers or {}
 
 
 @dataclass(frozen=True)
@@ -73,39 +73,6 @@ class GenerationRequest:
 
 
 # ---------------------------------------------------------------------------------------------- field checks
-_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
-
-
-def _body(body) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-def _get(body: dict, key: str, kind: str, default=None, *, required: bool = False, where: str = ""):
-    """body[key] checked against a JSON type; null counts as absent."""
-    name = f"{where}{key}"
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise RequestError(f"'{name}' is required", param=name, code="missing_required_parameter")
-        return default
-    ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
-    if not ok:
-        raise RequestError(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got "
-                           f"{type(value).__name__} {str(value)[:40]!r}", param=name, code="invalid_type")
-    return float(value) if kind == "number" else value
-
-
-def _in_range(name: str, value, lo, hi, *, lo_open: bool = False):
-    if value is None:
-        return None
-    if value < lo or value > hi or (lo_open and value == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise RequestError(f"'{name}' must be in {bound}, got {value}", param=name, code="invalid_value")
-    return value
-
-
 def _stops(value, name: str, allow_string: bool) -> tuple:
     if value is None:
         return ()
@@ -143,7 +110,6 @@ def _sampling(body: dict, *, max_temperature: float, max_tokens_keys: tuple, sto
 _IGNORED_OPENAI = (("user", "string"), ("metadata", "object"), ("store", "boolean"), ("service_tier", "string"),
                    ("parallel_tool_calls", "boolean"))
 _IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"))
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 def _check_ignored(body: dict, fields) -> None:
@@ -199,102 +165,6 @@ def _thinking(body: dict, model: str | None, *, effort: str | None = None, effor
 def _thinking_fields(body: dict, model: str | None, **kw) -> dict:
     on, level = _thinking(body, model, **kw)
     return {"thinking": on, "effort": level}
-
-
-def _text_parts(content, where: str, text_types: tuple) -> str:
-    """String content, or an array of text parts joined; any other part type is refused."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"'{where}' must be a string or an array of content parts", param=where,
-                           code="invalid_type")
-    out = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise RequestError(f"'{where}[{i}]' must be an object", param=f"{where}[{i}]", code="invalid_type")
-        kind = _get(part, "type", "string", required=True, where=f"{where}[{i}].")
-        if kind not in text_types:
-            raise RequestError(f"content part type {kind!r} is not supported (text only)", param=f"{where}[{i}].type",
-                               code="unsupported_value")
-        out.append(_get(part, "text", "string", "", where=f"{where}[{i}]."))
-    return "".join(out)
-
-
-# ---------------------------------------------------------------------------------------------- tools
-def _check_tool_choice(choice, where: str) -> None:
-    """Automatic tool use or none; a forced call is refused (it needs constrained decoding, which this server does
-    not have)."""
-    if choice not in ("auto", "none"):
-        raise RequestError(f"'{where}' {json.dumps(choice)[:60]} is not supported: only automatic tool use (auto) or "
-                           f"none; forcing a call needs constrained decoding", param=where, code="unsupported_value")
-
-
-def _function(name, description, parameters, where: str) -> dict:
-    if not _TOOL_NAME.match(name):
-        raise RequestError(f"'{where}' {name[:40]!r} must be 1-128 of letters, digits, _ . : -", param=where,
-                           code="invalid_value")
-    d = {"name": name}
-    if description is not None:
-        d["description"] = description
-    if parameters is not None:
-        d["parameters"] = parameters
-    return d
-
-
-def _unique(tools: list) -> tuple:
-    names = [t["name"] for t in tools]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise RequestError(f"tool names must be unique; repeated: {sorted(dup)}", param="tools", code="invalid_value")
-    return tuple(tools)
-
-
-def _openai_tools(body: dict) -> tuple:
-    tools = _get(body, "tools", "array")
-    choice = body.get("tool_choice")
-    if choice is not None:
-        _check_tool_choice(choice, "tool_choice")
-    if not tools or choice == "none":
-        return ()                                     # "none": the tools stay out of the prompt
-    out = []
-    for i, t in enumerate(tools):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise RequestError(f"'{w}' must be a function tool ({{'type': 'function', 'function': {{...}}}})",
-                               param=w, code="unsupported_value")
-        fn = _get(t, "function", "object", required=True, where=f"{w}.")
-        out.append(_function(_get(fn, "name", "string", required=True, where=f"{w}.function."),
-                             _get(fn, "description", "string", where=f"{w}.function."),
-                             _get(fn, "parameters", "object", where=f"{w}.function."), f"{w}.function.name"))
-    return _unique(out)
-
-
-def _openai_tool_calls(raw, where: str) -> list:
-    if not isinstance(raw, list):
-        raise RequestError(f"'{where}' must be an array", param=where, code="invalid_type")
-    calls = []
-    for i, c in enumerate(raw):
-        w = f"{where}[{i}]"
-        if not isinstance(c, dict) or c.get("type", "function") != "function":
-            raise RequestError(f"'{w}' must be a function call", param=w, code="invalid_type")
-        fn = _get(c, "function", "object", required=True, where=f"{w}.")
-        args = _get(fn, "arguments", "string", "{}", where=f"{w}.function.")
-        _json_object(args, f"{w}.function.arguments")
-        calls.append({"id": _get(c, "id", "string", "", where=f"{w}."),
-                      "name": _get(fn, "name", "string", required=True, where=f"{w}.function."), "arguments": args})
-    return calls
-
-
-def _json_object(text: str, where: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"'{where}' is not JSON: {e}", param=where, code="invalid_value") from None
-    if not isinstance(value, dict):
-        raise RequestError(f"'{where}' must be a JSON object", param=where, code="invalid_value")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
@@ -425,13 +295,6 @@ def parse_responses(body) -> GenerationRequest:
 
 
 # ---------------------------------------------------------------------------------------------- Anthropic
-def _tool_result_text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n\n".join(_text_parts([b], where, ("text",)) for b in content) if isinstance(content, list) else \
-        _text_parts(content, where, ("text",))
-
-
 def _anthropic_content(content, role: str, where: str) -> list:
     """One Anthropic message -> chat messages: tool_result blocks become tool messages (before the user's text, as
     the API puts them first), tool_use blocks the assistant's tool calls."""
@@ -471,26 +334,6 @@ def _anthropic_content(content, role: str, where: str) -> list:
     if calls:
         msg["tool_calls"] = calls
     return results + ([msg] if not results or text else [])
-
-
-def _anthropic_tools(body: dict) -> tuple:
-    tools = _get(body, "tools", "array")
-    choice = _get(body, "tool_choice", "object")
-    if choice is not None:
-        kind = _get(choice, "type", "string", required=True, where="tool_choice.")
-        _check_tool_choice(kind, "tool_choice.type")
-        if kind == "none":
-            return ()
-    out = []
-    for i, t in enumerate(tools or []):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom":
-            raise RequestError(f"'{w}' must be a client tool (name, description, input_schema); server tools are not "
-                               f"supported", param=w, code="unsupported_value")
-        out.append(_function(_get(t, "name", "string", required=True, where=f"{w}."),
-                             _get(t, "description", "string", where=f"{w}."),
-                             _get(t, "input_schema", "object", required=True, where=f"{w}."), f"{w}.name"))
-    return _unique(out)
 
 
 def _anthropic_messages(body: dict) -> tuple:
