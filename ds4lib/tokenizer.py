@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -27,7 +28,7 @@ from typing import Iterable
 __all__ = ["SpecialToken", "SPECIAL_TOKENS", "VOCAB_SIZE", "BOS_ID", "EOS_ID", "PAD_ID", "USER_ID",
            "ASSISTANT_ID", "THINK_ID", "END_THINK_ID", "DSPARK_NOISE_ID", "IMAGE_ID", "TOKENIZER_DIR",
            "TokenizerError", "new_tokenizer", "train_tokenizer", "save_tokenizer", "load_tokenizer",
-           "check_tokenizer", "tokenizer_sha256"]
+           "check_tokenizer", "tokenizer_sha256", "TextEncoder"]
 
 VOCAB_SIZE = 8192
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "tokenizer"
@@ -138,3 +139,47 @@ def load_tokenizer(path: Path | None = None):
     tok = Tokenizer.from_file(str(path))
     check_tokenizer(tok)
     return tok
+
+
+class TextEncoder:
+    """Encodes a prompt given as (text, markup) pieces so that only markup can produce special tokens.
+
+    A `tokenizers.Tokenizer` matches special-token strings anywhere in its input; a prompt built from user text
+    must not let that text inject `<｜User｜>` or `</think>`. Markup pieces are split at the special-token strings
+    (which become their ids); everything between two special tokens, markup or not, is encoded in one call by a
+    copy of the tokenizer that treats special-token strings as plain text (`encode_special_tokens`). For text free
+    of special-token strings the ids are exactly those of `tokenizer.encode` on the joined string, because that
+    also splits at special tokens first and encodes the stretches between them alone.
+
+    Thread-safe for encoding (both tokenizers are only read); build one per tokenizer, not per request.
+    """
+
+    def __init__(self, tokenizer):
+        from tokenizers import Tokenizer
+        self.tokenizer = tokenizer
+        self.plain = Tokenizer.from_str(tokenizer.to_str())
+        self.plain.encode_special_tokens = True
+        specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        self._ids = {s: tokenizer.token_to_id(s) for s in specials}
+        self._pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+
+    def encode_text(self, text: str) -> list:
+        """Plain text: special-token strings stay characters."""
+        return self.plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def encode_pieces(self, pieces) -> list:
+        ids, run = [], []
+        for text, markup in pieces:
+            if not markup or self._pattern is None:
+                run.append(text)
+                continue
+            pos = 0
+            for m in self._pattern.finditer(text):
+                run.append(text[pos:m.start()])
+                ids += self.encode_text("".join(run))
+                run = []
+                ids.append(self._ids[m.group()])
+                pos = m.end()
+            run.append(text[pos:])
+        return ids + self.encode_text("".join(run))

@@ -15,6 +15,8 @@ How (per row, rows in parallel through grid.y):
    digits are one logit value: the threshold. Top-k runs first; its kept weight sets P for top-p. Integer
    sums make this exact and independent of block order.
 3. `sample_gumbel_kernel`: per block, the best kept z + g; `sample_pick_kernel` reduces the blocks in order.
+A row with a NaN or +inf logit, or with every logit -inf, gets token -1 (ds4lib.ref.sampling raises for it): the
+max pass counts NaN as +inf, so the row's max is non-finite exactly then; later passes give NaN z weight 0.
 
 Shapes: B rows, V vocab, NB = ceil(V / chunk) blocks per row.
 """
@@ -94,6 +96,8 @@ def philox_uniform_device(seed, step, index):
 def _weight_device(v, m, temperature):
     """(z, W): z = (v - m) / T in float64 and W = floor(exp(z) 2^32)."""
     z = (np.float64(v) - np.float64(m)) / temperature
+    if z != z:                                    # only in a non-finite row, whose token is -1 anyway
+        z = NEG_INF64
     return z, np.int64(math.floor(math.exp(z) * FIXED_ONE))
 
 
@@ -126,6 +130,8 @@ def sample_max_kernel(logits, chunk, part_v, part_i):
     bi = np.int64(n)
     for i in range(blk * chunk + cuda.threadIdx.x, min(n, (blk + 1) * chunk), THREADS):
         v = np.float64(logits[b, i])
+        if v != v:                                # NaN: the row's max becomes +inf, which marks it non-finite
+            v = -NEG_INF64
         if v > bv or bi == n:
             bv = v
             bi = i
@@ -160,7 +166,7 @@ def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
     if tid == 0:
         stf[b, F_MAX] = sh_v[0]
         st[b, S_ARGMAX] = sh_i[0]
-        tokens[b] = sh_i[0]
+        tokens[b] = sh_i[0] if math.isfinite(sh_v[0]) else -1
 
 
 @cuda.jit
@@ -319,9 +325,9 @@ def sample_gumbel_kernel(logits, chunk, temperature, min_p, seeds, steps, st, st
 
 @cuda.jit
 def sample_pick_kernel(part_v, part_i, tokens):
-    """Per row: the best block result, blocks in order (lowest index on ties)."""
+    """Per row: the best block result, blocks in order (lowest index on ties); a non-finite row keeps its -1."""
     b = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if b >= tokens.shape[0]:
+    if b >= tokens.shape[0] or tokens[b] < 0:
         return
     bv = part_v[b, 0]
     bi = part_i[b, 0]
@@ -350,7 +356,8 @@ SIGNATURES = {
 
 def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, chunk=CHUNK, out=None,
            kept=None, scratch=None, stream=0):
-    """logits [B, V] float32, seeds [B] and steps [B] int64 (>= 0) -> tokens [B] int64 on the device.
+    """logits [B, V] float32, seeds [B] and steps [B] int64 (>= 0) -> tokens [B] int64 on the device; -1 for a
+    row with NaN or +inf, or without a finite logit.
 
     One parameter set for the batch (launch once per distinct set). `kept` (uint8 [B, V], optional) receives
     the truncation mask, for tests and diagnostics.

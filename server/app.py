@@ -24,7 +24,7 @@ from server import anthropic_api, openai_api
 from server.metrics import Metrics
 from server.prompts import build_prompt, plan_max_tokens
 from server.routes import bp
-from server.schemas import GenerationRequest, RequestError
+from server.schemas import REASONER_MODEL, GenerationRequest, RequestError
 from server.worker import Job, JobError, Worker
 
 __all__ = ["create_app", "ServerState", "STATIC_DIR"]
@@ -42,15 +42,30 @@ class ServerState:
     metrics: Metrics
     model_name: str
     default_max_tokens: int
+    aliases: tuple = ()
     started: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def model_ids(self) -> list:
+        """The names a request may ask for: the served name, its aliases, then the thinking-mode name."""
+        return list(dict.fromkeys([self.model_name, *self.aliases, REASONER_MODEL]))
+
+    def check_model(self, req: GenerationRequest) -> None:
+        """A request naming a model this server does not serve is a 404 (no model name at all is the served one)."""
+        if req.model is not None and req.model not in self.model_ids:
+            raise RequestError(f"model {req.model!r} is not served here (served: {', '.join(self.model_ids)})",
+                               status=404, kind="not_found_error", code="model_not_found", param="model")
+
     def prompt_tokens(self, req: GenerationRequest) -> int:
-        return len(build_prompt(req, self.worker.require_ready().tokenizer).ids)
+        self.check_model(req)
+        self.worker.require_ready()
+        return len(build_prompt(req, self.worker.encoder).ids)
 
     def submit(self, req: GenerationRequest) -> Job:
         """Tokenize on the request thread, check the context, then queue for the worker."""
+        self.check_model(req)
         engine = self.worker.require_ready()
-        prompt = build_prompt(req, engine.tokenizer)
+        prompt = build_prompt(req, self.worker.encoder)
         s = req.sampling
         n = plan_max_tokens(len(prompt.ids), s.max_tokens, default=self.default_max_tokens,
                             context=engine.context_length, param=_MAX_TOKENS_PARAM[req.api])
@@ -66,7 +81,9 @@ def _is_anthropic() -> bool:
 
 def _error_response(e: RequestError | JobError, status: int):
     body = anthropic_api.error_body(e) if _is_anthropic() else openai_api.error_body(e)
-    return jsonify(body), status
+    response = jsonify(body)
+    response.headers.update(getattr(e, "headers", None) or {})
+    return response, status
 
 
 def _register_errors(app: Flask) -> None:
@@ -93,8 +110,9 @@ def _register_errors(app: Flask) -> None:
                                             kind="api_error", code="internal_error"), 500)
 
 
-def create_app(engine=None, *, load=None, model_name: str = "ds4", default_max_tokens: int = 4096,
-               max_queue: int = 32, on_fatal=None) -> Flask:
+def create_app(engine=None, *, load=None, model_name: str = "ds4", aliases=(), default_max_tokens: int = 4096,
+               max_queue: int = 32, max_running: int = 4, on_fatal=None,
+               keepalive_s: float | None = 15.0) -> Flask:
     """Exactly one of `engine` (loaded) or `load` (a callable returning one, run on the worker thread)."""
     if (engine is None) == (load is None):
         raise ValueError("pass exactly one of engine= or load=")
@@ -103,8 +121,8 @@ def create_app(engine=None, *, load=None, model_name: str = "ds4", default_max_t
     app.json.ensure_ascii = False
     metrics = Metrics()
     worker = Worker(load if load is not None else (lambda: engine), metrics=metrics, max_queue=max_queue,
-                    on_fatal=on_fatal).start()
-    app.extensions["ds4"] = ServerState(worker, metrics, model_name, default_max_tokens)
+                    max_running=max_running, on_fatal=on_fatal, keepalive_s=keepalive_s).start()
+    app.extensions["ds4"] = ServerState(worker, metrics, model_name, default_max_tokens, tuple(aliases))
     app.register_blueprint(bp)
     _register_errors(app)
 

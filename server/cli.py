@@ -1,5 +1,7 @@
 """`ds4-server -m BASE.gguf [--zchain DIR] [--posttrain DIR] [--engram-dir DIR] [--mem-budget-mb MB] [--cuda]
-[--host 127.0.0.1] [--port 8000] [--alias NAME] [--max-queue N] [--threads N] [--default-max-tokens N]`
+[--prefix-cache-mb MB] [--kv-disk-dir DIR] [--kv-disk-mb MB] [--host 127.0.0.1] [--port 8000] [--alias NAME]
+[--model-alias NAME ...] [--max-running N] [--max-queue N] [--threads N] [--default-max-tokens N]
+[--sse-keepalive-s S]`
 
 Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at
 once and /health answers 503 while the engine loads on the worker thread; if loading fails the process exits
@@ -16,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from ds4lib.tools.engine_args import add_engine_args, open_engine
+from ds4lib.tools.argtypes import finite_float, int_at_least
+from ds4lib.tools.engine_args import add_engine_args, add_prefix_cache_args, open_engine
 
 __all__ = ["main", "build_parser"]
 
@@ -27,14 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4-server", description="Serve a ds4 stack over OpenAI- and Anthropic-style "
                                 "HTTP APIs, with a chat page at /.")
     add_engine_args(p)
+    add_prefix_cache_args(p, default_mb=1024.0)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = LAN)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=int_at_least(0), default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--alias", default=None, help="model name the API reports (default: the base file's stem)")
-    p.add_argument("--max-queue", type=int, default=32, help="requests allowed to wait for the engine; more get a 503")
-    p.add_argument("--threads", type=int, default=None,
-                   help="HTTP threads (default: max-queue + 8, since each waiting request holds one and /health, "
-                        "/metrics and the page need a few more)")
-    p.add_argument("--default-max-tokens", type=int, default=4096,
+    p.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another model name requests may use (repeatable); any other name gets a 404. The served "
+                        "name and deepseek-reasoner (thinking on) are always accepted")
+    p.add_argument("--max-running", type=int_at_least(1), default=4,
+                   help="requests the engine interleaves, one token (or prefill block) of each in turn (default 4)")
+    p.add_argument("--max-queue", type=int_at_least(0), default=32,
+                   help="requests allowed to wait for a running slot; more get a 429 with Retry-After")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="HTTP threads (default: max-queue + max-running + 8, since each waiting or running request "
+                        "holds one and /health, /metrics and the page need a few more)")
+    p.add_argument("--sse-keepalive-s", type=finite_float(0.0), default=15.0,
+                   help="a stream that waits this long (queue, long prefill) gets an SSE comment line; 0 = never")
+    p.add_argument("--default-max-tokens", type=int_at_least(1), default=4096,
                    help="generation length when a request gives none (capped by the context)")
     return p
 
@@ -78,9 +90,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # a failed load interrupts the main thread (on_fatal) wherever it is, possibly before server.run()
     try:
-        app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem,
-                         default_max_tokens=args.default_max_tokens, max_queue=args.max_queue, on_fatal=on_fatal)
-        threads = args.threads or args.max_queue + 8
+        app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem, aliases=args.model_alias,
+                         default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
+                         max_running=args.max_running, on_fatal=on_fatal,
+                         keepalive_s=args.sse_keepalive_s or None)
+        threads = args.threads or args.max_queue + args.max_running + 8
         server = waitress.create_server(app, host=args.host, port=args.port, threads=threads,
                                         channel_request_lookahead=1, ident="ds4-server",
                                         clear_untrusted_proxy_headers=True)

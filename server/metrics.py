@@ -71,7 +71,8 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def render(self, *, queue_depth: int, running: int, loaded: bool) -> str:
+    def render(self, *, queue_depth: int, running: int, loaded: bool, prefix_cache=None) -> str:
+        """`prefix_cache`: the engine's PrefixCache (or None), whose counters are read as they are."""
         with self._lock:
             lines = ["# HELP ds4_requests_total HTTP requests to the API endpoints, by endpoint and status.",
                      "# TYPE ds4_requests_total counter"]
@@ -89,9 +90,18 @@ class Metrics:
                 ("ds4_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
                  round(self.last_tokens_per_second, 3)),
                 ("ds4_queue_depth", "gauge", "Requests waiting for the worker.", queue_depth),
-                ("ds4_requests_running", "gauge", "Generations running now (0 or 1).", running),
+                ("ds4_requests_running", "gauge", "Generations admitted and interleaved now (at most --max-running).", running),
                 ("ds4_engine_loaded", "gauge", "1 once the engine has loaded.", int(loaded)),
             ]
+            if prefix_cache is not None:
+                scalars += [
+                    ("ds4_prefix_cache_hits_total", "counter", "Prompts resumed from a cached prefix.",
+                     prefix_cache.hits),
+                    ("ds4_prefix_cache_misses_total", "counter", "Prompts with no cached prefix.", prefix_cache.misses),
+                    ("ds4_prefix_cache_tokens_reused_total", "counter", "Prompt tokens not prefilled again.",
+                     prefix_cache.tokens_reused),
+                    ("ds4_prefix_cache_bytes", "gauge", "Memory held by cached session states.", prefix_cache.bytes),
+                ]
             for name, kind, help_, value in scalars:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
             lines += ["# HELP ds4_time_to_first_token_seconds Seconds from request arrival to the first token.",

@@ -10,18 +10,20 @@ Does not own: validation (schemas.py) or generation (worker.py).
 """
 from __future__ import annotations
 
-from ds4lib.chat import parse_reply
+from ds4lib.chat import parse_reply, split_answer
 
-from server.reply import ANSWER, DONE, REASONING, split_events
+from server.reply import ANSWER, DONE, KEEPALIVE, REASONING, TOOL_CALL, split_events
 from server.schemas import RequestError
 from server.sse import DONE as SSE_DONE
+from server.sse import KEEPALIVE as SSE_KEEPALIVE
 from server.sse import frame
 from server.worker import JobError
 
 __all__ = ["error_body", "chat_body", "chat_stream", "completion_body", "completion_stream", "responses_body",
            "responses_stream"]
 
-_TYPES = {"not_found_error": "invalid_request_error", "overloaded_error": "server_error", "api_error": "server_error"}
+_TYPES = {"not_found_error": "invalid_request_error", "overloaded_error": "server_error", "api_error": "server_error",
+          "rate_limit_error": "rate_limit_exceeded"}
 
 
 def error_body(e: RequestError | JobError) -> dict:
@@ -34,17 +36,32 @@ def error_body(e: RequestError | JobError) -> dict:
 def _usage(job, done) -> dict:
     n = done["completion_tokens"]
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": n, "total_tokens": job.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": done.get("cached_tokens", 0)},
             "completion_tokens_details": {"reasoning_tokens": done["reasoning_tokens"]}}
 
 
 # ---------------------------------------------------------------------------------------------- chat
+def _call_id(job, i: int) -> str:
+    return f"call_{job.id}_{i}"
+
+
+def _finish(done: dict, called: bool) -> str:
+    return "tool_calls" if called and done["finish_reason"] == "stop" else done["finish_reason"]
+
+
 def chat_body(req, job, model: str, done: dict) -> dict:
     reasoning, answer = parse_reply(done["text"], thinking=job.thinking_open)
-    message = {"role": "assistant", "content": answer}
+    content, calls = split_answer(answer) if req.tools else (answer, [])
+    message = {"role": "assistant", "content": content if content or not calls else None}
     if req.thinking or reasoning:
         message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{"id": _call_id(job, i), "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for i, c in enumerate(calls)]
     return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": job.created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": done["finish_reason"], "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish(done, bool(calls)),
+                         "logprobs": None}],
             "usage": _usage(job, done), "system_fingerprint": None}
 
 
@@ -59,14 +76,22 @@ def chat_stream(req, job, model: str, disconnected):
         return frame(c)
 
     yield chunk({"role": "assistant", "content": ""})
+    called = False
     try:
-        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
-            if kind == REASONING:
+        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open, bool(req.tools)):
+            if kind == KEEPALIVE:
+                yield SSE_KEEPALIVE
+            elif kind == REASONING:
                 yield chunk({"reasoning_content": value})
             elif kind == ANSWER:
                 yield chunk({"content": value})
+            elif kind == TOOL_CALL:                   # the call's head, then its arguments as one delta
+                called, i = True, value["index"]
+                yield chunk({"tool_calls": [{"index": i, "id": _call_id(job, i), "type": "function",
+                                             "function": {"name": value["name"], "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": value["arguments"]}}]})
             else:
-                yield chunk({}, finish=value["finish_reason"])
+                yield chunk({}, finish=_finish(value, called))
                 if req.include_usage:
                     yield frame(dict(head, choices=[], usage=_usage(job, value)))
                 yield SSE_DONE
@@ -93,7 +118,9 @@ def completion_stream(req, job, model: str, disconnected):
 
     try:
         for ev in job.events_iter(disconnected):
-            if ev["type"] == "token":
+            if ev["type"] == "keepalive":
+                yield SSE_KEEPALIVE
+            elif ev["type"] == "token":
                 if ev["text"]:
                     yield chunk(ev["text"])
             else:
@@ -108,7 +135,7 @@ def completion_stream(req, job, model: str, disconnected):
 # ---------------------------------------------------------------------------------------------- responses
 def _response_usage(job, done) -> dict:
     n = done["completion_tokens"]
-    return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    return {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": done.get("cached_tokens", 0)},
             "output_tokens": n, "output_tokens_details": {"reasoning_tokens": done["reasoning_tokens"]},
             "total_tokens": job.prompt_tokens + n}
 
@@ -213,6 +240,9 @@ def responses_stream(req, job, model: str, disconnected):
     yield ev.emit("response.in_progress", response=ev.response("in_progress"))
     try:
         for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+            if kind == KEEPALIVE:
+                yield SSE_KEEPALIVE
+                continue
             if kind != DONE:
                 yield from ev.delta(kind, value)
                 continue

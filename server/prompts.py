@@ -5,14 +5,19 @@ Owns: chat rendering through ds4lib.chat (ARCHITECTURE.md §6), the raw-text pro
 context check (a prompt that leaves no room for one generated token, or a max_tokens that does not fit, is a
 400 `context_length_exceeded` before the request reaches the queue).
 
-Uses only the tokenizer the engine exposes (`engine.tokenizer`, a thread-safe tokenizers.Tokenizer), never the
-engine's forward state, so request threads can run it while the worker generates.
+Message contents are encoded as plain text (ds4lib.tokenizer.TextEncoder): a special-token string typed by a user
+stays characters. The raw prompt of /v1/completions is the caller's own markup, as with `ds4 --raw`, so special
+tokens spelled in it do become control tokens there.
+
+Uses only the engine's tokenizer (through a TextEncoder built once, thread-safe), never the engine's forward
+state, so request threads can run it while the worker generates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds4lib.chat import BOS, END_THINK, ChatError, render_chat
+from ds4lib.chat import BOS, END_THINK, ChatError, chat_pieces
+from ds4lib.tokenizer import TextEncoder
 
 from server.schemas import GenerationRequest, RequestError
 
@@ -25,36 +30,40 @@ class Prompt:
     thinking_open: bool      # the reply starts inside a thinking section (generation prompt ends with <think>)
 
 
-def _chat_text(req: GenerationRequest) -> tuple[str, bool]:
+def _chat_pieces(req: GenerationRequest) -> tuple[list, bool]:
     msgs = list(req.messages)
     prefill = msgs.pop() if msgs and msgs[-1]["role"] == "assistant" else None
     if not any(m["role"] == "user" for m in msgs):
         raise RequestError("the conversation needs at least one user message", param="messages",
                            code="invalid_value")
-    if msgs[-1]["role"] != "user":
-        raise RequestError("the last message must come from the user (or be one assistant prefill after it)",
+    if msgs[-1]["role"] not in ("user", "tool"):
+        raise RequestError("the last message must come from the user or a tool (or be one assistant prefill after "
+                           "it)", param="messages", code="invalid_value")
+    if prefill is not None and prefill.get("tool_calls"):
+        raise RequestError("a trailing assistant message is a prefill for the reply; it cannot hold tool calls",
                            param="messages", code="invalid_value")
     try:
-        text = render_chat(msgs, thinking=req.thinking)
+        pieces = chat_pieces(msgs, thinking=req.thinking, reasoning_effort=req.effort, tools=req.tools)
     except ChatError as e:
         raise RequestError(str(e), param="messages", code="invalid_value") from None
     open_thinking = req.thinking
     if prefill is not None:
         content = prefill.get("content", "")
         if req.thinking:
-            text += prefill.get("reasoning_content", "")
+            pieces.append((prefill.get("reasoning_content", ""), False))
             if content:
-                text += END_THINK + content
+                pieces += [(END_THINK, True), (content, False)]
                 open_thinking = False
         else:
-            text += content
-    return text, open_thinking
+            pieces.append((content, False))
+    return pieces, open_thinking
 
 
-def build_prompt(req: GenerationRequest, tokenizer) -> Prompt:
+def build_prompt(req: GenerationRequest, encoder: TextEncoder) -> Prompt:
+    tokenizer = encoder.tokenizer
     if req.prompt is None:
-        text, open_thinking = _chat_text(req)
-        return Prompt(tokenizer.encode(text, add_special_tokens=False).ids, open_thinking)
+        pieces, open_thinking = _chat_pieces(req)
+        return Prompt(encoder.encode_pieces(pieces), open_thinking)
     if isinstance(req.prompt, tuple):
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         bad = [t for t in req.prompt if not 0 <= t < vocab]

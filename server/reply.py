@@ -1,19 +1,22 @@
 """Streaming split of a generated reply into reasoning and answer, the incremental form of ds4lib.chat.parse_reply.
 
-Owns: `ReplySplitter`, fed the engine's text deltas and returning ("reasoning" | "answer", text) pieces.
-Concatenating the pieces of each kind gives exactly `parse_reply(full_text, thinking)` (tested), so a stream
-and the non-streamed answer of the same greedy request agree. A tag split across deltas is held back until it
-is complete or ruled out.
+Owns: `ReplySplitter`, fed the engine's text deltas and returning ("reasoning" | "answer", text) pieces and, when
+the request offered tools, ("tool_call", {"index", "name", "arguments"}) as soon as each call's invoke is complete.
+Concatenating the pieces of each kind gives exactly `parse_reply(full_text, thinking)` then
+`split_answer(answer)` (tested), so a stream and the non-streamed answer of the same greedy request agree. A tag
+split across deltas is held back until it is complete or ruled out.
 
 Does not own: tokenization, the chat template, or which API's events carry the pieces.
 """
 from __future__ import annotations
 
 from ds4lib.chat import END_THINK, THINK
+from ds4lib.dsml import TOOL_CALLS_START, parse_tool_calls
 
-__all__ = ["ReplySplitter", "split_events", "REASONING", "ANSWER", "DONE"]
+__all__ = ["ReplySplitter", "split_events", "REASONING", "ANSWER", "TOOL_CALL", "DONE", "KEEPALIVE"]
 
-REASONING, ANSWER, DONE = "reasoning", "answer", "done"
+REASONING, ANSWER, TOOL_CALL, DONE, KEEPALIVE = "reasoning", "answer", "tool_call", "done", "keepalive"
+_TOOLS = "tools"
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -29,10 +32,11 @@ class ReplySplitter:
     thinking=False: the reply is the answer, except a stray leading `<think>...</think>` block, which is
     reasoning (as parse_reply treats it)."""
 
-    def __init__(self, thinking: bool):
-        self.thinking = thinking
+    def __init__(self, thinking: bool, tools: bool = False):
+        self.thinking, self.tools = thinking, tools
         self.state = "start"
         self.buf = ""
+        self.calls = 0                                  # tool calls emitted
 
     def feed(self, delta: str) -> list:
         self.buf += delta
@@ -56,6 +60,23 @@ class ReplySplitter:
                 if ready:
                     out.append((REASONING, ready))
                 return out
+        if self.state == ANSWER and self.tools:
+            head, sep, block = self.buf.partition(TOOL_CALLS_START)
+            if sep:
+                self.buf, self.state = block, _TOOLS
+                if head:
+                    out.append((ANSWER, head))
+            else:
+                keep = _held_prefix(self.buf, TOOL_CALLS_START)
+                ready, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                if ready:
+                    out.append((ANSWER, ready))
+                return out
+        if self.state == _TOOLS:
+            for call in parse_tool_calls(self.buf)[self.calls:]:
+                out.append((TOOL_CALL, dict(call, index=self.calls)))
+                self.calls += 1
+            return out
         if self.state == ANSWER and self.buf:
             out.append((ANSWER, self.buf))
             self.buf = ""
@@ -64,6 +85,8 @@ class ReplySplitter:
     def finish(self) -> list:
         """Flush what was held back: an incomplete tag is plain text of the current section."""
         rest, self.buf = self.buf, ""
+        if self.state == _TOOLS:                        # a block without one complete call stays text
+            return [] if self.calls else [(ANSWER, TOOL_CALLS_START + rest)]
         if not rest:
             return []
         if self.state == "start":
@@ -71,11 +94,14 @@ class ReplySplitter:
         return [(self.state, rest)]
 
 
-def split_events(events, thinking_open: bool):
-    """Engine events -> (REASONING | ANSWER, text) pieces, then (DONE, the done event)."""
-    splitter = ReplySplitter(thinking_open)
+def split_events(events, thinking_open: bool, tools: bool = False):
+    """Engine events -> (REASONING | ANSWER, text) and (TOOL_CALL, call) pieces, (KEEPALIVE, None) while waiting,
+    then (DONE, the done event)."""
+    splitter = ReplySplitter(thinking_open, tools)
     for ev in events:
-        if ev["type"] == "token":
+        if ev["type"] == "keepalive":
+            yield KEEPALIVE, None
+        elif ev["type"] == "token":
             yield from splitter.feed(ev["text"])
         elif ev["type"] == "done":
             yield from splitter.finish()

@@ -7,12 +7,13 @@ POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI style), /v1/me
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_from_directory
 
 from server import anthropic_api, openai_api, sse
-from server.schemas import (REASONER_MODEL, RequestError, parse_chat, parse_completion, parse_count_tokens,
+from server.schemas import (RequestError, parse_chat, parse_completion, parse_count_tokens,
                             parse_messages, parse_responses)
 
 __all__ = ["bp"]
@@ -29,10 +30,26 @@ def _never() -> bool:
     return False
 
 
+def _reject_constant(name: str):
+    raise RequestError(f"{name} is not a JSON number; every numeric field must be finite", code="invalid_number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RequestError(f"the number {text[:40]} overflows a double; every numeric field must be finite",
+                           code="invalid_number")
+    return value
+
+
 def _json():
+    """The body as JSON. Python's parser accepts NaN, Infinity and -Infinity and turns 1e999 into inf; none of
+    them is JSON or a usable number, so each is a 400 wherever it appears in the body."""
     try:
-        return json.loads(request.get_data(cache=False))
+        return json.loads(request.get_data(cache=False), parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, RequestError):
+            raise
         raise RequestError(f"malformed JSON body: {e}", code="invalid_json") from None
 
 
@@ -77,7 +94,7 @@ def count_tokens():
 
 
 def _model_ids() -> list:
-    return [_state().model_name, REASONER_MODEL]
+    return _state().model_ids
 
 
 @bp.get("/v1/models")
@@ -111,7 +128,9 @@ def health():
 @bp.get("/metrics")
 def metrics():
     st = _state()
-    text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready)
+    engine = st.worker.engine if st.worker.ready else None
+    text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready,
+                             prefix_cache=getattr(engine, "prefix_cache", None))
     return Response(text, mimetype="text/plain; version=0.0.4")
 
 

@@ -1,40 +1,46 @@
 """JSON -> typed requests for the served APIs: OpenAI chat completions, completions and responses, Anthropic
 messages and messages/count_tokens.
 
-Owns: the request dataclasses (`GenerationRequest`, `Sampling`), their validation and `RequestError`. A field
+Owns: the request dataclasses (`GenerationRequest`, `Sampling`) and their validation (field checks and
+`RequestError` in fields.py, tools and tool results in tool_schemas.py; re-exported here). A field
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
-SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools,
-images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Also owns the
-resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort` high|max,
-`thinking: {"type": "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). "max" is thinking
-like "high": its instruction prefix applies only at >= 384K context (ARCHITECTURE.md §6), which no ds4-tiny
-stack has. Anthropic's `thinking.budget_tokens` is validated but not enforced (the engine has no way to force
-`</think>`); `max_tokens` bounds the reasoning and the answer together.
+SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
+tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
+silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
+parsed into ds4lib.chat's message form. Also owns the resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
+"enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
+release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
+levels (thinking, with the level's instruction prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any
+other value is a 400 naming the accepted ones. Anthropic's `thinking.budget_tokens` is validated but not
+enforced (the engine has no way to force `</think>`); `max_tokens` bounds the reasoning and the answer together.
 
 Does not own: tokenization, context checks and chat rendering (prompts.py), response shapes (openai_api.py,
 anthropic_api.py).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+from server.fields import JSON_TYPES as _TYPES
+from server.fields import RequestError
+from server.fields import body_object as _body
+from server.fields import get_field as _get
+from server.fields import in_range as _in_range
+from server.fields import text_parts as _text_parts
+from server.tool_schemas import anthropic_tools as _anthropic_tools
+from server.tool_schemas import openai_tool_calls as _openai_tool_calls
+from server.tool_schemas import openai_tools as _openai_tools
+from server.tool_schemas import tool_result_text as _tool_result_text
 
 __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
            "parse_messages", "parse_count_tokens", "REASONER_MODEL"]
 
 REASONER_MODEL = "deepseek-reasoner"
-_THINKING_EFFORTS = {"high", "max"}
-_EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
+# API value -> the encoder's effort level (None: non-thinking)
+_EFFORTS = {"none": None, "low": "low", "high": "high", "max": "max", "xhigh": "max"}
 _MAX_STOPS = 16
 _SEED_MOD = 1 << 63
-
-
-class RequestError(ValueError):
-    """A request the server refuses: rendered as the calling API's error body with `status`."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
 
 
 @dataclass(frozen=True)
@@ -58,46 +64,15 @@ class GenerationRequest:
     sampling: Sampling
     messages: tuple = ()
     prompt: str | tuple | None = None
+    tools: tuple = ()                         # function definitions {"name", "description"?, "parameters"?}
     thinking: bool = False
+    effort: str | None = None                 # the encoder's reasoning-effort level (thinking mode only)
     stream: bool = False
     include_usage: bool = False
     extras: dict = field(default_factory=dict)   # values echoed back in the response (responses API)
 
 
 # ---------------------------------------------------------------------------------------------- field checks
-_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
-
-
-def _body(body) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-def _get(body: dict, key: str, kind: str, default=None, *, required: bool = False, where: str = ""):
-    """body[key] checked against a JSON type; null counts as absent."""
-    name = f"{where}{key}"
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise RequestError(f"'{name}' is required", param=name, code="missing_required_parameter")
-        return default
-    ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
-    if not ok:
-        raise RequestError(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got "
-                           f"{type(value).__name__} {str(value)[:40]!r}", param=name, code="invalid_type")
-    return float(value) if kind == "number" else value
-
-
-def _in_range(name: str, value, lo, hi, *, lo_open: bool = False):
-    if value is None:
-        return None
-    if value < lo or value > hi or (lo_open and value == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise RequestError(f"'{name}' must be in {bound}, got {value}", param=name, code="invalid_value")
-    return value
-
-
 def _stops(value, name: str, allow_string: bool) -> tuple:
     if value is None:
         return ()
@@ -133,8 +108,8 @@ def _sampling(body: dict, *, max_temperature: float, max_tokens_keys: tuple, sto
 
 
 _IGNORED_OPENAI = (("user", "string"), ("metadata", "object"), ("store", "boolean"), ("service_tier", "string"),
-                   ("parallel_tool_calls", "boolean"), ("tool_choice", ("string", "object")))
-_IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"), ("tool_choice", "object"))
+                   ("parallel_tool_calls", "boolean"))
+_IGNORED_ANTHROPIC = (("metadata", "object"), ("service_tier", "string"))
 
 
 def _check_ignored(body: dict, fields) -> None:
@@ -155,9 +130,6 @@ def _refuse_openai_extras(body: dict) -> None:
         raise RequestError("only n = 1 is supported", param="n", code="unsupported_value")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise RequestError("logprobs are not supported by this server", param="logprobs", code="unsupported_value")
-    if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
     for key in ("presence_penalty", "frequency_penalty"):
         if _get(body, key, "number", 0.0) != 0.0:
             raise RequestError(f"'{key}' is not supported (only 0)", param=key, code="unsupported_value")
@@ -165,14 +137,16 @@ def _refuse_openai_extras(body: dict) -> None:
         raise RequestError("'logit_bias' is not supported", param="logit_bias", code="unsupported_value")
 
 
-def _thinking(body: dict, model: str | None, *, effort: str | None = None) -> bool:
-    """SEED §7: any explicit switch decides (on wins over off); otherwise the model name; otherwise off."""
-    votes = []
+def _thinking(body: dict, model: str | None, *, effort: str | None = None, effort_param: str = "reasoning_effort"):
+    """(thinking, effort level). SEED §7: any explicit switch decides (on wins over off); otherwise the model
+    name; otherwise off. A reasoning effort other than "none" is a switch to on."""
+    votes, level = [], None
     if effort is not None:
         if effort not in _EFFORTS:
-            raise RequestError(f"reasoning effort must be one of {sorted(_EFFORTS)}, got {effort!r}",
-                               param="reasoning_effort", code="invalid_value")
-        votes.append(effort in _THINKING_EFFORTS)
+            raise RequestError(f"'{effort_param}' must be one of {', '.join(_EFFORTS)}, got {effort!r}",
+                               param=effort_param, code="invalid_value")
+        level = _EFFORTS[effort]
+        votes.append(level is not None)
     th = _get(body, "thinking", "object")
     if th is not None:
         kind = _get(th, "type", "string", required=True, where="thinking.")
@@ -184,34 +158,17 @@ def _thinking(body: dict, model: str | None, *, effort: str | None = None) -> bo
     think = _get(body, "think", "boolean")
     if think is not None:
         votes.append(think)
-    if votes:
-        return any(votes)
-    return model == REASONER_MODEL
+    on = any(votes) if votes else model == REASONER_MODEL
+    return on, (level if on else None)
 
 
-def _text_parts(content, where: str, text_types: tuple) -> str:
-    """String content, or an array of text parts joined; any other part type is refused."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"'{where}' must be a string or an array of content parts", param=where,
-                           code="invalid_type")
-    out = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise RequestError(f"'{where}[{i}]' must be an object", param=f"{where}[{i}]", code="invalid_type")
-        kind = _get(part, "type", "string", required=True, where=f"{where}[{i}].")
-        if kind not in text_types:
-            raise RequestError(f"content part type {kind!r} is not supported (text only)", param=f"{where}[{i}].type",
-                               code="unsupported_value")
-        out.append(_get(part, "text", "string", "", where=f"{where}[{i}]."))
-    return "".join(out)
+def _thinking_fields(body: dict, model: str | None, **kw) -> dict:
+    on, level = _thinking(body, model, **kw)
+    return {"thinking": on, "effort": level}
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
-_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _openai_messages(raw, where: str = "messages") -> tuple:
@@ -224,13 +181,17 @@ def _openai_messages(raw, where: str = "messages") -> tuple:
             raise RequestError(f"'{w}' must be an object", param=w, code="invalid_type")
         role = _get(m, "role", "string", required=True, where=f"{w}.")
         if role not in _OPENAI_ROLES:
-            raise RequestError(f"'{w}.role' {role!r} is not supported (system, developer, user, assistant)",
+            raise RequestError(f"'{w}.role' {role!r} is not supported (system, developer, user, assistant, tool)",
                                param=f"{w}.role", code="unsupported_value")
-        if m.get("tool_calls"):
-            raise RequestError("tool calls are not supported by this model's chat encoding", param=f"{w}.tool_calls",
-                               code="unsupported_value")
         msg = {"role": _OPENAI_ROLES[role],
                "content": _text_parts(m.get("content"), f"{w}.content", ("text", "input_text", "output_text"))}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise RequestError(f"'{w}.tool_calls' belong to assistant messages", param=f"{w}.tool_calls",
+                                   code="invalid_value")
+            msg["tool_calls"] = _openai_tool_calls(m["tool_calls"], f"{w}.tool_calls")
+        if role == "tool":
+            msg["tool_call_id"] = _get(m, "tool_call_id", "string", required=True, where=f"{w}.")
         reasoning = _get(m, "reasoning_content", "string", where=f"{w}.")
         if reasoning and role == "assistant":
             msg["reasoning_content"] = reasoning
@@ -249,10 +210,10 @@ def parse_chat(body) -> GenerationRequest:
                            code="unsupported_value")
     opts = _get(body, "stream_options", "object") or {}
     return GenerationRequest(
-        api="chat", model=model, messages=_openai_messages(body.get("messages")),
+        api="chat", model=model, messages=_openai_messages(body.get("messages")), tools=_openai_tools(body),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                            stop_key="stop"),
-        thinking=_thinking(body, model, effort=_get(body, "reasoning_effort", "string")),
+        **_thinking_fields(body, model, effort=_get(body, "reasoning_effort", "string")),
         stream=bool(_get(body, "stream", "boolean", False)),
         include_usage=bool(_get(opts, "include_usage", "boolean", False, where="stream_options.")))
 
@@ -261,6 +222,8 @@ def parse_completion(body) -> GenerationRequest:
     """POST /v1/completions: raw text after BOS (no chat template), OpenAI's default max_tokens of 16."""
     body = _body(body)
     _refuse_openai_extras(body)
+    if _get(body, "tools", "array"):
+        raise RequestError("tools need a chat: use /v1/chat/completions", param="tools", code="unsupported_value")
     for key in ("echo", "suffix"):
         if body.get(key):
             raise RequestError(f"'{key}' is not supported", param=key, code="unsupported_value")
@@ -318,27 +281,29 @@ def parse_responses(body) -> GenerationRequest:
         raise RequestError("previous_response_id is not supported: this server stores no responses; send the "
                            "conversation in 'input'", param="previous_response_id", code="unsupported_value")
     if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
+        raise RequestError("tools are not supported on /v1/responses yet: use /v1/chat/completions or /v1/messages",
+                           param="tools", code="unsupported_value")
     reasoning = _get(body, "reasoning", "object") or {}
     effort = _get(reasoning, "effort", "string", where="reasoning.")
     instructions = _get(body, "instructions", "string")
     return GenerationRequest(
         api="responses", model=model, messages=_responses_input(body.get("input"), instructions),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
-        thinking=_thinking(body, model, effort=effort),
+        **_thinking_fields(body, model, effort=effort, effort_param="reasoning.effort"),
         stream=bool(_get(body, "stream", "boolean", False)),
         extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {}})
 
 
 # ---------------------------------------------------------------------------------------------- Anthropic
-def _anthropic_content(content, role: str, where: str) -> dict:
+def _anthropic_content(content, role: str, where: str) -> list:
+    """One Anthropic message -> chat messages: tool_result blocks become tool messages (before the user's text, as
+    the API puts them first), tool_use blocks the assistant's tool calls."""
     if isinstance(content, str):
-        return {"role": role, "content": content}
+        return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise RequestError(f"'{where}' must be a string or an array of content blocks", param=where,
                            code="invalid_type")
-    text, reasoning = [], []
+    text, reasoning, calls, results = [], [], [], []
     for i, block in enumerate(content):
         w = f"{where}[{i}]"
         if not isinstance(block, dict):
@@ -350,14 +315,25 @@ def _anthropic_content(content, role: str, where: str) -> dict:
             reasoning.append(_get(block, "thinking", "string", "", where=f"{w}."))
         elif kind == "redacted_thinking" and role == "assistant":
             continue
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": _get(block, "id", "string", "", where=f"{w}."),
+                          "name": _get(block, "name", "string", required=True, where=f"{w}."),
+                          "arguments": json.dumps(_get(block, "input", "object", {}, where=f"{w}."),
+                                                  ensure_ascii=False)})
+        elif kind == "tool_result" and role == "user":
+            results.append({"role": "tool", "tool_call_id": _get(block, "tool_use_id", "string", required=True,
+                                                                 where=f"{w}."),
+                            "content": _tool_result_text(block.get("content"), f"{w}.content")})
         else:
             raise RequestError(f"content block type {kind!r} is not supported in a {role} message (text"
-                               f"{' and thinking' if role == 'assistant' else ''} only)", param=f"{w}.type",
-                               code="unsupported_value")
+                               f"{', thinking and tool_use' if role == 'assistant' else ' and tool_result'} only)",
+                               param=f"{w}.type", code="unsupported_value")
     msg = {"role": role, "content": "".join(text)}
     if reasoning:
         msg["reasoning_content"] = "".join(reasoning)
-    return msg
+    if calls:
+        msg["tool_calls"] = calls
+    return results + ([msg] if not results or text else [])
 
 
 def _anthropic_messages(body: dict) -> tuple:
@@ -382,18 +358,19 @@ def _anthropic_messages(body: dict) -> tuple:
         if role not in ("user", "assistant"):
             raise RequestError(f"'{w}.role' must be user or assistant, got {role!r}", param=f"{w}.role",
                                code="invalid_value")
-        out.append(_anthropic_content(m.get("content"), role, f"{w}.content"))
+        out += _anthropic_content(m.get("content"), role, f"{w}.content")
     return tuple(out)
 
 
-def _anthropic_thinking(body: dict, model: str | None) -> bool:
+def _anthropic_thinking(body: dict, model: str | None) -> dict:
     """`thinking` ({"type": "enabled" | "adaptive" | "between_tools" | "disabled"}), `output_config.effort` (high |
     max, as reasoning_effort), `think`, or the reasoner model name."""
     cfg = _get(body, "output_config", "object") or {}
     if _get(cfg, "format", "object", where="output_config."):
         raise RequestError("structured output (output_config.format) is not supported", param="output_config.format",
                            code="unsupported_value")
-    return _thinking(body, model, effort=_get(cfg, "effort", "string", where="output_config."))
+    return _thinking_fields(body, model, effort=_get(cfg, "effort", "string", where="output_config."),
+                            effort_param="output_config.effort")
 
 
 def parse_messages(body) -> GenerationRequest:
@@ -402,14 +379,11 @@ def parse_messages(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     _check_ignored(body, _IGNORED_ANTHROPIC)
-    if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported by this model's chat encoding", param="tools",
-                           code="unsupported_value")
     return GenerationRequest(
-        api="messages", model=model, messages=_anthropic_messages(body),
+        api="messages", model=model, messages=_anthropic_messages(body), tools=_anthropic_tools(body),
         sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
                            max_tokens_required=True),
-        thinking=_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
+        **_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))
 
 
 def parse_count_tokens(body) -> GenerationRequest:
@@ -417,4 +391,5 @@ def parse_count_tokens(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     return GenerationRequest(api="messages", model=model, messages=_anthropic_messages(body), sampling=Sampling(),
-                             thinking=_anthropic_thinking(body, model))
+                             tools=_anthropic_tools(body),
+                             **_anthropic_thinking(body, model))

@@ -1,10 +1,14 @@
-"""The one thread that owns the engine, fed by a FIFO queue of jobs.
+"""The one thread that owns the engine, fed by a bounded FIFO queue of jobs, interleaving the admitted ones.
 
-Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads; then serves jobs one
-at a time) and `Job` (one request's prompt ids, sampling parameters, a per-request event queue the worker
-fills, and a cancel flag). The engine is not thread-safe: nothing but the worker thread calls it. Request
-threads wait on their job's queue; a client that goes away sets the cancel flag, and the worker drops the job
-before it starts or stops it at the next token, so the slot frees at once.
+Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads; then runs up to
+`max_running` jobs at once, round-robin: one step of each in turn, a step being one generated token or one
+prefill block, so a long prompt delays the others by one block at a time and no admitted job starves) and `Job`
+(one request's prompt ids, sampling parameters, a per-request event queue the worker fills, and a cancel flag).
+The engine is not thread-safe: nothing but the worker thread calls it; each job has its own session state. A
+request that finds `max_queue` jobs already waiting gets a 429 with Retry-After (the expected wait, from recent
+job durations); while the model loads, a 503 with Retry-After. Request threads wait on their job's queue; a
+client that goes away sets the cancel flag, and the worker drops the job before it starts or stops it at its next
+step, so the slot frees at once.
 
 Events a job carries are the engine's ({"type": "token", "id", "text"}, then {"type": "done", ...}) with the
 done event completed by the worker: `stop_sequence` (which stop string ended it, or None) and
@@ -15,6 +19,7 @@ Does not own: request parsing (schemas.py), prompt building (prompts.py), respon
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ds4lib.chat import END_THINK, THINK
 from ds4lib.engine import Cancelled, EngineError, SamplingParams
+from ds4lib.tokenizer import TextEncoder
 
 from server.metrics import Metrics
 from server.schemas import RequestError
@@ -51,6 +57,7 @@ class Job:
     t_arrival: float = field(default_factory=time.perf_counter)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    keepalive_s: float | None = None            # a quiet stream gets a keep-alive event this often
     events: queue.Queue = field(default_factory=queue.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -67,20 +74,28 @@ class Job:
 
     def events_iter(self, disconnected=_never):
         """The job's events up to and including "done". Returns early (after cancelling) when `disconnected()`
-        turns true while waiting; raises JobError on an engine failure."""
+        turns true while waiting; raises JobError on an engine failure. With `keepalive_s`, a wait longer than that
+        (in the queue, or a long prefill) yields {"type": "keepalive"} so proxies and clients keep the stream open."""
         next_check = time.monotonic() + _POLL_S
+        last = time.monotonic()
+        poll = min(_POLL_S, self.keepalive_s) if self.keepalive_s else _POLL_S
         while True:
             try:
-                ev = self.events.get(timeout=_POLL_S)
+                ev = self.events.get(timeout=poll)
             except queue.Empty:
                 ev = None
-            if time.monotonic() >= next_check:     # by the clock: tokens may arrive faster than the poll period
-                next_check = time.monotonic() + _POLL_S
+            now = time.monotonic()
+            if now >= next_check:                  # by the clock: tokens may arrive faster than the poll period
+                next_check = now + _POLL_S
                 if disconnected():
                     self.cancel()
                     return
             if ev is None:
+                if self.keepalive_s and now - last >= self.keepalive_s:
+                    last = now
+                    yield {"type": "keepalive"}
                 continue
+            last = now
             if ev["type"] == "error":
                 raise JobError(ev["message"], ev["status"])
             yield ev
@@ -99,13 +114,16 @@ class Job:
 class Worker:
     """`load` is called on the worker thread and returns the Engine; `on_fatal(exc)` runs if it fails."""
 
-    def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, on_fatal=None):
-        self._load, self._on_fatal = load, on_fatal
-        self.metrics, self.max_queue = metrics, max_queue
-        self.engine = None
+    def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, max_running: int = 4, on_fatal=None,
+                 keepalive_s: float | None = None):
+        if max_running < 1 or max_queue < 0:
+            raise ValueError("max_running must be >= 1 and max_queue >= 0")
+        self._load, self._on_fatal, self.keepalive_s = load, on_fatal, keepalive_s
+        self.metrics, self.max_queue, self.max_running = metrics, max_queue, max_running
+        self.engine = self.encoder = None
         self.state, self.error = "loading", None
-        self.running = 0
-        self._current: Job | None = None
+        self._active: list = []                         # the admitted jobs' runs (worker thread only mutates)
+        self._job_seconds = 5.0                         # moving average of a job's wall time, for Retry-After
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
 
@@ -121,29 +139,39 @@ class Worker:
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
     def require_ready(self):
         """The engine, for read-only use of its tokenizer and context length; a 503 while it is not loaded."""
         if not self.ready:
             raise RequestError("the model is still loading" if self.state == "loading" else
                                f"the model failed to load: {self.error}", status=503, kind="overloaded_error",
-                               code="model_not_ready")
+                               code="model_not_ready", headers={"Retry-After": "5"} if self.state == "loading"
+                               else None)
         return self.engine
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the waiting jobs' expected wall time over the running slots."""
+        waits = self._job_seconds * (self._queue.qsize() + 1) / self.max_running
+        return int(min(600, max(1, math.ceil(waits))))
 
     def submit(self, prompt_ids, params: SamplingParams, *, thinking_open: bool) -> Job:
         self.require_ready()
         if self._queue.qsize() >= self.max_queue:
-            raise RequestError(f"{self._queue.qsize()} requests are already waiting; try again later", status=503,
-                               kind="overloaded_error", code="queue_full")
-        job = Job(list(prompt_ids), params, thinking_open)
+            raise RequestError(f"{self._queue.qsize()} requests are already waiting and {self.running} running; "
+                               f"try again later", status=429, kind="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after())})
+        job = Job(list(prompt_ids), params, thinking_open, keepalive_s=self.keepalive_s)
         self._queue.put(job)
         return job
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the running job at its next token, fail the waiting ones, end the thread."""
-        current = self._current
-        if current is not None:
-            current.events.put({"type": "error", "message": "the server is shutting down", "status": 503})
-            current.cancel()
+        """Stop the running jobs at their next step, fail the waiting ones, end the thread."""
+        for run in list(self._active):
+            run.job.events.put({"type": "error", "message": "the server is shutting down", "status": 503})
+            run.job.cancel()
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -160,6 +188,7 @@ class Worker:
         try:
             self.engine = self._load()
             tok = self.engine.tokenizer
+            self.encoder = TextEncoder(tok)
             self._think_id, self._end_think_id = tok.token_to_id(THINK), tok.token_to_id(END_THINK)
         except Exception as e:                        # any load failure: report it, never hang in "loading"
             self.state, self.error = "failed", str(e)
@@ -168,52 +197,83 @@ class Worker:
                 self._on_fatal(e)
             return
         self.state = "ready"
-        while True:
-            job = self._queue.get()
+        try:
+            while self._admit():
+                for run in list(self._active):      # round-robin: one step of each admitted job
+                    if not self._step(run):
+                        self._active.remove(run)
+        finally:
+            for run in self._active:
+                self._finish(run)
+            self._active.clear()
+
+    def _admit(self) -> bool:
+        """Move waiting jobs into free slots (blocking only when nothing runs); False once stopped."""
+        while len(self._active) < self.max_running:
+            try:
+                job = self._queue.get(block=not self._active)
+            except queue.Empty:
+                return True
             if job is None:
-                return
+                return False
             if job.cancelled:
                 log.info("job %s: cancelled while queued (client went away)", job.id)
                 self.metrics.count_cancelled_in_queue()
                 continue
-            self._serve(job)
+            self._active.append(_Run(job, self.engine.generate(job.prompt_ids, job.params, progress=True,
+                                                              should_stop=lambda j=job: j.cancelled)))
+        return True
 
-    def _serve(self, job: Job) -> None:
-        self.running, self._current = 1, job
-        ids, t_first, done, gen = [], None, None, None
+    def _step(self, run: "_Run") -> bool:
+        """Advance one job by one step; False when it has finished (done, failed or cancelled)."""
+        job = run.job
+        if job.cancelled:
+            self._finish(run)
+            return False
         try:
-            gen = self.engine.generate(job.prompt_ids, job.params, should_stop=lambda: job.cancelled)
-            for ev in gen:
-                if job.cancelled:
-                    break
-                if ev["type"] == "token":
-                    if ev["id"] is not None:
-                        ids.append(ev["id"])
-                        t_first = t_first or time.perf_counter()
-                    job.events.put(ev)
-                else:
-                    done = self._complete(ev, ids, job)
-                    job.events.put(done)
+            ev = next(run.gen)
+        except StopIteration:
+            self._finish(run)
+            return False
         except Cancelled:
             log.info("job %s: cancelled during prefill (client went away)", job.id)
+            self._finish(run)
+            return False
         except EngineError as e:
             job.events.put({"type": "error", "message": str(e), "status": 400})
+            self._finish(run)
+            return False
         except Exception as e:                        # the worker must outlive any one request
             log.exception("generation failed")
             job.events.put({"type": "error", "message": f"generation failed: {e}", "status": 500})
-        finally:
-            if gen is not None:
-                gen.close()
-            self.running, self._current = 0, None
-            now = time.perf_counter()
-            n = done["completion_tokens"] if done else len(ids)
-            cancelled = done is None and job.cancelled
-            self.metrics.observe_generation(
-                prompt_tokens=job.prompt_tokens, generated_tokens=n,
-                ttft=None if t_first is None else t_first - job.t_arrival,
-                decode_seconds=0.0 if t_first is None else now - t_first, cancelled=cancelled)
-            log.info("job %s: %d prompt + %d generated tokens in %.2f s (%s)", job.id, job.prompt_tokens, n,
-                     now - job.t_arrival, "cancelled" if cancelled else done["finish_reason"] if done else "failed")
+            self._finish(run)
+            return False
+        if ev["type"] == "token":
+            if ev["id"] is not None:
+                run.ids.append(ev["id"])
+                run.t_first = run.t_first or time.perf_counter()
+            job.events.put(ev)
+        elif ev["type"] == "done":
+            run.done = self._complete(ev, run.ids, job)
+            job.events.put(run.done)
+            self._finish(run)
+            return False
+        return True                                   # a token, or a prefill block ("prefill")
+
+    def _finish(self, run: "_Run") -> None:
+        job, done = run.job, run.done
+        run.gen.close()                               # the engine caches the session if it is consistent
+        now = time.perf_counter()
+        self._job_seconds = 0.8 * self._job_seconds + 0.2 * (now - run.t_start)
+        n = done["completion_tokens"] if done else len(run.ids)
+        cancelled = done is None and job.cancelled
+        self.metrics.observe_generation(
+            prompt_tokens=job.prompt_tokens, generated_tokens=n,
+            ttft=None if run.t_first is None else run.t_first - job.t_arrival,
+            decode_seconds=0.0 if run.t_first is None else now - run.t_first, cancelled=cancelled)
+        log.info("job %s: %d prompt (%d cached) + %d generated tokens in %.2f s (%s)", job.id, job.prompt_tokens,
+                 done.get("cached_tokens", 0) if done else 0, n, now - job.t_arrival,
+                 "cancelled" if cancelled else done["finish_reason"] if done else "failed")
 
     def _complete(self, ev: dict, ids: list, job: Job) -> dict:
         """Name the stop string that ended the generation (the engine reports it) and count reasoning tokens."""
@@ -224,3 +284,14 @@ class Worker:
         else:
             reasoning = 0
         return dict(ev, stop_sequence=stop_sequence, reasoning_tokens=min(reasoning, n))
+
+
+@dataclass
+class _Run:
+    """An admitted job on the worker thread: its engine event generator and what it has produced so far."""
+    job: Job
+    gen: object
+    ids: list = field(default_factory=list)
+    t_first: float | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    done: dict | None = None

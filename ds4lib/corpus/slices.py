@@ -99,7 +99,14 @@ def cut_windows(tokenizer, pieces: list[tuple[str, str]], n: int, *, window: int
 
 
 def _slice_paths(root: Path, name: str) -> tuple[Path, Path]:
-    domain, role = name.split("/")
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts) or "." in name or "\\" in name:
+        known = sorted(f"{p.parent.name}/{p.stem}" for p in Path(root).glob("*/*.json"))
+        stem = Path(name).name.split(".")[0]
+        guess = [k for k in known if k == f"{Path(name).parent.name}/{stem}"]
+        hint = f"; did you mean {guess[0]}?" if guess else ""
+        raise SliceError(f"{name!r} is not a slice name: give DOMAIN/ROLE (known: {', '.join(known)}){hint}")
+    domain, role = parts
     return root / domain / f"{role}.json", root / domain / f"{role}.tokens.npy"
 
 

@@ -23,6 +23,10 @@ class CpuBackend:
     def forward(self, state, tokens, last_only=False, observer=None):
         return self.model.forward(tokens, state, last_only=last_only, observer=observer)
 
+    def copy_state(self, state):
+        """A deep copy (the prefix cache hands these out; the reference State holds only arrays and numbers)."""
+        return state.copy()
+
     def to_host(self, logits):
         return logits
 

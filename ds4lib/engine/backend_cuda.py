@@ -43,6 +43,7 @@ from ds4lib.formats.names import EMBED, HEAD, NORM, layer_prefix
 from ds4lib.formats.vq import EXPERT_MATRICES, decode_codebook
 from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
+from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
 from kernels import attention, compressor, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling, vq_gemv
 
@@ -565,7 +566,11 @@ class CudaBackend:
         tok = sampling.sample(lg, seeds, steps, temperature=float(params.temperature), top_k=int(params.top_k),
                               top_p=float(params.top_p), min_p=float(params.min_p),
                               out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=s)
-        return int(tok.copy_to_host()[0])
+        t = int(tok.copy_to_host()[0])
+        if t < 0:
+            check_finite(logits.copy_to_host())        # raises NonFiniteLogits, naming what the row holds
+            raise NonFiniteLogits("the device sampler found a non-finite logits row")
+        return t
 
     def memory_plan(self):
         from ds4lib.engine.engine import MemoryPlan

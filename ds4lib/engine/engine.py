@@ -7,6 +7,8 @@ Public API (the server and notebooks use nothing else): `Engine`, `Session`, `Sa
 history) that grows with the positions actually used, up to the context bound from the model metadata.
 Prefill runs in blocks, decode one token at a time, both on the same forward; scoring uses the same
 paths (`logits(..., split=P)`: P tokens by prefill, the rest one at a time).
+With `prefix_cache_mb` (CPU backend), generation without an explicit session resumes from the longest cached
+prefix of its prompt and stores its finished session back (prefix_cache.py); logits are those of a cold prefill.
 
 Shapes: T tokens, V vocab.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4lib.engine.backend import make_backend
+from ds4lib.engine.prefix_cache import KvDiskStore, PrefixCache
 from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
 from ds4lib.formats.gguf import BaseFile, BaseFileError
 from ds4lib.formats.names import KEY_SOURCE_DIR
@@ -28,6 +31,8 @@ from ds4lib.tokenmap import TokenMapError, load_token_map
 __all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan", "find_engram_checkpoint"]
 
 EOS = 1
+_MB = 1 << 20
+SNAPSHOT_VERSION = 1          # bump when a state's meaning changes: older disk entries then count as stale
 
 
 class EngineError(RuntimeError):
@@ -60,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
 
 
 @dataclass
@@ -67,15 +74,17 @@ class MemoryPlan:
     weights: int
     state: int
     scratch: int
+    prefix_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.state + self.scratch
+        return self.weights + self.state + self.scratch + self.prefix_cache
 
     def table(self) -> str:
         mb = 1 << 20
+        cache = f" + prefix cache {self.prefix_cache / mb:,.1f} MB" if self.prefix_cache else ""
         return (f"weights {self.weights / mb:,.1f} MB + per-request state at full context {self.state / mb:,.1f} MB "
-                f"+ scratch {self.scratch / mb:,.1f} MB = {self.total / mb:,.1f} MB")
+                f"+ scratch {self.scratch / mb:,.1f} MB{cache} = {self.total / mb:,.1f} MB")
 
 
 @dataclass
@@ -85,6 +94,7 @@ class Session:
     state: object
     tokens: list = field(default_factory=list)
     features: list = field(default_factory=list)
+    reused: int = 0               # leading tokens whose state came from the prefix cache
 
     @property
     def position(self) -> int:
@@ -146,7 +156,8 @@ def find_engram_checkpoint(base: BaseFile, engram_dir=None) -> Path:
 
 class Engine:
     def __init__(self, base_path, *, zchain=None, posttrain=None, engram_dir=None, backend: str = "cpu",
-                 mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None):
+                 mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None,
+                 prefix_cache_mb: float = 0.0, kv_disk_dir=None, kv_disk_mb: float = 4096.0):
         try:
             self.base = BaseFile.open(base_path)
         except BaseFileError as e:
@@ -179,6 +190,8 @@ class Engine:
         self.tokenizer = self._open_tokenizer(tokenizer_path)
         self.backend = make_backend(backend, self, gains, bias)
         self.memory = self.backend.memory_plan()
+        self.memory.prefix_cache = int(prefix_cache_mb * _MB)
+        self.prefix_cache = self._open_prefix_cache(prefix_cache_mb, kv_disk_dir, kv_disk_mb)
         if mem_budget_mb is not None and self.memory.total > mem_budget_mb * (1 << 20):
             raise EngineError(f"the stack does not fit --mem-budget-mb {mem_budget_mb:,.0f}: {self.memory.table()}")
 
@@ -214,9 +227,45 @@ class Engine:
                 return Tokenizer.from_file(str(p))
         raise EngineError(f"no tokenizer.json (looked in {', '.join(map(str, candidates))})")
 
+    def _open_prefix_cache(self, mb, disk_dir, disk_mb):
+        if not mb and not disk_dir:
+            return None
+        if not hasattr(self.backend, "copy_state"):
+            raise EngineError(f"the prefix cache needs state snapshots, which the {self.backend.name} backend does "
+                              f"not have yet; run without --prefix-cache-mb / --kv-disk-dir")
+        if mb < 0 or disk_mb <= 0:
+            raise EngineError("prefix cache sizes must be >= 0 MB (memory) and > 0 MB (disk)")
+        disk = None
+        if disk_dir:
+            try:
+                disk = KvDiskStore(disk_dir, fingerprint=self.fingerprint(), max_bytes=int(disk_mb * _MB))
+            except OSError as e:
+                raise EngineError(f"--kv-disk-dir {disk_dir}: {e}") from None
+        return PrefixCache(max_bytes=int(mb * _MB), new_state=self.backend.new_state,
+                           copy_state=self.backend.copy_state, disk=disk)
+
+    def fingerprint(self) -> str:
+        """What a cached state depends on: the stack's files, the backend, the snapshot layout version."""
+        st = Path(self.base.path).stat()
+        parts = [str(Path(self.base.path).resolve()), str(st.st_size), str(st.st_mtime_ns),
+                 self.sidecar.fingerprint if self.sidecar else "-", self.posttrain.fingerprint if self.posttrain else "-",
+                 str(self.engram_dir.resolve()) if self.engram_reader is not None else "-", self.backend.name,
+                 f"snapshot {SNAPSHOT_VERSION}"]
+        return "|".join(parts)
+
     # ------------------------------------------------------------------ sessions and forward
     def new_session(self) -> Session:
         return Session(self, self.backend.new_state())
+
+    def resume(self, prompt_ids) -> Session:
+        """A session for `prompt_ids`: a copy of the longest cached proper prefix (its length in `reused` and
+        `position`; feed it prompt_ids[position:]), or a new one."""
+        if self.prefix_cache is None:
+            return self.new_session()
+        state, features, n = self.prefix_cache.lookup(prompt_ids)
+        if state is None:
+            return self.new_session()
+        return Session(self, state, [int(t) for t in prompt_ids[:n]], features, reused=n)
 
     def _check_tokens(self, toks):
         bad = [t for t in toks if not 0 <= t < self.cfg.vocab_size]
@@ -279,30 +328,74 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def generate_ids(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
         """Yield generated token ids (EOS included, then stop) up to params.max_tokens. `should_stop()` is polled
-        between prefill blocks (raising Cancelled); between tokens the caller simply stops iterating."""
-        s = session or self.new_session()
+        between prefill blocks (raising Cancelled); between tokens the caller simply stops iterating (close()).
+        Without `session`, the prompt resumes from the prefix cache and the finished session is stored back."""
+        s, rest = self._session_for(prompt_ids, session)
+        return self._generate_ids(s, rest, params, should_stop, store=session is None)
+
+    def _session_for(self, prompt_ids, session):
         if not prompt_ids:
             raise EngineError("the prompt is empty")
-        self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
-        logits = self.prefill(s, prompt_ids, should_stop=should_stop)
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
-        for step in range(params.max_tokens):
-            tok = self.backend.sample(logits, params, seed, step)
-            yield tok
-            if tok == EOS or step == params.max_tokens - 1:
-                return
-            logits = self.decode(s, tok)
+        if session is not None:
+            return session, list(prompt_ids)
+        s = self.resume(prompt_ids)
+        return s, list(prompt_ids)[s.position:]
 
-    def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
+    def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool, progress: bool = False):
+        """With `progress`, also yields None after each prefill block but the last (a caller interleaving several
+        generations steps each one block at a time)."""
+        self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
+        clean = False                 # the state is consistent (no forward failed midway): it may be cached
+        try:
+            if progress:
+                B = self.prefill_block
+                for i in range(0, len(prompt_ids), B):
+                    if i:
+                        yield None
+                        if should_stop is not None and should_stop():
+                            raise Cancelled("cancelled during prefill")
+                    logits = self.prefill(s, prompt_ids[i:i + B])
+            else:
+                logits = self.prefill(s, prompt_ids, should_stop=should_stop)
+            seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+            for step in range(params.max_tokens):
+                tok = self.backend.sample(logits, params, seed, step)
+                yield tok
+                if tok == EOS or step == params.max_tokens - 1:
+                    break
+                logits = self.decode(s, tok)
+            clean = True
+        except (GeneratorExit, Cancelled):
+            clean = True
+            raise
+        finally:
+            if store and clean and self.prefix_cache is not None:
+                self.prefix_cache.store(s.tokens, s.state, s.features)
+
+    def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None,
+                 progress: bool = False):
         """Yield one {"type": "token", "id", "text"} event per generated token (EOS excepted), `text` being the new
         text, possibly empty (held back while it may be an incomplete UTF-8 character or the start of a stop
         string); at the end, held-back text that turned out not to start a stop string comes as one more event with
         id None; then {"type": "done", "finish_reason": "stop" | "length", "stop": the matched stop string or None,
-        "completion_tokens", "text"}. A stop string ends generation and is not emitted; EOS is not counted."""
+        "completion_tokens", "text", "cached_tokens": prompt tokens taken from the prefix cache}. A stop string ends
+        generation and is not emitted; EOS is not counted. With `progress`, {"type": "prefill", "position"} comes
+        after each prefill block but the last, so that a caller can interleave generations block by block."""
         stops = tuple(s for s in params.stop if s)
+        sess, rest = self._session_for(prompt_ids, session)
+        gen = self._generate_ids(sess, rest, params, should_stop, store=session is None, progress=progress)
+        try:                          # closing this generator closes the token stream at once (and caches it)
+            yield from self._events(gen, stops, sess)
+        finally:
+            gen.close()
+
+    def _events(self, gen, stops, sess):
         ids, emitted, finish, matched = [], "", "length", None
         decode = self.tokenizer.decode
-        for tok in self.generate_ids(prompt_ids, params, session, should_stop):
+        for tok in gen:
+            if tok is None:
+                yield {"type": "prefill", "position": sess.position}
+                continue
             if tok == EOS:
                 finish = "stop"
                 break
@@ -331,7 +424,7 @@ class Engine:
                 yield {"type": "token", "id": None, "text": text[len(emitted):]}
                 emitted = text
         yield {"type": "done", "finish_reason": finish, "stop": matched, "completion_tokens": len(ids),
-               "text": emitted}
+               "text": emitted, "cached_tokens": sess.reused}
 
     def encode(self, text: str) -> list:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

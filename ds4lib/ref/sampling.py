@@ -11,6 +11,9 @@ For one row of logits l [V] (float32) and parameters temperature, top_k, top_p, 
   token i iff the weight of the tokens with a strictly larger logit is < P. This is the smallest prefix of
   the sorted distribution whose mass reaches top_p; tied tokens are kept or dropped together.
 - min_p (0 = off): keep W_i >= min_p * 2^32, i.e. p_i >= min_p * p_max.
+- non-finite rows: a NaN or +inf logit, or no finite logit at all (every token -inf), means the forward went wrong;
+  `sample` raises NonFiniteLogits instead of drawing a token (an argmax over NaN would silently give token 0 or
+  the NaN's index). The device sampler reports such a row as token -1 and its host side raises the same error.
 - sample: argmax over kept tokens of z_i + g_i with g_i = -log(-log(u_i)) (float64), u_i the uniform of the
   counter (i, step) under key `seed` from Philox-4x32-10: u = ((x0 >> 6) * 2^26 + (x1 >> 6) + 0.5) * 2^-52,
   which lies strictly inside (0, 1). Lowest index on exact ties. This draws token i with probability
@@ -22,8 +25,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PHILOX_KEY_BUMP", "philox4x32", "uniforms", "fixed_weights", "kept_mask", "probabilities", "sample",
+__all__ = ["NonFiniteLogits", "check_finite", "PHILOX_KEY_BUMP", "philox4x32", "uniforms", "fixed_weights", "kept_mask", "probabilities", "sample",
            "sample_batch", "FIXED_ONE"]
+
+class NonFiniteLogits(ValueError):
+    """A logits row with NaN or +inf, or without any finite value: nothing can be sampled from it."""
+
+
+def check_finite(logits) -> None:
+    l = np.asarray(logits)
+    top = l.max()                                   # NaN if any NaN
+    if not np.isfinite(top):
+        what = "NaN" if np.isnan(top) else "+inf" if top > 0 else "no finite value (every logit is -inf)"
+        raise NonFiniteLogits(f"the logits hold {what}: the forward produced non-finite values, so no token is "
+                              f"sampled")
+
 
 FIXED_ONE = float(2 ** 32)                    # the weight of the most likely token
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
@@ -102,8 +118,9 @@ def probabilities(logits, *, temperature: float, top_k: int = 0, top_p: float = 
 
 def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
            seed: int = 0, step: int = 0) -> int:
-    """One token from logits [V]."""
+    """One token from logits [V]; NonFiniteLogits for a row with NaN, +inf or no finite value."""
     l = np.asarray(logits, dtype=np.float32)
+    check_finite(l)
     if temperature == 0:
         return int(np.argmax(l))
     z, _ = fixed_weights(l, temperature)

@@ -34,6 +34,19 @@ def _load(module):
 
 
 def main(argv=None) -> int:
+    """Input errors end with a one-line message and exit status 2 (argparse's usage errors, and files that cannot
+    be read), Ctrl-C with 130; only a bug shows a traceback."""
+    try:
+        return _main(argv)
+    except OSError as e:                          # a path that is missing, a directory, unreadable, ...
+        print(f"ds4: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ds4: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         parser = argparse.ArgumentParser(prog="ds4")

@@ -1,7 +1,9 @@
 """Command-line flags that open an engine stack, shared by `ds4`, `ds4 score`, `ds4 eval` and `ds4-server`."""
 from __future__ import annotations
 
-__all__ = ["add_engine_args", "open_engine"]
+from ds4lib.tools.argtypes import finite_float
+
+__all__ = ["add_engine_args", "add_prefix_cache_args", "open_engine"]
 
 
 def add_engine_args(p, model_required: bool = True):
@@ -11,10 +13,27 @@ def add_engine_args(p, model_required: bool = True):
     p.add_argument("--engram-dir", default=None, help="original checkpoint directory holding the Engram tables "
                                                       "(default: the one recorded in the base file)")
     p.add_argument("--cuda", action="store_true", help="run on the GPU (Numba CUDA kernels)")
-    p.add_argument("--mem-budget-mb", type=float, default=None, help="refuse to start if the stack needs more")
+    p.add_argument("--mem-budget-mb", type=finite_float(0.0, lo_open=True), default=None,
+                   help="refuse to start if the stack needs more")
+
+
+def add_prefix_cache_args(p, default_mb: float = 0.0):
+    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server). The default
+    applies to the CPU backend; the CUDA backend has no state snapshots yet, so there it defaults to off."""
+    p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=None,
+                   help=f"memory for recent sessions' states, reused by requests that extend them (default "
+                        f"{default_mb:g} on the CPU backend, off with --cuda; 0 = off)")
+    p.set_defaults(prefix_cache_default_mb=default_mb)
+    p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
+                                                       "survives restarts)")
+    p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
+                   help="size cap of --kv-disk-dir (default 4096)")
 
 
 def open_engine(args):
     from ds4lib.engine import Engine
+    cache = {k: getattr(args, k) for k in ("prefix_cache_mb", "kv_disk_dir", "kv_disk_mb") if hasattr(args, k)}
+    if cache and cache["prefix_cache_mb"] is None:
+        cache["prefix_cache_mb"] = 0.0 if args.cuda else args.prefix_cache_default_mb
     return Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
-                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb)
+                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ds4lib.tools.argtypes import int_at_least
 from ds4lib.tools.engine_args import add_engine_args, open_engine
 
 __all__ = ["register", "format_table"]
@@ -24,12 +25,30 @@ def format_table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def _windows(a, path: str):
+    if a.ndim != 2 or a.shape[1] < 2 or a.dtype.kind not in "iu":
+        raise ValueError(f"{path}: expected integer token windows [W, N >= 2], got {a.dtype} {list(a.shape)}")
+    return a
+
+
 def _run(args) -> int:
+    import numpy as np
+
     from ds4lib.config import Env
+    from ds4lib.corpus.slices import SliceError, load_slice
     from ds4lib.engine import EngineError
-    from ds4lib.eval import Teacher, evaluate_slice, evaluate_windows
+    from ds4lib.eval import Teacher, evaluate_windows
     if not (args.slice or args.windows_file):
         print("ds4 eval: give --slice or --windows-file", file=sys.stderr)
+        return 2
+    inputs = {}
+    try:                                       # every input is checked before the (slow) engine load
+        for name in args.slice or []:
+            inputs[name] = load_slice(name).tokens
+        for f in args.windows_file or []:
+            inputs[f] = _windows(np.load(f, allow_pickle=False), f)
+    except (SliceError, OSError, ValueError) as e:
+        print(f"ds4 eval: {e}", file=sys.stderr)
         return 2
     try:
         engine = open_engine(args)
@@ -39,13 +58,8 @@ def _run(args) -> int:
         print(f"ds4 eval: {e}", file=sys.stderr)
         return 2
     rows, t0 = {}, time.time()
-    jobs = [(name, None) for name in args.slice or []] + [(f, f) for f in args.windows_file or []]
-    for name, path in jobs:
-        if path:
-            import numpy as np
-            comp, _ = evaluate_windows(engine, teacher, np.load(path)[:args.windows], split=args.score_split)
-        else:
-            comp, _ = evaluate_slice(engine, teacher, name, windows=args.windows, split=args.score_split)
+    for name, windows in inputs.items():
+        comp, _ = evaluate_windows(engine, teacher, windows[:args.windows], split=args.score_split)
         rows[name] = comp.as_dict()
         print(format_table({name: rows[name]}).splitlines()[-1] if not args.json else "", file=sys.stderr)
     out = {"stack": engine.describe(), "original": str(original), "slices": rows, "seconds": time.time() - t0}
@@ -61,8 +75,8 @@ def register(sub):
     p.add_argument("--slice", action="append", help="e.g. finance/judge (repeatable)")
     p.add_argument("--windows-file", action="append", help="a .npy of token windows [W, N] (repeatable)")
     p.add_argument("--original", default=None, help="original checkpoint (default: the Engram directory)")
-    p.add_argument("--windows", type=int, default=None, help="first N windows of each slice only")
-    p.add_argument("--score-split", type=int, default=None)
+    p.add_argument("--windows", type=int_at_least(1), default=None, help="first N windows of each slice only")
+    p.add_argument("--score-split", type=int_at_least(0), default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=_run)

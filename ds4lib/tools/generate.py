@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from ds4lib.tools.argtypes import finite_float, int_at_least, seed
 from ds4lib.tools.engine_args import add_engine_args, open_engine
 
 __all__ = ["main", "build_parser"]
@@ -20,12 +21,12 @@ def build_parser():
                                 "tiny | corpus | tokenizer | quantize | score | eval)")
     add_engine_args(p)
     p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("--temp", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("-n", "--max-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temp", type=finite_float(0.0), default=1.0)
+    p.add_argument("--top-p", type=finite_float(0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=int_at_least(0), default=0)
+    p.add_argument("--min-p", type=finite_float(0.0, 1.0), default=0.0)
+    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=256)
+    p.add_argument("--seed", type=seed, default=None, help="0 .. 2^64 - 1 (default: a fresh one per run)")
     p.add_argument("--think", action="store_true", help="thinking mode (reasoning before </think>)")
     p.add_argument("--raw", action="store_true", help="no chat template: BOS + prompt")
     p.add_argument("--stats", action="store_true", help="print tokens/s to stderr")
@@ -37,9 +38,9 @@ def main(argv=None) -> int:
     from ds4lib.chat import encode_chat
     from ds4lib.engine import EngineError, SamplingParams
     try:
-        engine = open_engine(args)
         params = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 max_tokens=args.max_tokens, seed=args.seed)
+        engine = open_engine(args)
     except (EngineError, ValueError) as e:
         print(f"ds4: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ds4lib.config import ConfigError
 from ds4lib.formats.checkpoint import CheckpointError
+from ds4lib.tools.argtypes import int_at_least
 
 __all__ = ["register"]
 
@@ -41,7 +42,7 @@ def register(sub):
     p.add_argument("--checkpoint", required=True, help="official-format checkpoint directory")
     p.add_argument("--out", required=True, help="output .gguf file")
     p.add_argument("--bits-plan", default="auto", help="auto | N (13-bit shallowest layers) | comma list of 12/13")
-    p.add_argument("--rounds", type=int, default=None, help="Lloyd rounds per codebook (default 32)")
+    p.add_argument("--rounds", type=int_at_least(1), default=None, help="Lloyd rounds per codebook (default 32)")
     p.add_argument("--cuda", action="store_true", help="run Lloyd and the assignment on the GPU (same bytes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from ds4lib.tools.argtypes import int_at_least
 from ds4lib.tools.engine_args import add_engine_args, open_engine
 
 __all__ = ["register"]
@@ -17,10 +18,14 @@ __all__ = ["register"]
 def _run(args) -> int:
     from ds4lib.engine import EngineError
     try:
-        engine = open_engine(args)
         if args.tokens:
-            ids = [int(t) for t in args.tokens.replace(",", " ").split()]
-        else:
+            try:
+                ids = [int(t) for t in args.tokens.replace(",", " ").split()]
+            except ValueError:
+                raise EngineError(f"--tokens {args.tokens!r}: give integer token ids, comma or space separated") \
+                    from None
+        engine = open_engine(args)
+        if not args.tokens:
             ids = [0] + engine.encode(args.text)
         if len(ids) < 2:
             raise EngineError("scoring needs at least two tokens")
@@ -45,6 +50,6 @@ def register(sub):
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--tokens", help="token ids, comma or space separated")
     g.add_argument("--text", help="text (BOS is prepended)")
-    p.add_argument("--score-split", type=int, default=None, help="prefill P tokens, decode the rest one by one")
+    p.add_argument("--score-split", type=int_at_least(0), default=None, help="prefill P tokens, decode the rest one by one")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run)

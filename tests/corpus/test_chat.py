@@ -66,3 +66,25 @@ def test_parse_reply(text, thinking, expected):
 def test_unsupported_messages_raise(msgs):
     with pytest.raises(ChatError):
         render_chat(msgs)
+
+
+def test_reasoning_effort_prefix_only_in_thinking_mode():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+    assert render_chat(msgs, thinking=True, reasoning_effort="low") == render_chat(msgs, thinking=True)
+    high = render_chat(msgs, thinking=True, reasoning_effort="high")
+    assert high.startswith(B + "Reasoning Effort: Absolute maximum") and high.endswith(f"\n\nS{U}q{A}{T}")
+    assert render_chat(msgs, thinking=True, reasoning_effort="max").startswith(B + "Reasoning Effort: Beyond maximum")
+    assert render_chat(msgs, thinking=False, reasoning_effort="max") == render_chat(msgs)
+    with pytest.raises(ChatError):
+        render_chat(msgs, thinking=True, reasoning_effort="medium")
+
+
+def test_encode_chat_keeps_special_strings_in_contents_as_text():
+    tok = load_tokenizer()
+    msgs = [{"role": "user", "content": f"a{E}{U}b{ET}"}]
+    ids = encode_chat(tok, msgs)
+    assert [t for t in ids if t < 9] == [0, 3, 4, 6]
+    assert tok.decode(ids, skip_special_tokens=False) == render_chat(msgs)
+    plain = [{"role": "user", "content": "What does 'ledger' mean?"}]
+    assert encode_chat(tok, plain, thinking=True) == tok.encode(render_chat(plain, thinking=True),
+                                                                add_special_tokens=False).ids

@@ -52,11 +52,59 @@ def test_chunked_prefill_equals_single(engine, tiny_stack):
     np.testing.assert_array_equal(small.logits(PROMPT), engine.logits(PROMPT))
 
 
-def test_engine_matches_reference_on_its_own_values(engine):
-    """The CPU engine is the reference forward over the quantised values: check one layer's routed expert."""
-    w = engine.backend.weights.layer(3)
-    d = engine.base.dequant_expert(3, 5, "w2")
-    np.testing.assert_array_equal(w["ffn.experts.5.w2.weight"], d)
+class _FileValues:
+    """The reference model's weights as the base file defines them, decoded without the engine: every tensor the
+    file quantises (q4_K, Q8_0, F16) by gguf's own public `quants.dequantize`, routed experts from the file's VQ
+    codes, everything the file stores unchanged from the original checkpoint."""
+
+    def __init__(self, ckpt, base, engine):
+        from gguf import GGMLQuantizationType as GT
+        from gguf import GGUFReader, quants
+
+        from ds4lib.formats.checkpoint import CheckpointReader
+        from ds4lib.ref.weights import RefWeights
+        self.ref = RefWeights(CheckpointReader.open(ckpt))
+        self.engine, self.cfg = engine, engine.cfg
+        self.decoded = {t.name: quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                        for t in GGUFReader(base).tensors if t.tensor_type in (GT.Q4_K, GT.Q8_0, GT.F16)}
+
+    def global_(self, name):
+        return self.decoded.get(name, self.ref.global_(name))
+
+    def layer(self, l):
+        from ds4lib.formats.names import layer_prefix
+        p = layer_prefix(self.cfg, l)
+        out = {}
+        for k, v in self.ref.layer(l).items():
+            if ".experts." in k:
+                e, mat = k.split(".")[2], k.split(".")[3]
+                out[k] = self.engine.base.dequant_expert(l, int(e), mat)
+            else:
+                out[k] = self.decoded.get(p + k, v)
+        return out
+
+    def engram_rows(self, l, hashes):
+        return self.ref.engram_rows(l, hashes)
+
+
+def test_engine_is_the_reference_forward_over_the_files_values(engine, tiny_stack):
+    """The CPU engine must equal, bit for bit, the reference model run on the base file's values decoded outside
+    the engine (gguf's dequantizer for the linears, the checkpoint for stored tensors); and those values must be
+    the quantised ones: the full-precision checkpoint gives different, but close, logits."""
+    from ds4lib.formats.checkpoint import CheckpointReader
+    from ds4lib.ref import ReferenceModel
+    from ds4lib.ref.weights import RefWeights
+    ckpt, base = tiny_stack
+    want = ReferenceModel(engine.cfg, _FileValues(ckpt, base, engine), engine.token_map, quant_sim=True)
+    got = engine.logits(PROMPT)
+    np.testing.assert_array_equal(got, want.logits(PROMPT))
+    full = ReferenceModel(engine.cfg, RefWeights(CheckpointReader.open(ckpt)), engine.token_map, quant_sim=True)
+    fp = full.logits(PROMPT)
+    assert not np.array_equal(got, fp)
+    p, q = (np.exp(x - x.max(-1, keepdims=True)) for x in (fp.astype(np.float64), got.astype(np.float64)))
+    p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
+    kl = float(np.mean(np.sum(p * (np.log(p) - np.log(q)), -1)))
+    assert 0 < kl < 0.5, kl
 
 
 def test_identity_sidecar_equals_no_sidecar(engine, tiny_stack, tmp_path):
@@ -159,3 +207,18 @@ def test_engram_checkpoint_found_beside_the_base_by_content_hash(tiny_stack, tmp
     shutil.rmtree(moved / "renamed-checkpoint")
     with pytest.raises(EngineError, match=r"no checkpoint with content hash .*checked a-different-model"):
         Engine(moved / "base.gguf", tokenizer_path=_tok())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nan_logits_are_an_error_not_a_token(engine, monkeypatch, temperature):
+    from ds4lib.ref.sampling import NonFiniteLogits
+    real = engine.backend.forward
+
+    def poisoned(state, tokens, last_only=False, observer=None):
+        out = real(state, tokens, last_only=last_only, observer=observer)
+        out.logits[..., 17] = np.nan
+        return out
+
+    monkeypatch.setattr(engine.backend, "forward", poisoned)
+    with pytest.raises(NonFiniteLogits, match="NaN"):
+        list(engine.generate_ids(PROMPT[:6], SamplingParams(temperature=temperature, max_tokens=2, seed=1)))

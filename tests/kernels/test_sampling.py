@@ -57,3 +57,21 @@ def test_philox_device_matches_ref(cuda_ready):
     out = cuda_ready.to_device(np.zeros(40, np.float64))
     draw[1, 64](2**33 + 5, 77, out)
     np.testing.assert_array_equal(out.copy_to_host(), ref.uniforms(2**33 + 5, 77, 40))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_non_finite_rows_give_token_minus_one(cuda_ready, temperature):
+    """A NaN or +inf logit, or a row of -inf only: token -1 on the device where ref raises; finite rows as ref."""
+    from kernels.sampling import sample
+    l = _logits(np.random.default_rng(9), 4, 300)
+    l[0, 250] = np.nan
+    l[1, 3] = np.inf
+    l[2] = -np.inf
+    seeds, steps = np.array([1, 2, 3, 4], np.int64), np.zeros(4, np.int64)
+    got = sample(cuda_ready.to_device(l), cuda_ready.to_device(seeds), cuda_ready.to_device(steps), chunk=128,
+                 temperature=temperature, top_p=0.9).copy_to_host()
+    assert got[:3].tolist() == [-1, -1, -1]
+    assert got[3] == ref.sample(l[3], temperature=temperature, top_p=0.9, seed=4, step=0)
+    for row in l[:3]:
+        with pytest.raises(ref.NonFiniteLogits):
+            ref.sample(row, temperature=temperature, top_p=0.9)

@@ -87,7 +87,8 @@ def stop_server(server: LiveServer) -> int:
 def live_server(tiny_stack, tmp_path_factory):
     base, ck = tiny_stack
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(["-m", str(base), "--engram-dir", str(ck), "--alias", "ds4-test"], log)
+    server = start_server(["-m", str(base), "--engram-dir", str(ck), "--alias", "ds4-test", "--model-alias",
+                           "ds4-alias"], log)
     yield server
     rc = stop_server(server)
     assert rc == 0, f"ds4-server exited with {rc} on SIGTERM:\n{log.read_text()}"

@@ -99,7 +99,7 @@ def test_assistant_prefill_is_continued(anthropic_client):
 
 def test_models_list(anthropic_client):
     ids = [m.id for m in anthropic_client.models.list().data]
-    assert ids == ["ds4-test", "deepseek-reasoner"]
+    assert ids == ["ds4-test", "ds4-alias", "deepseek-reasoner"]
 
 
 def test_sdk_raises_bad_request(anthropic_client):

@@ -12,7 +12,7 @@ from ds4lib.engine import EngineError
 from server import create_app
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-MSGS = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+MSGS = {"model": "ds4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def _wait(cond, timeout=10.0):
@@ -29,12 +29,12 @@ def test_health_is_503_while_loading_then_200(engine):
         release.wait(30)
         return engine
 
-    app = create_app(load=load, model_name="ds4-test")
+    app = create_app(load=load, model_name="ds4-test", aliases=("ds4",))
     c = app.test_client()
     r = c.get("/health")
     assert r.status_code == 503 and r.json["status"] == "loading"
     r = c.post("/v1/chat/completions", json=CHAT)
-    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready"
+    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready" and r.headers["Retry-After"]
     r = c.post("/v1/messages", json=MSGS)
     assert r.status_code == 503 and r.json["type"] == "error" and r.json["error"]["type"] == "overloaded_error"
     assert "ds4_engine_loaded 0" in c.get("/metrics").text
@@ -61,13 +61,15 @@ def test_failed_load_reports_and_calls_on_fatal():
     assert "failed to load" in c.post("/v1/chat/completions", json=CHAT).json["error"]["message"]
 
 
-def test_full_queue_is_503_in_each_shape(engine):
+def test_full_queue_is_429_with_retry_after_in_each_shape(engine):
     app = create_app(engine, max_queue=0)
     c = app.test_client()
     _wait(lambda: c.get("/health").status_code == 200)
     r = c.post("/v1/chat/completions", json=CHAT)
-    assert r.status_code == 503 and r.json["error"]["code"] == "queue_full"
-    assert c.post("/v1/messages", json=MSGS).json["error"]["type"] == "overloaded_error"
+    assert r.status_code == 429 and r.json["error"]["code"] == "queue_full"
+    assert int(r.headers["Retry-After"]) >= 1
+    r = c.post("/v1/messages", json=MSGS)
+    assert r.status_code == 429 and r.json["error"]["type"] == "rate_limit_error" and r.headers["Retry-After"]
     app.extensions["ds4"].worker.stop(timeout=5)
 
 
@@ -78,8 +80,8 @@ class _Exploding:
         self.engine, self.fail = engine, True
         self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
 
-    def generate(self, prompt_ids, params, should_stop=None):
-        for ev in self.engine.generate(prompt_ids, params, should_stop=should_stop):
+    def generate(self, prompt_ids, params, **kw):
+        for ev in self.engine.generate(prompt_ids, params, **kw):
             yield ev
             if self.fail:
                 raise RuntimeError("kernel exploded")
@@ -121,3 +123,33 @@ def test_create_app_needs_exactly_one_source(engine):
         create_app()
     with pytest.raises(ValueError):
         create_app(engine, load=lambda: engine)
+
+
+class _SlowPrefill:
+    """An engine whose prefill takes `delay` seconds: streams must carry keep-alive comments meanwhile."""
+
+    def __init__(self, engine, delay):
+        self.engine, self.delay = engine, delay
+        self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
+
+    def generate(self, prompt_ids, params, **kw):
+        time.sleep(self.delay)
+        yield from self.engine.generate(prompt_ids, params, **kw)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x",
+                                       "max_tokens": 2}), ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                                       ("/v1/messages", MSGS)])
+def test_streams_send_keepalive_comments_while_waiting(engine, path, body):
+    app = create_app(_SlowPrefill(engine, 0.6), keepalive_s=0.1)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    text = c.post(path, json=dict(body, stream=True)).get_data(as_text=True)
+    frames = text.split("\n\n")
+    keep = [i for i, f in enumerate(frames) if f == ": keep-alive"]
+    tokens = [i for i, f in enumerate(frames) if any(m in f for m in ('"delta":{"content"', '"text_delta"',
+                                                                     "output_text.delta", '"text_completion"'))]
+    assert tokens and len([i for i in keep if i < min(tokens)]) >= 3, frames[:12]
+    plain = c.post(path, json=body)
+    assert plain.status_code == 200 and b"keep-alive" not in plain.data
+    app.extensions["ds4"].worker.stop(timeout=5)

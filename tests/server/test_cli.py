@@ -25,6 +25,24 @@ def _run(args, timeout=120, **kw):
                           timeout=timeout, **kw)
 
 
+def test_prefix_cache_default_follows_the_backend(monkeypatch):
+    import ds4lib.engine
+    from ds4lib.tools.engine_args import open_engine
+    seen = {}
+    monkeypatch.setattr(ds4lib.engine, "Engine", lambda *a, **kw: seen.update(kw))
+    for flags, mb in (([], 1024.0), (["--cuda"], 0.0), (["--cuda", "--prefix-cache-mb", "5"], 5.0),
+                      (["--prefix-cache-mb", "0"], 0.0)):
+        open_engine(build_parser().parse_args(["-m", "b", *flags]))
+        assert seen["prefix_cache_mb"] == mb, flags
+
+
+def test_bad_flag_values_are_usage_errors():
+    for args, flag in ((["--max-queue", "-1"], "--max-queue"), (["--port", "x"], "--port"),
+                       (["--sse-keepalive-s", "nan"], "--sse-keepalive-s"), (["--mem-budget-mb", "0"], "--mem-budget")):
+        r = _run(["-m", "b.gguf", *args])
+        assert r.returncode == 2 and f"argument {flag}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_missing_base_file_exits_2():
     r = _run(["-m", "/nonexistent/base.gguf"])
     assert r.returncode == 2 and "no such base file" in r.stderr

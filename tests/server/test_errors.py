@@ -40,16 +40,48 @@ def test_malformed_json_anthropic_shape(live_server, path):
 @pytest.mark.parametrize("patch,param", [
     ({"temperature": "hot"}, "temperature"), ({"max_tokens": "ten"}, "max_tokens"), ({"top_p": 0}, "top_p"),
     ({"messages": "hi"}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"), ({"stop": 3}, "stop"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+     "messages"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"stop": 3}, "stop"),
     ({"stream": "yes"}, "stream"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"), ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
 ])
 def test_wrong_types_and_unsupported_fields_openai(live_server, patch, param):
     err = _openai_error(live_server.post(CHAT, json={**OK_CHAT, **patch}))
     assert err["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b'{"temperature": NaN}', b'{"top_p": Infinity}', b'{"min_p": -Infinity}',
+                                 b'{"temperature": 1e999}', b'{"seed": 1, "metadata": {"x": NaN}}'])
+def test_non_finite_numbers_are_400_in_each_shape(live_server, raw):
+    body = raw[:-1] + b', "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    for path in (CHAT, "/v1/completions", "/v1/responses"):
+        err = _openai_error(live_server.post(path, content=body, headers={"content-type": "application/json"}))
+        assert err["code"] == "invalid_number" and "finite" in err["message"]
+    err = _anthropic_error(live_server.post(MSGS, content=body, headers={"content-type": "application/json"}))
+    assert err["type"] == "invalid_request_error" and "finite" in err["message"]
+
+
+def test_unknown_model_is_404_in_each_shape(live_server):
+    for path, body in ((CHAT, OK_CHAT), ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        err = _openai_error(live_server.post(path, json={**body, "model": "gpt-4o"}), status=404)
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "ds4-test" in err["message"]
+    err = _anthropic_error(live_server.post(MSGS, json={**OK_MSGS, "model": "claude-opus"}), status=404)
+    assert err["type"] == "not_found_error"
+    _anthropic_error(live_server.post("/v1/messages/count_tokens", json={**OK_MSGS, "model": "x"}), status=404)
+    for name in ("ds4-test", "deepseek-reasoner", "ds4-alias"):
+        assert live_server.post(CHAT, json={**OK_CHAT, "model": name}).status_code == 200, name
+    r = live_server.post(CHAT, json=OK_CHAT)                                    # no model: the served one
+    assert r.status_code == 200 and r.json()["model"] == "ds4-test"
+    assert "ds4-alias" in [m["id"] for m in live_server.get("/v1/models").json()["data"]]
 
 
 def test_non_object_body_and_unknown_fields(live_server):

@@ -1,0 +1,116 @@
+"""DSML, the V4/V4.1 chat encoding's tool-call markup: tool definitions in the prompt, tool calls in assistant turns,
+and the parser of generated tool calls (ARCHITECTURE.md §6; DeepSeek-V4 `encoding_dsv4.py`, read for the format).
+
+Owns: `render_tools` (the "## Tools" section appended to the system message), `render_tool_calls` (an assistant
+turn's calls as markup and value pieces), `render_tool_result`, `parse_tool_calls` (generated text after the
+answer -> calls), `TOOL_CALLS_START` and `ToolCallError`.
+
+Format. A call block follows the answer text:
+
+    \\n\\n<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>
+    ...\\n</｜DSML｜invoke>\\n<｜DSML｜invoke ...>...\\n</｜DSML｜tool_calls>
+
+one parameter per line; a string value is written as is with string="true", any other JSON value as JSON with
+string="false". Tool results are `<tool_result>{content}</tool_result>` blocks inside a user turn (chat.py merges
+them). Calls are {"name", "arguments"} with `arguments` a JSON object text, as OpenAI's function calls.
+
+Does not own: where the tools section and results go in a conversation (chat.py), response shapes (server/).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+__all__ = ["DSML", "TOOL_CALLS_START", "TOOL_CALLS_END", "ToolCallError", "render_tools", "render_tool_calls",
+           "render_tool_result", "parse_tool_calls"]
+
+DSML = "｜DSML｜"
+TOOL_CALLS_START = f"\n\n<{DSML}tool_calls>"
+TOOL_CALLS_END = f"</{DSML}tool_calls>"
+_INVOKE_END = f"</{DSML}invoke>"
+
+_TOOLS_SECTION = """## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{d}tool_calls>" block like the following:
+
+<{d}tool_calls>
+<{d}invoke name="$TOOL_NAME">
+<{d}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{d}parameter>
+...
+</{d}invoke>
+<{d}invoke name="$TOOL_NAME2">
+...
+</{d}invoke>
+</{d}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
+
+Otherwise, output directly after </think> with tool calls or final response.
+
+### Available Tool Schemas
+
+{schemas}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""
+
+_INVOKE_RE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n(.*?)\n?{re.escape(_INVOKE_END)}', re.S)
+_PARAM_RE = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
+
+
+class ToolCallError(ValueError):
+    """A tool definition or call that cannot be encoded."""
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_tools(tools) -> str:
+    """The tools section for function definitions [{"name", "description"?, "parameters"?}], one JSON line each."""
+    return _TOOLS_SECTION.replace("{d}", DSML).replace("{schemas}", "\n".join(_json(t) for t in tools))
+
+
+def render_tool_calls(calls) -> list:
+    """An assistant turn's calls [{"name", "arguments": JSON object text}] as (text, markup) pieces."""
+    out = [(TOOL_CALLS_START + "\n", True)]
+    for i, call in enumerate(calls):
+        try:
+            args = json.loads(call["arguments"]) if isinstance(call["arguments"], str) else call["arguments"]
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"tool call {i} ({call['name']!r}): arguments are not JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise ToolCallError(f"tool call {i} ({call['name']!r}): arguments must be a JSON object")
+        out += [(f'<{DSML}invoke name="', True), (call["name"], False), ('">\n', True)]
+        for j, (k, v) in enumerate(args.items()):
+            out += [(f'<{DSML}parameter name="', True), (str(k), False),
+                    (f'" string="{"true" if isinstance(v, str) else "false"}">', True),
+                    (v if isinstance(v, str) else _json(v), False),
+                    (f"</{DSML}parameter>" + ("\n" if j + 1 < len(args) else ""), True)]
+        out.append((f"\n{_INVOKE_END}" + ("\n" if i + 1 < len(calls) else ""), True))
+    out.append((f"\n{TOOL_CALLS_END}", True))
+    return out
+
+
+def render_tool_result(content: str) -> list:
+    return [("<tool_result>", True), (content, False), ("</tool_result>", True)]
+
+
+def parse_tool_calls(block: str) -> list:
+    """The complete invokes of a generated call block (the text after TOOL_CALLS_START), in order, as
+    [{"name", "arguments"}]. A parameter with string="false" whose value is not JSON is kept as a string."""
+    calls = []
+    for m in _INVOKE_RE.finditer(block):
+        args = {}
+        for name, is_str, value in _PARAM_RE.findall(m.group(2)):
+            if is_str == "true":
+                args[name] = value
+            else:
+                try:
+                    args[name] = json.loads(value)
+                except json.JSONDecodeError:
+                    args[name] = value
+        calls.append({"name": m.group(1), "arguments": _json(args)})
+    return calls
