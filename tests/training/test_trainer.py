@@ -106,3 +106,28 @@ def test_engine_toolchain_and_server_never_import_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_training_model_on_the_shipped_weights_agrees_with_the_reference():
+    """models/ds4-tiny loaded back into the training model (what the trainer computed with) against ds4lib.ref
+    on the same FP4/FP8 weights: the same function up to summation order and its rounding-boundary flips."""
+    from tokenizers import Tokenizer
+    from ds4lib.corpus.slices import load_slice
+    from ds4lib.ref import ReferenceModel
+    from ds4lib.tokenmap import compressed_token_map
+    from training.export import load_official
+    from training.model import Model
+    ckpt = "models/ds4-tiny"
+    ref = ReferenceModel.load(ckpt)
+    tmap, _ = compressed_token_map(Tokenizer.from_file(TOKENIZER))
+    m = Model(ref.cfg, qat=True, max_pos=4096)
+    m.set_token_map(tmap)
+    load_official(m, ckpt).eval()
+    win = load_slice("english/judge").tokens[0][:96].astype(np.int64)
+    with torch.no_grad():
+        lt = m(torch.from_numpy(win)[None])[0][0].numpy()
+    lr = ref.logits(win)
+    rel = np.linalg.norm(lt - lr) / np.linalg.norm(lr)
+    agree = np.mean(lt.argmax(-1) == lr.argmax(-1))
+    assert rel < 0.05 and agree > 0.9, (rel, agree)
