@@ -126,6 +126,7 @@ class Sidecar:
     fingerprint: str = ""                           # FNV-1a of this directory's contents
     base_fnv: str | None = None                     # post-training: fingerprint of the sidecar it stacks on
     manifest: dict = field(default_factory=dict)
+    root: Path = Path(".")                          # the directory it was read from
 
 
 def listed_files(manifest: dict) -> list:
@@ -272,7 +273,7 @@ def read_sidecar(root, cfg, *, expect_kind: str | None = None) -> Sidecar:
         raise SidecarError(f"{root}: is a {kind!r} directory, expected {expect_kind!r}")
     if man.get("config_sha256") != config_fingerprint(cfg):
         raise SidecarError(f"{root}: solved for another model (config fingerprint differs)")
-    sc = Sidecar(kind=kind, manifest=man, fingerprint=directory_fingerprint(root))
+    sc = Sidecar(kind=kind, manifest=man, fingerprint=directory_fingerprint(root), root=root)
     for key, info in man.get("layers", {}).items():
         l = int(key)
         if not 0 <= l < cfg.n_all_layers:

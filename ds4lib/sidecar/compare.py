@@ -9,10 +9,12 @@ __all__ = ["compare_stacks"]
 
 def compare_stacks(*, base, sidecar, slices, checkpoint=None, windows: int | None = None, backend: str = "cpu",
                    cache_dir=None, tokenizer=None) -> list:
-    """Rows {slice, stack ('base' | 'base+sidecar'), n, same_top1, sigma_min_*, kl_mean, ppl_*}."""
+    """Rows {slice, stack ('base' | 'base+sidecar'), n, same_top1, sigma_min_*, kl_mean, ppl_*}. A slice is a
+    committed slice name (finance/judge) or a .npy file of token windows [W, T]."""
     from ds4lib.config import Env
     from ds4lib.engine import Engine
-    from ds4lib.eval import Teacher, evaluate_slice
+    import numpy as np
+    from ds4lib.eval import Teacher, evaluate_slice, evaluate_windows
     stacks = {"base": None, "base+sidecar": sidecar}
     rows, teacher = [], None
     for label, zchain in stacks.items():
@@ -20,6 +22,9 @@ def compare_stacks(*, base, sidecar, slices, checkpoint=None, windows: int | Non
         if teacher is None:
             teacher = Teacher(Path(checkpoint or eng.engram_dir), Path(cache_dir or Env.read().cache_dir) / "teacher")
         for name in slices:
-            comp, _ = evaluate_slice(eng, teacher, name, windows=windows)
+            if str(name).endswith(".npy"):
+                comp, _ = evaluate_windows(eng, teacher, np.load(name)[:windows])
+            else:
+                comp, _ = evaluate_slice(eng, teacher, name, windows=windows)
             rows.append({"slice": name, "stack": label, **comp.as_dict()})
     return rows

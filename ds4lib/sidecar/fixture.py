@@ -58,7 +58,8 @@ def build_fixture(checkpoint, windows, cache_dir, *, progress=None) -> TeacherFi
     layer is on disk."""
     model = ReferenceModel.load(checkpoint)
     seqs = fixture_sequences(windows)
-    root = Path(cache_dir) / "sidecar_fixture" / _key(model.reader.content_hash(), seqs)
+    model_hash = model.reader.content_hash()
+    root = Path(cache_dir) / "sidecar_fixture" / _key(model_hash, seqs)
     L = model.cfg.n_layers
     fix = TeacherFixture(root, L, seqs)
     if all((root / f"L{l:02d}.npz").exists() for l in range(L)):
@@ -82,7 +83,7 @@ def build_fixture(checkpoint, windows, cache_dir, *, progress=None) -> TeacherFi
             os.replace(tmp, f)
         if progress:
             progress(l)
-    meta = {"model": model.reader.content_hash(), "tokens": root.name.split("_")[1], "windows": len(seqs),
+    meta = {"model": model_hash, "tokens": root.name.split("_")[1], "windows": len(seqs),
             "seq_len": int(seqs.shape[1]), "layers": L}
     (root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return fix

@@ -186,7 +186,7 @@ def solve_sidecar(*, base, out, domain: str, fit=("finance/fit",), checkpoint=No
                   router_bias: bool = True, lattice: bool = True, shared_ridge: bool = True, fresh: bool = False,
                   tokens=None, progress: bool = True) -> SidecarReport:
     """Solve (or resume) the sidecar of `domain` on the fitting slices `fit` into directory `out`. `tokens`
-    [W, T] replaces the slices' windows (tests, or text that is not a committed slice)."""
+    [W, T] (or a .npy file of them) replaces the slices' windows (tests, or text that is not a committed slice)."""
     from tqdm.auto import tqdm
     from ds4lib.config import Env
     out = Path(out)
@@ -196,7 +196,7 @@ def solve_sidecar(*, base, out, domain: str, fit=("finance/fit",), checkpoint=No
     checkpoint = Path(checkpoint or bf.metadata.get(KEY_SOURCE_DIR, ""))
     reader = CheckpointReader.open(checkpoint, validate=False)
     if tokens is not None:
-        toks = np.asarray(tokens, np.int64)[:windows]
+        toks = np.asarray(np.load(tokens) if isinstance(tokens, (str, Path)) else tokens, np.int64)[:windows]
         fit = [f"tokens:{hashlib.sha256(np.ascontiguousarray(toks).tobytes()).hexdigest()[:16]}"]
     else:
         toks = np.concatenate([load_slice(name).tokens[:windows] for name in fit])
