@@ -1,4 +1,4 @@
-"""The ② sidecar solve of one domain (SEED.md §4.2; the math and gates in docs/sidecar.md): layer by layer,
+"""The ② sidecar solve of one domain (the math and gates: docs/sidecar.md): layer by layer,
 first to last in one pass, each layer fitted with every layer before it already mounted.
 
 Per backbone layer k:

@@ -1,4 +1,4 @@
-"""The ② gain solve of one layer (SEED.md §4.2; our notes in docs/sidecar.md): per-expert multiplicative gains
+"""The ② gain solve of one layer (docs/sidecar.md): per-expert multiplicative gains
 on the down projection's output channels, fitted so the quantised MoE block reproduces the original's output.
 
 Model of the engine's MoE sum for token i with its K routed slots (e_ik, rw_ik) and shared expert ysh_i:

@@ -1,4 +1,4 @@
-"""The ② router selection bias Δb of one layer (SEED.md §4.2; docs/sidecar.md): nudge our router's selection
+"""The ② router selection bias Δb of one layer (docs/sidecar.md): nudge our router's selection
 scores so that it picks the same set of experts as the original.
 
 For every training row, with v = our selection scores (unbiased score + the layer's bias) and thr = our K-th

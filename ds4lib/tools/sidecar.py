@@ -49,8 +49,8 @@ def _run(args) -> int:
     from ds4lib.sidecar import CaptureError, SolveError, solve_sidecar
     from ds4lib.solvers import ALPHAS, LAMBDAS
     try:
-        lambdas = _floats(args.lambdas, "--lambdas") if args.lambdas else LAMBDAS
-        alphas = _floats(args.alphas, "--alphas") if args.alphas else ALPHAS
+        lambdas = _floats(args.lambdas, "--lambdas") if args.lambdas is not None else LAMBDAS
+        alphas = _floats(args.alphas, "--alphas") if args.alphas is not None else ALPHAS
         if not 0 <= args.gate < 1:
             raise ValueError(f"--gate must be in [0, 1), got {args.gate}")
         if not Path(args.base).is_file():
