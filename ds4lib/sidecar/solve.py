@@ -112,7 +112,10 @@ def _prepare_out(out: Path, cfg, notes: dict, fresh: bool) -> dict:
             raise SolveError(f"{out} holds a solve with other parameters ({', '.join(diff)}); pass --fresh to start "
                              f"over (the old directory is kept as {out.name}.old) or choose another --out")
         read_sidecar(out, cfg, expect_kind="sidecar")
-        return {int(k): v for k, v in man["layers"].items() if v.get("done")}
+        done = {int(k): v for k, v in man["layers"].items() if v.get("done")}
+        if len(done) != len(man["layers"]):       # an interrupted layer (its Δb may be listed): unmount it first
+            write_manifest(out, cfg, kind="sidecar", layers=done, notes=notes)
+        return done
     if man_path.exists():
         old = out.with_name(out.name + ".old")
         if old.exists():

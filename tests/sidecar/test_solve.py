@@ -132,6 +132,26 @@ def test_interrupted_solve_keeps_finished_layers(micro, tmp_path, monkeypatch):
     assert rep.layers[0].get("resumed") and not rep.layers[1].get("resumed")
 
 
+def test_resume_unmounts_an_interrupted_layer(micro, tmp_path, monkeypatch):
+    """Interrupted after layer 1's Δb was mounted but before its gains: the rerun must not capture layer 1 with that
+    stale Δb in place."""
+    out = tmp_path / "sc"
+    _solve(micro, out, gate=0.0, alphas=(1.0,))
+    man = json.loads((out / "manifest.json").read_text())
+    man["layers"]["1"] = {"gains": False, "bias": True, "done": False}
+    (out / "rb_L01.bin").write_bytes(np.full(micro_config().n_routed_experts, 50.0, "<f4").tobytes())
+    (out / "manifest.json").write_text(json.dumps(man))
+    seen = []
+    real = solve_mod.capture_layer
+
+    def spy(engine, seqs, layer, **kw):
+        seen.append((layer, 1 in getattr(engine.sidecar, "bias", {})))
+        return real(engine, seqs, layer, **kw)
+    monkeypatch.setattr(solve_mod, "capture_layer", spy)
+    _solve(micro, out, gate=0.0, alphas=(1.0,))
+    assert seen and seen[0] == (1, False)
+
+
 def test_gate_keeps_layers_out(micro, tmp_path):
     out = tmp_path / "sc"
     rep = _solve(micro, out, gate=0.999, router_bias=False)
