@@ -126,7 +126,7 @@ def _prepare_out(out: Path, cfg, notes: dict, fresh: bool) -> dict:
 
 
 def _original_routing(reader, cfg, l, x, top_k):
-    w = {n: reader.weight(f"layers.{l}.{n}") for n in ("ffn.gate.weight", "ffn.gate.bias")}
+    w = {n: reader.weight(layer_prefix(cfg, l) + n) for n in ("ffn.gate.weight", "ffn.gate.bias")}
     return route(x, w["ffn.gate.weight"], w["ffn.gate.bias"], cfg, top_k).ids
 
 
@@ -160,8 +160,8 @@ def _solve_layer(l, *, eng_for, out, cfg, fix, reader, train, layers, notes, lam
             row["bias"] = True
             cap = capture_layer(eng_for(True), fix.seqs, l)
             row["capture_exact_after_bias"] = cap.exact
-    prob = make_problem(c=weighted_outputs(cap.weights, cap.ye), ids=cap.ids, ysh=cap.ysh, target=teach["y"], train=train,
-                        n_experts=E)
+    prob = make_problem(c=weighted_outputs(cap.weights, cap.ye), ids=cap.ids, ysh=cap.ysh, target=teach["y"],
+                        train=train, n_experts=E)
     best, lam_rows = choose_lambda(prob, lambdas, sweeps=sweeps, lattice=lattice, shared_ridge=shared_ridge)
     row.update(lam=best.lam, train_gain=best.train_gain, heldout_gain=best.heldout_gain, lambda_rows=lam_rows)
     entry = {"gains": False, "bias": row["bias"], "done": True, "lambda": best.lam,

@@ -5,9 +5,9 @@ Model of the engine's MoE sum for token i with its K routed slots (e_ik, rw_ik) 
 
     y_i = Σ_k s_{e_ik} ⊙ c_ik + ysh_i,        c_ik = rw_ik · ye_ik   (the weighted expert output)
 
-Objective on the training rows:  Σ_i ‖y_i − y_i^orig‖² + λ Σ_d d̄_d Σ_e (s_e[d] − 1)²,  d̄_d = the mean over
-experts of each expert's energy Σ c² on channel d (one ridge scale per channel shared by all experts: an
-expert's own energy would let rarely routed experts run to extremes).
+Objective on the training rows:  Σ_i ‖y_i − y_i^orig‖² + λ Σ_d d̄_d Σ_e (s_e[d] − 1)²,
+d̄_d = the mean over experts of each expert's energy Σ c² on channel d (one ridge scale per channel shared by
+all experts: an expert's own energy would let rarely routed experts run to extremes).
 
 Solved by per-expert Gauss–Seidel: each step takes one expert, removes its current contribution from the
 residual, solves its D independent scalar ridge problems in closed form over only the rows routed to it,

@@ -37,7 +37,8 @@ def test_notebook_runs_with_tiny_parameters(tmp_path):
     summary = tmp_path / "summary.json"
     papermill.execute_notebook(str(NB), str(tmp_path / "out.ipynb"), kernel_name="python3", progress_bar=False,
                                cwd=str(NB.parents[1]),
-                               parameters={"base": str(tmp_path / "base.gguf"), "checkpoint": str(ck), "domain": "micro",
+                               parameters={"base": str(tmp_path / "base.gguf"), "checkpoint": str(ck),
+                                           "domain": "micro",
                                            "fit": [], "fit_tokens": str(tmp_path / "fit.npy"),
                                            "judge_slices": [str(tmp_path / "judge.npy")], "out": str(tmp_path / "sc"),
                                            "lambdas": [0.1, 10.0], "alphas": [1.0], "gate": 0.0,

@@ -2,7 +2,6 @@
 engine's prefill with the bit-exact gate (CPU backend, and the CUDA backend under the simulator), the teacher
 fixture, the sequential solve, resuming per layer, the gates, and refusals."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,9 +1,5 @@
-"""`ds4 sidecar`: bad input gives a one-line message and status 2 (no traceback); a run prints the layer table."""
-import json
-
-import numpy as np
-import pytest
-
+"""`ds4 sidecar`: bad input gives a one-line message and status 2 (no traceback). Solves themselves are tested in
+tests/sidecar; the CLI calls the same solve_sidecar."""
 from ds4lib.tools.cli import main
 
 
