@@ -64,21 +64,26 @@ def reconstruct(ids, weights, ye, ysh) -> np.ndarray:
 def capture_layer(engine, seqs, layer: int, *, check: bool = True) -> LayerCapture:
     """Run every sequence [W, T] through engine.prefill (in one block) up to layer `layer`'s MoE."""
     got = {n: [] for n in _NAMES}
+    rows = [0, 0]                  # rows of the current sequence seen so far, its length
 
     def observe(l, name, value):
         if l == layer and name in got:
             got[name].append(np.array(value))
             if name == "moe_out":
-                raise _Stop
+                rows[0] += len(value)
+                if rows[0] >= rows[1]:  # a backend may split a call into chunks: stop after the last one
+                    raise _Stop
 
     for s in seqs:
         sess = engine.new_session()
+        rows[:] = [0, len(s)]
         try:
             engine.prefill(sess, s, observer=observe)
         except _Stop:
             pass
-        else:
-            raise CaptureError(f"layer {layer}: the engine's forward never reported its MoE output")
+        if rows[0] != len(s):
+            raise CaptureError(f"layer {layer}: the engine's forward reported {rows[0]} of {len(s)} rows of its "
+                               f"MoE output")
     cat = {n: np.concatenate(v) for n, v in got.items()}
     cap = LayerCapture(layer, cat["router_scores"].astype(np.float32), cat["router_ids"].astype(np.int64),
                        cat["router_weights"].astype(np.float32), cat["ye"].astype(np.float32),

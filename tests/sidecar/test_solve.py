@@ -49,6 +49,15 @@ def test_capture_is_bit_exact_on_cpu(micro):
     assert cap.ye.shape == (2 * TOKENS.shape[1], 2, micro_config().dim)
 
 
+def test_capture_in_blocks_equals_one_block(micro):
+    """Prefill in blocks (or a backend's own chunks): the capture waits for every row of the sequence."""
+    ckpt, base = micro
+    one = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER), TOKENS[:2], 1)
+    blocks = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, prefill_block=20), TOKENS[:2], 1)
+    for name in ("scores", "ids", "weights", "ye", "ysh", "out"):
+        np.testing.assert_array_equal(getattr(blocks, name), getattr(one, name))
+
+
 def test_capture_stops_the_run_when_not_exact(micro):
     ckpt, base = micro
     eng = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER)
