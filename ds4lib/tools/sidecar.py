@@ -1,5 +1,6 @@
 """`ds4 sidecar --base FILE --domain NAME --fit SLICE [--fit SLICE ...] --out DIR [--cuda] [--original DIR]
-[--lambdas L,L,..] [--alphas A,A,..] [--gate G] [--windows N] [--fresh] [--quiet] [--json FILE]`: solve the ②
+[--lambdas L,L,..] [--alphas A,A,..] [--gate G] [--windows N] [--no-router-bias] [--float-then-round] [--own-ridge]
+[--fresh] [--quiet] [--json FILE]`: solve the ②
 sidecar of one domain against the original (ds4lib.sidecar.solve_sidecar; the math and gates: docs/sidecar.md).
 
 Resumable per layer: rerunning the same command after an interruption keeps every layer already written and
@@ -58,7 +59,8 @@ def _run(args) -> int:
         rep = solve_sidecar(base=args.base, out=args.out, domain=args.domain, fit=args.fit,
                             checkpoint=args.original, lambdas=lambdas, alphas=alphas, gate=args.gate,
                             windows=args.windows, backend="cuda" if args.cuda else "cpu", fresh=args.fresh,
-                            progress=not args.quiet)
+                            router_bias=not args.no_router_bias, lattice=not args.float_then_round,
+                            shared_ridge=not args.own_ridge, progress=not args.quiet)
     except (ValueError, SliceError, EngineError, CheckpointError, BaseFileError, SidecarError, SolveError,
             CaptureError, FileNotFoundError) as e:
         print(f"ds4 sidecar: {e}", file=sys.stderr)
@@ -85,6 +87,11 @@ def register(sub):
     p.add_argument("--alphas", default=None, help="router-bias scale grid, comma list (default 0.5,1,1.5,2.5)")
     p.add_argument("--gate", type=float, default=0.005, help="mount a layer only above this held-out gain")
     p.add_argument("--windows", type=int, default=None, help="first N windows of each slice only")
+    p.add_argument("--no-router-bias", action="store_true", help="ablation: gains only, no Δb")
+    p.add_argument("--float-then-round", action="store_true",
+                   help="ablation: solve gains in float and round to FP4 once at the end (not lattice-direct)")
+    p.add_argument("--own-ridge", action="store_true",
+                   help="ablation: scale each expert's ridge by its own energy instead of the shared mean")
     p.add_argument("--fresh", action="store_true", help="start over (the old directory is kept as DIR.old)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, help="also write the report as JSON here")

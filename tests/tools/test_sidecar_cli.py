@@ -38,3 +38,20 @@ def test_unknown_slice_and_foreign_directory(capsys, tmp_path):
     rc, _, err = _run(capsys, "--base", str(tmp_path / "b.gguf"), "--domain", "x", "--fit", "finance/fit",
                       "--original", str(ck), "--out", str(tmp_path / "mine"))
     assert rc == 2 and "not a sidecar directory" in err
+
+
+def test_ablation_flags_reach_the_solve(capsys, tmp_path, monkeypatch):
+    import ds4lib.sidecar as sc
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        raise sc.SolveError("stop here")
+    monkeypatch.setattr(sc, "solve_sidecar", fake)
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    rc, _, err = _run(capsys, "--base", str(tmp_path / "b.gguf"), "--domain", "x", "--fit", "finance/fit",
+                      "--out", str(tmp_path / "o"), "--no-router-bias", "--float-then-round", "--own-ridge",
+                      "--gate", "0", "--lambdas", "1,10")
+    assert rc == 2 and "stop here" in err
+    assert (seen["router_bias"], seen["lattice"], seen["shared_ridge"], seen["gate"], seen["lambdas"]) == \
+        (False, False, False, 0.0, (1.0, 10.0))
