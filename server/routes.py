@@ -79,7 +79,7 @@ def count_tokens():
 def _domain():
     """The domain the loaded stack serves ("none" = bare base); None while the engine is still loading."""
     engine = _state().worker.engine
-    return engine.domain if engine is not None else None
+    return getattr(engine, "domain", None)
 
 
 def _model_ids() -> list:
