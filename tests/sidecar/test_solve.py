@@ -75,8 +75,8 @@ def test_capture_stops_the_run_when_not_exact(micro):
 @pytest.mark.slow
 def test_capture_on_cuda_backend_matches_cpu(micro):
     ckpt, base = micro
-    cpu = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER), TOKENS[:1, :12], 1)
-    cuda = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"), TOKENS[:1, :12], 1)
+    cpu = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER), TOKENS[:1, :4], 1)
+    cuda = capture_layer(Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"), TOKENS[:1, :4], 1)
     assert cuda.exact >= 0.9999
     np.testing.assert_array_equal(cuda.ids, cpu.ids)
     np.testing.assert_allclose(cuda.out, cpu.out, atol=0.05 * np.abs(cpu.out).max())
