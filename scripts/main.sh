@@ -10,20 +10,22 @@
 #            bytes as the shipped file) and serve that one instead.
 # Files: models/ds4-tiny-base.gguf (the shipped ① base), cache/ds4-tiny-base.gguf (--rebuild), cache/server.pid,
 #        cache/server.log (the server's log).
+# Domain sidecars: models/sidecars/<domain>/ (committed beside the model; solved by `ds4 sidecar` or
+# notebooks/sidecar.ipynb, see docs/sidecar.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 CHECKPOINT=$ROOT/models/ds4-tiny
 SHIPPED_BASE=$ROOT/models/ds4-tiny-base.gguf
 BUILT_BASE=$ROOT/cache/ds4-tiny-base.gguf
-SIDECARS=$ROOT/cache/sidecars
+SIDECARS=${DS4_SIDECARS_DIR:-$ROOT/models/sidecars}      # override: tests
 PIDFILE=$ROOT/cache/server.pid
 ARGSFILE=$ROOT/cache/server.args
 LOG=$ROOT/cache/server.log
 QUESTION="What does 'ledger' mean?"
 ACTION=start DOMAIN=none HOST=127.0.0.1 PORT=8000 REBUILD=0
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "scripts/main.sh: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -77,11 +79,13 @@ ZCHAIN=()
 case "$DOMAIN" in
     none) ;;
     finance|code|law|medicine|science)
-        if [ -d "$SIDECARS/$DOMAIN" ]; then
+        if [ -f "$SIDECARS/$DOMAIN/manifest.json" ]; then
             ZCHAIN=(--zchain "$SIDECARS/$DOMAIN")
         else
-            die "the ② sidecar for '$DOMAIN' is not built, and cannot be: this version has no sidecar solver, so no
-domain sidecar exists yet. Serve the bare ① base with --domain none (the default)."
+            die "no ② sidecar for '$DOMAIN' in this checkout (looked for ${SIDECARS#$ROOT/}/$DOMAIN/manifest.json).
+Solve it on the shipped ① base:
+    .venv/bin/ds4 sidecar --base models/ds4-tiny-base.gguf --domain $DOMAIN --fit $DOMAIN/fit --out models/sidecars/$DOMAIN
+or serve the bare ① base with --domain none (the default)."
         fi ;;
     *) echo "scripts/main.sh: --domain must be finance, code, law, medicine, science or none (got '$DOMAIN')" >&2
        exit 2 ;;
@@ -109,7 +113,7 @@ URL="http://$HOST:$PORT"
 if pid=$(server_pid); then
     echo "[3/4] reusing the running ds4-server (pid $pid) at $URL"
 else
-    echo "[3/4] starting ds4-server at $URL (domain: $DOMAIN; log: $LOG)"
+    echo "[3/4] starting ds4-server at $URL (domain: $DOMAIN${ZCHAIN:+, sidecar ${ZCHAIN[1]#$ROOT/}}; log: $LOG)"
     mkdir -p "$(dirname "$LOG")"
     setsid nohup .venv/bin/ds4-server -m "$BASE" --engram-dir "$CHECKPOINT" "${ZCHAIN[@]}" --alias ds4-tiny \
         --host "$HOST" --port "$PORT" >"$LOG" 2>&1 </dev/null &
@@ -144,7 +148,9 @@ req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body)
                              headers={"Content-Type": "application/json"})
 with urllib.request.urlopen(req, timeout=300) as r:
     reply = json.load(r)
-print("[4/4] test question (temperature 0):")
+with urllib.request.urlopen(url + "/health", timeout=5) as r:
+    domain = json.load(r).get("domain")
+print(f"[4/4] test question (temperature 0; domain served: {domain}):")
 print(f"  Q: {question}")
 answer = reply["choices"][0]["message"]["content"].strip()
 print("  A: " + answer.replace("\n", "\n     "))

@@ -93,6 +93,12 @@ def count_tokens():
     return jsonify({"input_tokens": _state().prompt_tokens(parse_count_tokens(_json()))})
 
 
+def _domain():
+    """The domain the loaded stack serves ("none" = bare base); None while the engine is still loading."""
+    engine = _state().worker.engine
+    return getattr(engine, "domain", None)
+
+
 def _model_ids() -> list:
     return _state().model_ids
 
@@ -104,7 +110,7 @@ def models():
         created = datetime.fromtimestamp(state.started, timezone.utc).isoformat().replace("+00:00", "Z")
         return jsonify(anthropic_api.models_body(_model_ids(), created))
     return jsonify({"object": "list", "data": [{"id": m, "object": "model", "created": state.started,
-                                                "owned_by": "ds4"} for m in _model_ids()]})
+                                                "owned_by": "ds4", "domain": _domain()} for m in _model_ids()]})
 
 
 @bp.get("/v1/models/<path:model_id>")
@@ -112,13 +118,14 @@ def model(model_id):
     if model_id not in _model_ids():
         raise RequestError(f"model {model_id!r} is not served here (served: {', '.join(_model_ids())})", status=404,
                            kind="not_found_error", code="model_not_found", param="model")
-    return jsonify({"id": model_id, "object": "model", "created": _state().started, "owned_by": "ds4"})
+    return jsonify({"id": model_id, "object": "model", "created": _state().started, "owned_by": "ds4",
+                    "domain": _domain()})
 
 
 @bp.get("/health")
 def health():
     w = _state().worker
-    body = {"status": {"ready": "ok"}.get(w.state, w.state), "model": _state().model_name,
+    body = {"status": {"ready": "ok"}.get(w.state, w.state), "model": _state().model_name, "domain": _domain(),
             "queue_depth": w.queue_depth, "running": w.running}
     if w.error:
         body["error"] = w.error

@@ -429,8 +429,16 @@ class Engine:
     def encode(self, text: str) -> list:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    @property
+    def domain(self) -> str:
+        """The domain the stack serves: the ② sidecar's recorded domain (its directory name when it records none),
+        or "none" for the bare base."""
+        if self.sidecar is None:
+            return "none"
+        return str(self.sidecar.manifest.get("notes", {}).get("domain") or self.sidecar.root.name)
+
     def describe(self) -> dict:
-        return {"base": str(self.base.path), "backend": self.backend.name,
+        return {"base": str(self.base.path), "backend": self.backend.name, "domain": self.domain,
                 "sidecar": self.sidecar.fingerprint if self.sidecar else None,
                 "posttrain": self.posttrain.fingerprint if self.posttrain else None,
                 "context_length": self.context_length, "memory": self.memory.table(),

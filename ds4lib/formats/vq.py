@@ -1,4 +1,4 @@
-"""DQV3: the 8-dimensional vector-quantised routed-expert format of the ds4 base file (SEED §4.1).
+"""DQV3: the 8-dimensional vector-quantised routed-expert format of the ds4 base file (docs/formats.md).
 
 Owns: the constants of the format, packing and unpacking of the index stream and of the 13th-bit plane,
 the E4M3 codebook and f16 gain encodings, and `dequant_matrix`, the one definition of the decoded

@@ -7,7 +7,7 @@ blocks. Dtype boundaries follow the official code (BF16 state and linear outputs
 accumulations and logits); the activation quantise-dequantise of §3.3 is on unless `quant_sim=False`.
 
 Observation points: pass `observer(layer, name, value)`; it receives block_in, engram_out,
-attn_out, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, index_scores,
+attn_out, moe_in, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, index_scores,
 candidates, topk and features. With no observer nothing extra is computed.
 
 Shapes: T tokens, S streams, D hidden, V vocab.
@@ -173,6 +173,8 @@ class ReferenceModel:
         f_pre, f_post, f_comb = hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], **kw)
         x = rms_norm(hc_pre(h, a_pre), w["ffn_norm.weight"], cfg.norm_eps)
         obs = (lambda name, v: observer(l, name, v)) if observer else None
+        if observer:
+            observer(l, "moe_in", x)
         y = moe(x, w, cfg, self.roles[l].top_k, self.quant_sim, observe=obs)
         if observer:
             observer(l, "moe_out", y)

@@ -17,7 +17,7 @@ import numpy as np
 from ds4lib.formats.floats import round_bf16
 from ds4lib.ref.linear import linear_f32, linear_q
 
-__all__ = ["Routing", "route", "expert_ffn", "moe"]
+__all__ = ["Routing", "route", "select_experts", "expert_ffn", "moe"]
 
 
 @dataclass
@@ -41,14 +41,20 @@ def route(x, gate_w, gate_bias, cfg, top_k: int, bias_delta=None) -> Routing:
     else:
         e = np.exp(logits - logits.max(-1, keepdims=True))
         s = (e / e.sum(-1, keepdims=True)).astype(np.float32)
-    sel = s + gate_bias
-    if bias_delta is not None:
-        sel = sel + bias_delta
-    ids = np.argsort(-sel, axis=-1, kind="stable")[:, :top_k]
+    ids = select_experts(s, gate_bias, top_k, bias_delta)
     wts = np.take_along_axis(s, ids, axis=-1)
     if cfg.norm_topk_prob and top_k > 1:
         wts = wts / (wts.sum(-1, keepdims=True) + np.float32(1e-20))
     return Routing(s, ids, (wts * np.float32(cfg.route_scale)).astype(np.float32))
+
+
+def select_experts(scores, gate_bias, top_k: int, bias_delta=None):
+    """scores [T, E] (unbiased) -> chosen ids [T, K] by descending selection score s + bias (+ Δb), ties to the
+    lower id. The sidecar solver re-selects with candidate Δb through this same function."""
+    sel = scores + gate_bias
+    if bias_delta is not None:
+        sel = sel + bias_delta
+    return np.argsort(-sel, axis=-1, kind="stable")[:, :top_k]
 
 
 def expert_ffn(x, w1, w2, w3, limit: float, quant_sim: bool, weights=None, down_gain=None):

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "quantize": "quantize",
     "score": "score",
     "eval": "evaluate",
+    "sidecar": "sidecar",
 }
 
 

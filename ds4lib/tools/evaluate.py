@@ -1,6 +1,7 @@
 """`ds4 eval --slice NAME [--slice NAME ...] -m base.gguf [--zchain DIR] [--original DIR] [--windows N]
-[--score-split P] [--json]`: the five numbers (Same top-1; Σmin mean, median, p5; mean KL; PPL ratio) of a stack
-against the original model on slices (e.g. finance/judge), as a table and JSON."""
+[--score-split P] [--cuda] [--json]`: the five numbers (Same top-1; Σmin mean, median, p5; mean KL; PPL ratio) of a
+stack against the original model on slices (e.g. finance/judge), as a table and JSON, scored by the engine on the
+backend that serves (the CPU, or the GPU with --cuda); the backend and the domain are part of the report."""
 from __future__ import annotations
 
 import json
@@ -63,7 +64,8 @@ def _run(args) -> int:
         rows[name] = comp.as_dict()
         print(format_table({name: rows[name]}).splitlines()[-1] if not args.json else "", file=sys.stderr)
     out = {"stack": engine.describe(), "original": str(original), "slices": rows, "seconds": time.time() - t0}
-    print(json.dumps(out, indent=1) if args.json else format_table(rows))
+    print(json.dumps(out, indent=1) if args.json else format_table(rows) +
+          f"\n({engine.backend.name} backend, domain {engine.domain}, {out['seconds']:.1f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ds4lib.eval import compare, merge, per_position
 
@@ -69,3 +70,27 @@ def test_eval_cli_reports_five_numbers(tiny_stack, tmp_path):
     rec = json.loads(p.stdout)
     c = rec["slices"][str(win)]
     assert c["n"] == 128 and 0 < c["sigma_min_mean"] <= 1 and c["kl_mean"] >= 0 and 0 <= c["same_top1"] <= 1
+
+
+@pytest.mark.slow
+def test_eval_cli_on_the_cuda_backend(tmp_path, monkeypatch, capsys):
+    """`ds4 eval --cuda` scores on the CUDA backend (the simulator here, in-process with its warp shim; the GPU on
+    the device machine) and gives the CPU backend's five numbers within the backends' agreement."""
+    from ds4lib.quant.base_file import quantize_checkpoint
+    from ds4lib.synth import write_random_checkpoint
+    from ds4lib.tools.cli import main
+    from tests.sidecar.test_solve import micro_config
+    ck = write_random_checkpoint(tmp_path / "ck", micro_config(), seed=0)
+    (ck / "tokenizer.json").write_bytes(TOK.read_bytes())
+    base = tmp_path / "b.gguf"
+    quantize_checkpoint(checkpoint=ck, out=base, bits_plan="1", rounds=1, progress=False)
+    monkeypatch.setenv("DS4_CACHE_DIR", str(tmp_path))
+    win = tmp_path / "windows.npy"
+    np.save(win, np.random.default_rng(1).integers(9, 60, (1, 8)))
+    got = {}
+    for flag in ([], ["--cuda"]):
+        assert main(["eval", "-m", str(base), "--windows-file", str(win), "--json", *flag]) == 0
+        rec = json.loads(capsys.readouterr().out)
+        got[rec["stack"]["backend"]] = rec["slices"][str(win)]
+    assert set(got) == {"cpu", "cuda"} and got["cuda"]["n"] == 8
+    assert abs(got["cuda"]["kl_mean"] - got["cpu"]["kl_mean"]) < 0.05 + 0.2 * got["cpu"]["kl_mean"]

@@ -153,3 +153,22 @@ def test_streams_send_keepalive_comments_while_waiting(engine, path, body):
     plain = c.post(path, json=body)
     assert plain.status_code == 200 and b"keep-alive" not in plain.data
     app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_health_and_models_name_the_domain(engine, tiny_stack, tmp_path):
+    import numpy as np
+
+    from ds4lib.engine import Engine
+    from ds4lib.formats.sidecar import write_sidecar
+    base, ck = tiny_stack
+    apps = {"none": create_app(engine=engine, model_name="ds4-test")}
+    E = engine.cfg.moe_shape(1)[0]
+    sc = write_sidecar(tmp_path / "fin", engine.cfg, kind="sidecar", bias={1: np.zeros(E)}, notes={"domain": "finance"})
+    apps["finance"] = create_app(engine=Engine(base, zchain=sc, engram_dir=ck), model_name="ds4-test")
+    for domain, app in apps.items():
+        c = app.test_client()
+        _wait(lambda: c.get("/health").status_code == 200)
+        assert c.get("/health").json["domain"] == domain
+        assert {m["domain"] for m in c.get("/v1/models").json["data"]} == {domain}
+        assert c.get("/v1/models/ds4-test").json["domain"] == domain
+        app.extensions["ds4"].worker.stop(timeout=5)

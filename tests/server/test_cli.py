@@ -76,16 +76,19 @@ def test_sigterm_stops_cleanly(tiny_stack, tmp_path):
     assert "stopped" in server.log.read_text()
 
 
-def _main_sh(*args):
+def _main_sh(*args, env=None):
+    import os
     return subprocess.run(["bash", str(ROOT / "scripts" / "main.sh"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
 
 
-def test_main_sh_refuses_a_domain_without_sidecar():
+def test_main_sh_refuses_a_domain_without_sidecar(tmp_path):
+    (tmp_path / "law").mkdir()                 # a directory without a manifest is not a sidecar either
     for domain in ("finance", "code", "law", "medicine", "science"):
-        r = _main_sh("--domain", domain)
+        r = _main_sh("--domain", domain, env={"DS4_SIDECARS_DIR": str(tmp_path)})
         assert r.returncode != 0
-        assert f"sidecar for '{domain}' is not built" in r.stderr and "no sidecar solver" in r.stderr
+        assert f"no ② sidecar for '{domain}'" in r.stderr and f"{tmp_path}/{domain}/manifest.json" in r.stderr
+        assert f"ds4 sidecar --base cache/ds4-tiny-base.gguf --domain {domain} --fit {domain}/fit" in r.stderr
         assert "[1/4]" not in r.stdout, "the domain check must come before installing or building anything"
 
 
