@@ -3,7 +3,8 @@
 # background with the shipped ds4-tiny ① base, print the answer to a one-line test question, and leave the
 # server running. Running it again reuses an already-running server.
 #
-# Usage: bash scripts/main.sh [start] [--rebuild] [--domain finance|code|law|medicine|science|none] [--host H] [--port N]
+# Usage: bash scripts/main.sh [start] [--rebuild] [--domain finance|code|law|medicine|science|none]
+#                             [--host H] [--port N]
 #        bash scripts/main.sh stop        # stop the server this script started
 #        bash scripts/main.sh status      # is it running, and where
 # --rebuild: build the ① base from the checkpoint with `ds4 quantize` into cache/ (minutes on 2 cores; the same

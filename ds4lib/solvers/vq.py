@@ -49,7 +49,7 @@ FIXED_SHIFT = 24
 FIXED_SCALE = float(1 << FIXED_SHIFT)
 POOL_PER_CODEWORD = 1024          # training pool: up to this many vectors per codeword (SEED: >= 1,000)
 DEFAULT_ROUNDS = 32               # Lloyd rounds of the base quantizer (ds4-tiny: 16 -> 32 rounds gains 0.4 %)
-TILE = 64                         # vectors per CPU tile (SIMD across vectors)
+TILE = 256                        # vectors per CPU tile (SIMD across vectors; 256: 17 % less CPU than 64)
 _SIG_DROP = 12                    # float32 mantissa bits dropped by round_sig12 (24 - 12)
 _FLUSH_BITS = np.uint32((127 - 60) << 23)      # |v| < 2^-60 -> 0
 
