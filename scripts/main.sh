@@ -26,7 +26,7 @@ LOG=$ROOT/cache/server.log
 QUESTION="What does 'ledger' mean?"
 ACTION=start DOMAIN=none HOST=127.0.0.1 PORT=8000 REBUILD=0
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "scripts/main.sh: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
