@@ -131,3 +131,20 @@ def test_training_model_on_the_shipped_weights_agrees_with_the_reference():
     rel = np.linalg.norm(lt - lr) / np.linalg.norm(lr)
     agree = np.mean(lt.argmax(-1) == lr.argmax(-1))
     assert rel < 0.05 and agree > 0.9, (rel, agree)
+
+
+@pytest.mark.slow
+def test_judge_ppl_scores_a_window_of_the_shipped_model(tmp_path):
+    from training import judge_ppl
+    from ds4lib.corpus.slices import load_slice
+    cfg = ModelConfig.from_json("models/ds4-tiny/config.json")
+    from tokenizers import Tokenizer
+    from ds4lib.tokenmap import compressed_token_map
+    from training.export import load_official
+    from training.model import Model
+    m = Model(cfg, qat=True, max_pos=4096)
+    m.set_token_map(compressed_token_map(Tokenizer.from_file(TOKENIZER))[0])
+    load_official(m, "models/ds4-tiny").eval()
+    win = load_slice("english/judge").tokens[:2, :65]
+    r = judge_ppl.judge(m, win, batch=1)
+    assert r["tokens"] == 2 * 64 and 1 < r["ppl"] < 8192 and r["median_top1_margin"] > 0
