@@ -88,7 +88,7 @@ def test_main_sh_refuses_a_domain_without_sidecar(tmp_path):
         r = _main_sh("--domain", domain, env={"DS4_SIDECARS_DIR": str(tmp_path)})
         assert r.returncode != 0
         assert f"no ② sidecar for '{domain}'" in r.stderr and f"{tmp_path}/{domain}/manifest.json" in r.stderr
-        assert f"ds4 sidecar --base cache/ds4-tiny-base.gguf --domain {domain} --fit {domain}/fit" in r.stderr
+        assert f"ds4 sidecar --base models/ds4-tiny-base.gguf --domain {domain} --fit {domain}/fit" in r.stderr
         assert "[1/4]" not in r.stdout, "the domain check must come before installing or building anything"
 
 
