@@ -32,8 +32,10 @@ import numpy as np
 from ds4lib.corpus.slices import load_slice
 from ds4lib.formats.checkpoint import CheckpointReader
 from ds4lib.formats.gguf import BaseFile
-from ds4lib.formats.names import KEY_SOURCE_DIR, layer_prefix
+from ds4lib.engine.engine import find_engram_checkpoint
+from ds4lib.formats.names import layer_prefix
 from ds4lib.formats.sidecar import read_sidecar, write_layer_files, write_manifest
+from ds4lib.quant import file_sha256
 from ds4lib.ref.moe import route
 from ds4lib.sidecar.capture import capture_layer, weighted_outputs
 from ds4lib.sidecar.fixture import build_fixture
@@ -81,14 +83,6 @@ def heldout_mask(n_windows: int, seq_len: int) -> np.ndarray:
     q = np.arange(seq_len) // QUARTER
     w = np.arange(n_windows)[:, None]
     return (((q[None, :] + w) % 4) == 3).reshape(-1)
-
-
-def _file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _open_engine(base, checkpoint, out, mounted: bool, backend, prefill_block, tokenizer):
@@ -196,14 +190,16 @@ def solve_sidecar(*, base, out, domain: str, fit=("finance/fit",), checkpoint=No
     fit = [fit] if isinstance(fit, str) else list(fit)
     bf = BaseFile.open(base)
     cfg = bf.config
-    checkpoint = Path(checkpoint or bf.metadata.get(KEY_SOURCE_DIR, ""))
+    # the engine's own lookup: a given checkpoint must carry the content hash the base records; without one,
+    # the checkpoint beside the base with that hash (new base files record no path)
+    checkpoint = find_engram_checkpoint(bf, checkpoint)
     reader = CheckpointReader.open(checkpoint, validate=False)
     if tokens is not None:
         toks = np.asarray(np.load(tokens) if isinstance(tokens, (str, Path)) else tokens, np.int64)[:windows]
         fit = [f"tokens:{hashlib.sha256(np.ascontiguousarray(toks).tobytes()).hexdigest()[:16]}"]
     else:
         toks = np.concatenate([load_slice(name).tokens[:windows] for name in fit])
-    notes = {"domain": domain, "fit": fit, "windows": int(len(toks)), "base_sha256": _file_sha256(base),
+    notes = {"domain": domain, "fit": fit, "windows": int(len(toks)), "base_sha256": file_sha256(base),
              "lambdas": [float(x) for x in lambdas], "alphas": [float(x) for x in alphas], "gate": float(gate),
              "sweeps": int(sweeps), "min_events": int(min_events), "router_bias": bool(router_bias),
              "lattice": bool(lattice), "shared_ridge": bool(shared_ridge), "heldout": "(quarter + window) % 4 == 3",

@@ -81,7 +81,8 @@ def register(sub):
     p.add_argument("--domain", required=True, help="the domain's name (recorded in the manifest)")
     p.add_argument("--fit", action="append", required=True, help="fitting slice, e.g. finance/fit (repeatable)")
     p.add_argument("--out", required=True, help="the sidecar directory to write (resumed if it exists)")
-    p.add_argument("--original", default=None, help="original checkpoint (default: the one the base records)")
+    p.add_argument("--original", default=None,
+                   help="original checkpoint (default: the checkpoint beside the base with the content hash it records)")
     p.add_argument("--cuda", action="store_true", help="capture on the CUDA backend")
     p.add_argument("--lambdas", default=None, help="ridge grid, comma list (default 0.01,0.1,1,10,100,1000)")
     p.add_argument("--alphas", default=None, help="router-bias scale grid, comma list (default 0.5,1,1.5,2.5)")

@@ -174,3 +174,20 @@ def test_refuses_a_directory_that_is_not_a_sidecar(micro, tmp_path):
     with pytest.raises(SolveError, match="not a sidecar directory"):
         _solve(micro, tmp_path / "x")
     assert (tmp_path / "x" / "precious.txt").read_text() == "keep me"
+
+
+def test_the_original_is_found_beside_the_base_by_content_hash(micro, tmp_path):
+    """Without `checkpoint` the solve takes the checkpoint beside the base whose content hash the base records
+    (base files record no path); a checkpoint with another hash is refused."""
+    from ds4lib.engine import EngineError
+    from ds4lib.synth import write_random_checkpoint
+    ckpt, base = micro
+    solve_sidecar(base=base, out=tmp_path / "found", domain="test", tokens=TOKENS, tokenizer=TOKENIZER,
+                          cache_dir=tmp_path / "cache", progress=False)
+    given = _solve(micro, tmp_path / "given")
+    for f in sorted(p.name for p in (tmp_path / "given").iterdir()):
+        assert (tmp_path / "found" / f).read_bytes() == (tmp_path / "given" / f).read_bytes(), f
+    other = write_random_checkpoint(tmp_path / "other", micro_config(), seed=1)
+    with pytest.raises(EngineError, match="was built from checkpoint"):
+        solve_sidecar(base=base, out=tmp_path / "refused", domain="test", tokens=TOKENS, checkpoint=other,
+                      tokenizer=TOKENIZER, cache_dir=tmp_path / "cache", progress=False)
