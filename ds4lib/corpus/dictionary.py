@@ -201,19 +201,8 @@ def _b64(s: str) -> int:
 
 def read_gcide(dictd_dir: Path) -> list[GcideEntry]:
     """All entries of the dictd GCIDE, in file order (one per distinct index offset)."""
-    dictd_dir = Path(dictd_dir)
-    spans = set()
-    for line in (dictd_dir / "gcide.index").read_text(encoding="utf-8").splitlines():
-        parts = line.split("\t")
-        if len(parts) == 3 and not parts[0].startswith("00"):
-            spans.add((_b64(parts[1]), _b64(parts[2])))
-    raw = gzip.decompress((dictd_dir / "gcide.dict.dz").read_bytes())
-    entries = []
-    for off, size in sorted(spans):
-        entry = _parse_block(off, raw[off:off + size].decode("utf-8", errors="replace"))
-        if entry is not None:
-            entries.append(entry)
-    return entries
+    entries = (_parse_block(off, text) for off, _, text in _dictd_entries(dictd_dir, "gcide"))
+    return [e for e in entries if e is not None]
 
 
 def _format(headword: str, pos: str, senses: list[str]) -> str:
@@ -258,6 +247,13 @@ def read_dictd(dictd_dir: Path, name: str) -> Iterator[tuple[str, str]]:
     """(headword, text) for every distinct entry of a plain dictd database `<name>.index` + `<name>.dict.dz`,
     in file order; dictd's own `00-database-*` records are skipped, and an entry indexed under several
     headwords is yielded once, under its first."""
+    for _, headword, text in _dictd_entries(dictd_dir, name):
+        yield headword, text
+
+
+def _dictd_entries(dictd_dir: Path, name: str) -> Iterator[tuple[int, str, str]]:
+    """(offset, first headword, text) of every distinct span of `<name>.index` + `<name>.dict.dz`, in file
+    order; dictd's own `00-database-*` records skipped (every index line is word, offset, length)."""
     dictd_dir = Path(dictd_dir)
     spans: dict[tuple[int, int], str] = {}
     for line in (dictd_dir / f"{name}.index").read_text(encoding="utf-8").splitlines():
@@ -266,4 +262,4 @@ def read_dictd(dictd_dir: Path, name: str) -> Iterator[tuple[str, str]]:
             spans.setdefault((_b64(parts[1]), _b64(parts[2])), parts[0])
     raw = gzip.decompress((dictd_dir / f"{name}.dict.dz").read_bytes())
     for (off, size), headword in sorted(spans.items()):
-        yield headword, raw[off:off + size].decode("utf-8", errors="replace")
+        yield off, headword, raw[off:off + size].decode("utf-8", errors="replace")
