@@ -6,6 +6,7 @@ exported FP4/FP8 model is the one the training forward computed with. Only the t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,9 +14,6 @@ import torch
 from ds4lib.formats.checkpoint import CheckpointReader, CheckpointWriter
 from ds4lib.inventory import tensor_inventory
 from ds4lib.synth import store_float
-
-SKIP_BUFFERS = ("load",)
-
 
 def official_state(model) -> dict:
     """{official name: float32 numpy} for every inventory tensor (scales excluded)."""
@@ -55,6 +53,17 @@ def load_official(model, ckpt_dir):
             continue
         sd[spec.name].copy_(torch.from_numpy(np.ascontiguousarray(r.weight(spec.name))))
     return model
+
+
+def load_model(ckpt_dir, token_map, cfg=None):
+    """The training model (QAT on, eval mode) holding an official checkpoint's values; `cfg` defaults to the
+    checkpoint's own config.json."""
+    from ds4lib.config import ModelConfig
+    from training.model import Model
+    cfg = cfg or ModelConfig.from_json(Path(ckpt_dir) / "config.json")
+    model = Model(cfg, qat=True, max_pos=4096)
+    model.set_token_map(token_map)
+    return load_official(model, ckpt_dir).eval()
 
 
 def write_json(path, obj):

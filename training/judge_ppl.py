@@ -20,18 +20,16 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from ds4lib.config import ModelConfig
 from ds4lib.tokenmap import compressed_token_map
-from training.export import load_official
-from training.model import Model
+from training.export import load_model
 
 DOMAINS = ("finance", "code", "law", "medicine", "science", "english")
 
 
 @torch.no_grad()
-def judge(model, tokens, batch: int = 4) -> dict:
+def judge(model, tokens, batch: int = 4, device="cpu") -> dict:
     """tokens int [W, N]: perplexity of predicting tokens[:, 1:] and the median top-1 - top-2 logit margin."""
-    wins = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    wins = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(device)
     nll, n, margins = 0.0, 0, []
     for i in range(0, len(wins), batch):
         w = wins[i:i + batch]
@@ -39,7 +37,7 @@ def judge(model, tokens, batch: int = 4) -> dict:
         nll += F.cross_entropy(lg.reshape(-1, lg.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
         n += w[:, 1:].numel()
         top2 = lg.topk(2, -1).values
-        margins.append((top2[..., 0] - top2[..., 1]).reshape(-1).numpy())
+        margins.append((top2[..., 0] - top2[..., 1]).reshape(-1).cpu().numpy())
     return {"ppl": math.exp(nll / n), "median_top1_margin": float(np.median(np.concatenate(margins))), "tokens": n}
 
 
@@ -53,11 +51,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ModelConfig.from_json(args.model / "config.json")
     tmap, _ = compressed_token_map(Tokenizer.from_file(str(args.tokenizer)))
-    model = Model(cfg, qat=True, max_pos=4096)
-    model.set_token_map(tmap)
-    load_official(model, args.model).eval()
+    model = load_model(args.model, tmap)
     rec = {"model": str(args.model), "ppl": {}}
     for d in args.slices.split(","):
         t = time.time()

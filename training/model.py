@@ -419,10 +419,6 @@ class Block(nn.Module):
         return h, f_pre
 
 
-class DSparkExtras(nn.Module):
-    pass
-
-
 class Model(nn.Module):
     def __init__(self, cfg, qat=True, max_pos=4096):
         super().__init__()
@@ -593,7 +589,7 @@ class Model(nn.Module):
         s0 = self.mtp[0]
         main_x = s0.main_norm(s0.main_proj(features))                                     # [B, T, D]
         cos, sin = self.cos0, self.sin0
-        p = anchors                                                                      # target position of the anchor's predecessor
+        p = anchors                                              # target position of the anchor's predecessor
         blk_pos = p[..., None] + 1 + torch.arange(Bk, device=dev)                        # [B, A, Bk]
         anchor = ids.gather(1, p + 1)                                                    # token at p+1
         blk_ids = torch.full((B, n_anchor, Bk), cfg.dspark_noise_token_id, device=dev)

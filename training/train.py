@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from ds4lib.config import ModelConfig
 from ds4lib.corpus.training import load_training_set
 from ds4lib.tokenmap import compressed_token_map
-from training.export import export_checkpoint, load_official
+from training.export import export_checkpoint, load_model
+from training.judge_ppl import judge
 from training.model import Model
 
 STATE_FILE = "state.pt"
@@ -84,6 +85,12 @@ def draw_anchors(seed: int, step: int, batch: int, anchors: int, seq: int, block
     """int64 [B, A] DSpark anchor positions of step `step` (a function of (seed, step) only)."""
     rng = np.random.default_rng([seed, step, 1])
     return rng.integers(0, seq - block - 1, size=(batch, anchors), dtype=np.int64)
+
+
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """Host array -> device tensor without a host wait (pinned staging, asynchronous copy) on the GPU."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device == "cuda" else t
 
 
 def param_groups(model, wd):
@@ -180,24 +187,10 @@ def save_state(trainer: Trainer, state_dir: Path, log: dict) -> float:
     return time.time() - t
 
 
-@torch.no_grad()
 def slice_ppl(model, slices_dir: Path, device):
     """Teacher-forced perplexity of each judging slice: every window [W, 512] scored as its own sequence."""
-    out = {}
-    for d in sorted(p for p in slices_dir.iterdir() if p.is_dir()):
-        f = d / "judge.tokens.npy"
-        if not f.exists():
-            continue
-        wins = torch.from_numpy(np.load(f).astype(np.int64)).to(device)
-        nll, n = 0.0, 0
-        for i in range(0, len(wins), 8):
-            w = wins[i:i + 8]
-            logits, _, _ = model(w[:, :-1])
-            nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), w[:, 1:].reshape(-1),
-                                   reduction="sum").item()
-            n += w[:, 1:].numel()
-        out[d.name] = math.exp(nll / n)
-    return out
+    return {d.name: judge(model, np.load(d / "judge.tokens.npy"), batch=8, device=device)["ppl"]
+            for d in sorted(p for p in slices_dir.iterdir() if p.is_dir()) if (d / "judge.tokens.npy").exists()}
 
 
 def make_plan(args, cfg, data_dir: Path, weights: dict) -> RunPlan:
@@ -218,9 +211,7 @@ def export_and_check(trainer: Trainer, cfg, tmap, args, log):
     ckpt = export_checkpoint(model.cpu(), args.out / "ckpt", metadata={"generator": "training/train.py"})
     from ds4lib.ref import ReferenceModel
     (ckpt / "tokenizer.json").write_bytes(args.tokenizer.read_bytes())
-    check = Model(cfg, qat=True, max_pos=4096)
-    check.set_token_map(tmap)
-    load_official(check, ckpt).eval()
+    check = load_model(ckpt, tmap, cfg)
     ref = ReferenceModel.load(ckpt)
     win = np.load(sorted(args.slices.glob("*/judge.tokens.npy"))[0])[0].astype(np.int64)
     with torch.no_grad():
@@ -321,11 +312,7 @@ def main(argv=None):
                 fit_plan = False
         rows = train_set.draw_batch(step, batch=plan.batch, seq_len=plan.seq, seed=plan.seed)       # [B, T+1]
         anc = draw_anchors(plan.seed, step, plan.batch, plan.anchors, plan.seq, block)               # [B, A]
-        tokens = torch.from_numpy(rows).pin_memory().to(device, non_blocking=True) if device == "cuda" \
-            else torch.from_numpy(rows)
-        anchors = torch.from_numpy(anc).pin_memory().to(device, non_blocking=True) if device == "cuda" \
-            else torch.from_numpy(anc)
-        loss, parts, acc, gn = trainer.train_step(tokens, anchors)
+        loss, parts, acc, gn = trainer.train_step(to_device(rows, device), to_device(anc, device))
         if t_first is None:
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -45,6 +45,14 @@ def test_dense_moe_matches_reference_routed_moe():
     assert np.mean(got == ref) > 0.9
 
 
+def _shipped_model():
+    """models/ds4-tiny in the training model (what its perplexities are computed with)."""
+    from tokenizers import Tokenizer
+    from ds4lib.tokenmap import compressed_token_map
+    from training.export import load_model
+    return load_model("models/ds4-tiny", compressed_token_map(Tokenizer.from_file(TOKENIZER))[0])
+
+
 def _tiny_data(tmp_path, vocab=8192):
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
@@ -112,18 +120,11 @@ def test_engine_toolchain_and_server_never_import_torch():
 def test_training_model_on_the_shipped_weights_agrees_with_the_reference():
     """models/ds4-tiny loaded back into the training model (what the trainer computed with) against ds4lib.ref
     on the same FP4/FP8 weights: the same function up to summation order and its rounding-boundary flips."""
-    from tokenizers import Tokenizer
     from ds4lib.corpus.slices import load_slice
     from ds4lib.ref import ReferenceModel
-    from ds4lib.tokenmap import compressed_token_map
-    from training.export import load_official
-    from training.model import Model
     ckpt = "models/ds4-tiny"
     ref = ReferenceModel.load(ckpt)
-    tmap, _ = compressed_token_map(Tokenizer.from_file(TOKENIZER))
-    m = Model(ref.cfg, qat=True, max_pos=4096)
-    m.set_token_map(tmap)
-    load_official(m, ckpt).eval()
+    m = _shipped_model()
     win = load_slice("english/judge").tokens[0][:96].astype(np.int64)
     with torch.no_grad():
         lt = m(torch.from_numpy(win)[None])[0][0].numpy()
@@ -137,14 +138,7 @@ def test_training_model_on_the_shipped_weights_agrees_with_the_reference():
 def test_judge_ppl_scores_a_window_of_the_shipped_model(tmp_path):
     from training import judge_ppl
     from ds4lib.corpus.slices import load_slice
-    cfg = ModelConfig.from_json("models/ds4-tiny/config.json")
-    from tokenizers import Tokenizer
-    from ds4lib.tokenmap import compressed_token_map
-    from training.export import load_official
-    from training.model import Model
-    m = Model(cfg, qat=True, max_pos=4096)
-    m.set_token_map(compressed_token_map(Tokenizer.from_file(TOKENIZER))[0])
-    load_official(m, "models/ds4-tiny").eval()
+    m = _shipped_model()
     win = load_slice("english/judge").tokens[:2, :65]
     r = judge_ppl.judge(m, win, batch=1)
     assert r["tokens"] == 2 * 64 and 1 < r["ppl"] < 8192 and r["median_top1_margin"] > 0
