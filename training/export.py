@@ -29,8 +29,12 @@ def official_state(model) -> dict:
 
 
 def export_checkpoint(model, out_dir, extra_files=None, shard_bytes=15 << 20, metadata=None):
-    cfg = model.cfg
-    values = official_state(model)
+    return export_values(model.cfg, official_state(model), out_dir, extra_files, shard_bytes, metadata)
+
+
+def export_values(cfg, values, out_dir, extra_files=None, shard_bytes=15 << 20, metadata=None):
+    """`official_state` values (host arrays) -> an official checkpoint directory (no torch work: a
+    background thread may run it while training goes on)."""
     writer = CheckpointWriter(out_dir, cfg, shard_bytes=shard_bytes, metadata=metadata)
     pending = {}
     for spec in tensor_inventory(cfg).values():

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ds4lib.engram_geometry import engram_geometry
 from ds4lib.roles import layer_roles
+from training.sinkhorn import sinkhorn
 
 BF16 = torch.bfloat16
 
@@ -245,15 +246,6 @@ class MoE(nn.Module):
 def stable_top(x, k):
     """Indices of the k largest along the last axis: descending, lower index first among ties (as the reference)."""
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
-def sinkhorn(c, iters, eps):
-    c = torch.softmax(c, -1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return c
 
 
 class Compressor(nn.Module):

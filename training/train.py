@@ -27,6 +27,8 @@ import json
 import lzma
 import math
 import os
+import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -38,9 +40,10 @@ import torch.nn.functional as F
 from ds4lib.config import ModelConfig
 from ds4lib.corpus.training import load_training_set
 from ds4lib.tokenmap import compressed_token_map
-from training.export import export_checkpoint, load_model
+from training.export import export_checkpoint, export_values, load_model, official_state
 from training.judge_ppl import judge
 from training.model import Model
+from training import sinkhorn as fused_sinkhorn
 
 STATE_FILE = "state.pt"
 
@@ -187,6 +190,70 @@ def save_state(trainer: Trainer, state_dir: Path, log: dict) -> float:
     return time.time() - t
 
 
+class Snapshotter:
+    """Periodic exports of the weights so far (official format) while training goes on: the values are copied
+    to the host in the training thread, quantised and written by a background thread into DIR.tmp, then
+    renamed to DIR, so DIR always holds one whole snapshot."""
+
+    def __init__(self, model, out_dir: Path):
+        self.model, self.out_dir, self.thread, self.done = model, out_dir, None, []
+
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self, step: int, log: dict):
+        if self.busy():
+            return False
+        values = official_state(self.model)
+        meta = {"generator": "training/train.py", "step": str(step)}
+        log_text = json.dumps(log, indent=1)
+
+        def work():
+            t = time.time()
+            tmp = self.out_dir.with_name(self.out_dir.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            export_values(self.model.cfg, values, tmp, metadata=meta)
+            (tmp / "train_log.json").write_text(log_text)
+            old = self.out_dir.with_name(self.out_dir.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            if self.out_dir.exists():
+                os.replace(self.out_dir, old)
+            os.replace(tmp, self.out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+            self.done.append({"step": step, "seconds": round(time.time() - t, 1)})
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+        return True
+
+    def join(self):
+        if self.thread is not None:
+            self.thread.join()
+
+
+def compile_cache(path: Path | None, save: bool) -> dict:
+    """Load (save=False) or save the compiler's portable cache artifacts (inductor, Triton and autograd caches)
+    so a fresh GPU machine can skip most of the cold compilation; best effort, reports what happened."""
+    if path is None:
+        return {}
+    try:
+        if save:
+            got = torch.compiler.save_cache_artifacts()
+            if got is None:
+                return {"saved": 0}
+            data = got[0]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            return {"saved": len(data)}
+        if path.exists():
+            torch.compiler.load_cache_artifacts(path.read_bytes())
+            return {"loaded": path.stat().st_size}
+        return {"loaded": 0}
+    except Exception as e:                       # the cache only saves time; training never depends on it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def slice_ppl(model, slices_dir: Path, device):
     """Teacher-forced perplexity of each judging slice: every window [W, 512] scored as its own sequence."""
     return {d.name: judge(model, np.load(d / "judge.tokens.npy"), batch=8, device=device)["ppl"]
@@ -234,6 +301,14 @@ def parse_args(argv=None):
     ap.add_argument("--state", required=True, type=Path, help="resumable training state folder")
     ap.add_argument("--tokens", type=float, default=200e6, help="training tokens of the whole run")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds of training in this call")
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="seconds after this process starts by which a new run's last step must end (compilation "
+                         "included): the plan is shortened to fit from the measured step time (0: off)")
+    ap.add_argument("--snapshot-every", type=float, default=0.0,
+                    help="seconds between background exports of the weights so far to --snapshot (0: only when "
+                         "a call ends unfinished)")
+    ap.add_argument("--compile-cache", type=Path, default=None,
+                    help="the compiler's cache artifacts: loaded before the first step when present, written after it")
     ap.add_argument("--total-budget", type=float, default=0.0,
                     help="seconds of training for the whole run: a new run measures its step time before the "
                          "warm-up ends and shortens the plan to fit (0: --tokens decides alone)")
@@ -277,6 +352,12 @@ def main(argv=None):
     trainer = Trainer(cfg, plan, tmap, device, compile_step=not args.no_compile)
     log = {"plan": asdict(plan), "device": device, "params": sum(p.numel() for p in trainer.params),
            "steps": [], "calls": []}
+    checks = {}
+    if device == "cuda":
+        checks["sinkhorn"] = fused_sinkhorn.self_check(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps)
+        print("train: fused Sinkhorn", json.dumps(checks["sinkhorn"]), flush=True)
+    if not args.no_compile:
+        checks["compile_cache_load"] = compile_cache(args.compile_cache, save=False)
     state_path = args.state / STATE_FILE
     if state_path.exists():
         sd = torch.load(state_path, map_location=device, weights_only=False)
@@ -284,13 +365,14 @@ def main(argv=None):
         log = sd["log"]
         print(f"train: resumed at step {trainer.step} of {trainer.plan.total_steps} ({trainer.tokens:,} tokens)",
               flush=True)
-    call = {"start_step": trainer.step, "budget": args.budget}
+    call = {"start_step": trainer.step, "budget": args.budget, **checks}
+    snap = Snapshotter(trainer.model, args.snapshot) if args.snapshot and args.snapshot_every > 0 else None
     block = cfg.dspark_block_size
     t_loop = time.time()
     t_saved = t_loop
     t_first = None
     start_tokens = trainer.tokens
-    fit_plan = args.total_budget > 0 and trainer.step == 0
+    fit_plan = (args.total_budget > 0 or args.deadline > 0) and trainer.step == 0
     t_fit = None
     while trainer.step < min(trainer.plan.total_steps, args.stop_at or trainer.plan.total_steps) \
             and time.time() - t_loop < args.budget:
@@ -303,8 +385,10 @@ def main(argv=None):
                 t_fit = time.time()
             else:                                 # steady step time over steps 10..30, then the plan is fixed
                 per_step = (time.time() - t_fit) / 20
-                # the budget counts training time; the first step's compilation is not part of it
-                fitted = int((args.total_budget - (time.time() - t_first)) / per_step) + step
+                if args.deadline > 0:     # wall clock from process start; 2% of the step time kept in reserve
+                    fitted = int((t_start + args.deadline - time.time()) / (per_step * 1.02)) + step
+                else:                     # the budget counts training time; the first step's compilation is not part of it
+                    fitted = int((args.total_budget - (time.time() - t_first)) / per_step) + step
                 trainer.plan = replace(plan, total_steps=max(step + 1, min(plan.total_steps, fitted)))
                 log["plan"] = asdict(trainer.plan)
                 log["fitted"] = {"step_seconds": per_step, "total_steps": trainer.plan.total_steps}
@@ -318,7 +402,12 @@ def main(argv=None):
                 torch.cuda.synchronize()
             t_first = time.time()                      # the first step carries the compilation
             call["first_step_seconds"] = t_first - t_loop
+            print(f"train: first step (compilation) {t_first - t_loop:.1f} s", flush=True)
             steady_tokens = trainer.tokens
+            t_snap = t_first
+            if not args.no_compile and args.compile_cache is not None:
+                call["compile_cache_save"] = compile_cache(args.compile_cache, save=True)
+                print("train: compile cache", json.dumps(call["compile_cache_save"]), flush=True)
         if trainer.step % args.log_every == 0 or trainer.step == trainer.plan.total_steps:
             el = time.time() - t_first
             rec = {"step": trainer.step, "lr": plan.lr_at(trainer.step - 1), "loss": float(loss),
@@ -329,9 +418,15 @@ def main(argv=None):
                    "nonfinite_steps": float(trainer.nonfinite)}
             log["steps"].append(rec)
             print(json.dumps(rec), flush=True)
+        if snap is not None and time.time() - t_snap > args.snapshot_every and trainer.step < trainer.plan.total_steps:
+            if snap.start(trainer.step, log):
+                t_snap = time.time()
         if time.time() - t_saved > args.save_every:
             call.setdefault("save_seconds", []).append(round(save_state(trainer, args.state, log), 2))
             t_saved = time.time()
+    if snap is not None:
+        snap.join()
+        call["snapshots"] = snap.done
     if device == "cuda":
         torch.cuda.synchronize()
         call["max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9

@@ -142,3 +142,22 @@ def test_judge_ppl_scores_a_window_of_the_shipped_model(tmp_path):
     win = load_slice("english/judge").tokens[:2, :65]
     r = judge_ppl.judge(m, win, batch=1)
     assert r["tokens"] == 2 * 64 and 1 < r["ppl"] < 8192 and r["median_top1_margin"] > 0
+
+
+@pytest.mark.slow
+def test_deadline_fits_the_plan_and_snapshots_are_whole_checkpoints(tmp_path):
+    """`--deadline` shortens a new run's plan to end in time; `--snapshot-every` exports loadable
+    checkpoints in the background while training goes on."""
+    torch.set_num_threads(1)
+    from ds4lib.formats.checkpoint import CheckpointReader
+    data = _tiny_data(tmp_path)
+    args = _args(data, tmp_path, "dl", "--tokens", str(1000 * 2 * 64), "--deadline", "1e-3",
+                 "--snapshot", str(tmp_path / "snap"), "--snapshot-every", "0.01")
+    tr = T.main(args)
+    # a deadline already past at step 30 leaves the plan at the fitting step + 1
+    assert tr.plan.total_steps == 31 and tr.step == 31
+    calls = _state(tmp_path, "dl")["log"]["calls"]
+    assert calls[-1]["snapshots"], "no background snapshot was written"
+    r = CheckpointReader.open(tmp_path / "snap")
+    assert r.has("embed.weight")
+    assert not (tmp_path / "snap.tmp").exists()
