@@ -119,7 +119,9 @@ if triton is not None:
     sinkhorn_norm.register_autograd(_backward, setup_context=_setup)
 
 
-_FUSED = {"enabled": True}
+import os
+
+_FUSED = {"enabled": os.environ.get("DS4_TRAIN_FUSED_SINKHORN", "1") != "0"}   # 0: always the loop
 
 
 def fused_available(c) -> bool:
@@ -140,6 +142,8 @@ def self_check(device="cuda", iters: int = 20, eps: float = 1e-6, rows: int = 40
     (and says so) when they disagree. Returns the relative errors."""
     if triton is None or not torch.cuda.is_available() and device == "cuda":
         return {"fused": False, "reason": "no Triton or no CUDA"}
+    if not _FUSED["enabled"]:
+        return {"fused": False, "reason": "DS4_TRAIN_FUSED_SINKHORN=0"}
     gen = torch.Generator(device="cpu").manual_seed(0)
     c = (torch.randn(rows, 4, 4, generator=gen) * 3).to(device)
     w = torch.randn(rows, 4, 4, generator=gen).to(device)
@@ -147,8 +151,12 @@ def self_check(device="cuda", iters: int = 20, eps: float = 1e-6, rows: int = 40
     b = c.clone().requires_grad_(True)
     ya = sinkhorn_loop(a, iters, eps)
     (ya * w).sum().backward()
-    yb = sinkhorn_norm(torch.softmax(b, -1) + eps, 2 * iters - 1, eps)
-    (yb * w).sum().backward()
+    try:
+        yb = sinkhorn_norm(torch.softmax(b, -1) + eps, 2 * iters - 1, eps)
+        (yb * w).sum().backward()
+    except Exception as e:                        # a kernel that does not build or run: the loop instead
+        _FUSED["enabled"] = False
+        return {"fused": False, "reason": f"{type(e).__name__}: {e}"[:500]}
     rel_y = float((ya - yb).norm() / ya.norm())
     rel_g = float((a.grad - b.grad).norm() / a.grad.norm())
     ok = rel_y < 1e-5 and rel_g < 1e-4
