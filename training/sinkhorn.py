@@ -157,7 +157,7 @@ def self_check(device="cuda", iters: int = 20, eps: float = 1e-6, rows: int = 40
     except Exception as e:                        # a kernel that does not build or run: the loop instead
         _FUSED["enabled"] = False
         return {"fused": False, "reason": f"{type(e).__name__}: {e}"[:500]}
-    rel_y = float((ya - yb).norm() / ya.norm())
+    rel_y = float((ya - yb).detach().norm() / ya.detach().norm())
     rel_g = float((a.grad - b.grad).norm() / a.grad.norm())
     ok = rel_y < 1e-5 and rel_g < 1e-4
     _FUSED["enabled"] = ok
