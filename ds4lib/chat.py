@@ -1,4 +1,4 @@
-"""Chat encoding (ARCHITECTURE.md §6, DeepSeek-V4 `encoding_dsv4.py`) and the parser of generated replies.
+"""Chat encoding (docs/architecture.md §13.3, DeepSeek-V4 `encoding_dsv4.py`) and the parser of generated replies.
 
 Owns: `chat_pieces` (messages -> the prompt as (text, markup) pieces), `render_chat` (-> prompt text),
 `encode_chat` (-> token ids), `parse_reply` (generated text -> reasoning, answer), the reasoning-effort table
@@ -21,7 +21,7 @@ is a different prompt). In non-thinking mode the effort has no effect.
 
 Markup against text: the template's own markup (special tokens, the effort prefix) is trusted; message contents
 are not. `encode_chat` gives special tokens their ids only where the template writes them: a user who types
-`<｜User｜>` or `</think>` gets those characters as plain text, never the control token (ARCHITECTURE.md §6).
+`<｜User｜>` or `</think>` gets those characters as plain text, never the control token (docs/architecture.md §13.3).
 
 Tools (ds4lib/dsml.py): definitions go after the first system message, an assistant's calls follow its content
 as a DSML block before EOS, and tool results join the next user turn as `<tool_result>` blocks, ordered as the

@@ -8,7 +8,7 @@ that reads `os.environ`.
 Does not own: per-layer roles (`ds4lib.roles`), Engram geometry (`ds4lib.engram_geometry`),
 the tensor inventory (`ds4lib.inventory`).
 
-Spec: ARCHITECTURE.md §2.1 (keys and released values), §7.1 (tiny configuration).
+Spec: docs/architecture.md §2.1–§2.2 (keys and released values), §2.3 (validation), §2.4 (tiny configuration).
 Field names follow the flat inference keys; `HF_KEYS` maps the HF spellings onto them.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ConfigError(ValueError):
     """A config file or value that does not describe a valid V4.1 model."""
 
 
-# HF `text_config` key -> ModelConfig field (ARCHITECTURE.md §2.1). Keys absent here that share
+# HF `text_config` key -> ModelConfig field (docs/architecture.md §2.1). Keys absent here that share
 # the field name (e.g. `vocab_size`, `head_dim`) are read under their own name.
 HF_KEYS = {
     "hidden_size": "dim",
@@ -239,7 +239,7 @@ class ModelConfig:
                 self._fail("candidate_block_size and candidate_topk_blocks must be > 0 with a candidate source")
             if (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1 < self.index_topk:
                 self._fail("(candidate_topk_blocks - 1) * candidate_block_size + 1 must be >= index_topk "
-                           "(ARCHITECTURE.md erratum N1)")
+                           "(docs/architecture.md §1.2, erratum N1)")
 
     def _check_moe(self):
         if self.n_activated_experts > self.n_routed_experts:
@@ -407,12 +407,12 @@ class ModelConfig:
     # ------------------------------------------------------------------ presets
     @classmethod
     def v41_flash(cls) -> "ModelConfig":
-        """The released DeepSeek-V4.1-Flash configuration (ARCHITECTURE.md §2.1)."""
+        """The released DeepSeek-V4.1-Flash configuration (docs/architecture.md §2.2)."""
         return cls.from_json(CONFIG_DIR / "v41_flash.json")
 
     @classmethod
     def tiny(cls) -> "ModelConfig":
-        """The random-weight test model of ARCHITECTURE.md §7.1; it covers every V4.1 layer role."""
+        """The random-weight test model of docs/architecture.md §2.4; it covers every V4.1 layer role."""
         return cls.from_json(CONFIG_DIR / "tiny.json")
 
     @classmethod

@@ -1,5 +1,5 @@
 """DSML, the V4/V4.1 chat encoding's tool-call markup: tool definitions in the prompt, tool calls in assistant turns,
-and the parser of generated tool calls (ARCHITECTURE.md §6; DeepSeek-V4 `encoding_dsv4.py`, read for the format).
+and the parser of generated tool calls (docs/architecture.md §13.4; DeepSeek-V4 `encoding_dsv4.py`, read for the format).
 
 Owns: `render_tools` (the "## Tools" section appended to the system message), `render_tool_calls` (an assistant
 turn's calls as markup and value pieces), `render_tool_result`, `parse_tool_calls` (generated text after the

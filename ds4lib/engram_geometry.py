@@ -2,7 +2,7 @@
 
 Nothing here is typed in: the released table sizes (384,006,168 and 384,016,682 rows) follow
 from `engram_vocab_size`, the layer list, the n-gram order and the head count
-(ARCHITECTURE.md §4.3.2).
+(docs/architecture.md §8.3).
 
 Shapes: Le Engram layers, O = max_ngram - 1 n-gram orders (2-gram first), Hh heads per order,
 C = O * Hh hash columns per layer (order-major: column = (n-2) * Hh + head).

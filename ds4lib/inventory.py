@@ -1,5 +1,5 @@
-"""Tensor inventory of the official V4.1 checkpoint layout, derived from a config (ARCHITECTURE.md §3.4),
-and the parameter counts that follow from it (§3.6).
+"""Tensor inventory of the official V4.1 checkpoint layout, derived from a config (docs/architecture.md §12.2),
+and the parameter counts that follow from it (docs/architecture.md §12.4).
 
 Each `TensorSpec` gives the stored name, safetensors dtype and stored shape, plus the logical shape
 (FP4 weights store two values per byte), the component it belongs to and its layer. Counts are

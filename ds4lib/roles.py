@@ -1,4 +1,4 @@
-"""Per-layer roles of a V4.1 model, derived from its config (ARCHITECTURE.md §2.2).
+"""Per-layer roles of a V4.1 model, derived from its config (docs/architecture.md §3).
 
 A layer with ratio > 0 reads the compressed KV of kv_src(l) = max{s in kv_source_layers: s <= l}
 and the top-k of idx_src(l) = max{s in index_source_layers: s <= l}. It owns a compressor iff it

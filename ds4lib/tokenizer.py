@@ -4,7 +4,7 @@ Owns: the special-token table (`SPECIAL_TOKENS`, ids 0..8), the tokenizer pipeli
 training (`train_tokenizer`), the committed files under `data/tokenizer/` (`save_tokenizer`,
 `load_tokenizer`) and their validation (`check_tokenizer`).
 
-Pipeline, as DeepSeek-V3/V4's `tokenizer.json` (ARCHITECTURE.md §6): no normaliser; pre-tokenizer =
+Pipeline, as DeepSeek-V3/V4's `tokenizer.json` (docs/architecture.md §13.1): no normaliser; pre-tokenizer =
 Split(`\\p{N}{1,3}`) -> Split(CJK/kana runs) -> Split(letters with one optional leading non-letter |
 punctuation runs absorbing trailing newlines | newline runs | whitespace) -> ByteLevel (no prefix space,
 no regex); BPE model; ByteLevel decoder. No post-processor: `encode` never adds BOS, the chat encoding

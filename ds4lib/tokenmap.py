@@ -1,4 +1,4 @@
-"""The Engram compressed token map (ARCHITECTURE.md §4.3.1): many token ids -> one compressed id.
+"""The Engram compressed token map (docs/architecture.md §8.2): many token ids -> one compressed id.
 
 Derived from a tokenizer: decode each id alone; a text holding U+FFFD (a partial UTF-8 byte token)
 is keyed by its raw vocabulary string, any other by its normalised form (NFKC, NFD, strip accents,

@@ -6,7 +6,7 @@ Kernels import numpy, numba and ds4lib.formats constants only; no I/O and no mod
 """
 import numpy as _np
 
-# numba-cuda 0.30 registers np.row_stack, which numpy 2.5 removed (TOOLCHAIN.md §9): restore the alias
+# numba-cuda 0.30 registers np.row_stack, which numpy 2.5 removed (docs/toolchain.md §4.1): restore the alias
 # before anything compiles. Done here, once, for every kernel module.
 if not hasattr(_np, "row_stack"):
     _np.row_stack = _np.vstack

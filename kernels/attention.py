@@ -1,5 +1,5 @@
-"""Sparse attention with a per-head sink over index lists, and the window ring (ds4lib.ref.attention; ARCHITECTURE.md
-§4.4.2, §4.4.6, erratum E2 and E4).
+"""Sparse attention with a per-head sink over index lists, and the window ring (ds4lib.ref.attention; docs/architecture.md
+§5.2, §5.4, errata E2 and E4 in §1.1).
 
 Owns:
 - `window_write`: the layer's window ring [W, Dh] (BF16 bits) and the position of each slot; a chunk writes

@@ -1,5 +1,5 @@
 """The V4.1 KV compressor on the device: pooling of completed groups and the norm (ds4lib.ref.compressor.compress;
-ARCHITECTURE.md §4.4.4, erratum N7).
+docs/architecture.md §6.1, erratum N7 in §1.2).
 
 Owns: for ratio 2, each group of `ratio` consecutive positions whose last token arrives in this call pools
 sum_r kv_r[d] * softmax_r(score_r[d]) per dimension (FP32, the reference's order: exp, sequential sum,

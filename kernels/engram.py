@@ -1,5 +1,5 @@
 """Engram on the device: n-gram hashing, table-row gather with FP8 dequantisation, and the gated add
-(ds4lib.ref.engram, ds4lib.formats.checkpoint.CheckpointReader.engram_rows; ARCHITECTURE.md §4.3, erratum N5).
+(ds4lib.ref.engram, ds4lib.formats.checkpoint.CheckpointReader.engram_rows; docs/architecture.md §8, erratum N5 in §1.2).
 
 Owns:
 - `engram_hashes`: for each token and Engram layer, over lookbacks k = 0..n-1 (k = 0 the token itself):

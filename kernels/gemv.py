@@ -8,7 +8,7 @@ Owns:
   (`rows_per_group`), which is attention's grouped wo_a (ds4lib.ref.attention.output_projection); a dense
   linear is one group.
 - `act_quant_fp8` (block 32), `act_quant_fp4_pow2` (block 32), `act_quant_fp4_e4m3` (block 16): bit-exact
-  with ds4lib.formats.actquant (ARCHITECTURE.md §3.3, errata E1/N3).
+  with ds4lib.formats.actquant (docs/architecture.md §11.3, errata E1/N3 in §1).
 Does not own: FP4 / VQ / q4_K weight formats and their GEMVs.
 
 Numerics: every product of a BF16 weight and a BF16 or quantised activation is exact in FP32; the FP32

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections on the device (ds4lib.ref.hc; ARCHITECTURE.md §4.2).
+"""Manifold-constrained hyper-connections on the device (ds4lib.ref.hc; docs/architecture.md §4).
 
 Owns: the mixes of one sub-layer (weightless RMS of the flattened S*D state, the [(2+S)*S, S*D] FP32
 projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and the expand hc_post.

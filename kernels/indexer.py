@@ -1,5 +1,5 @@
-"""The V4.1 indexer on the device: index scores, candidate blocks, top-k (ds4lib.ref.indexer; ARCHITECTURE.md §4.4.5,
-errata N1 and N2).
+"""The V4.1 indexer on the device: index scores, candidate blocks, top-k (ds4lib.ref.indexer;
+docs/architecture.md §6.3–§6.5, errata N1 and N2 in §1.2).
 
 Owns:
 - `index_scores`: score[t, s] = bf16(sum_h bf16(relu(bf16(q[t, h] . K[s])) * w[t, h])), the head sum in FP32 in

@@ -1,4 +1,4 @@
-"""MoE router and the clamped SwiGLU step on the device (ds4lib.ref.moe.route, expert_ffn; ARCHITECTURE.md §4.5).
+"""MoE router and the clamped SwiGLU step on the device (ds4lib.ref.moe.route, expert_ffn; docs/architecture.md §7).
 
 Owns:
 - `route`: logits = x W_gate^T (FP32 GEMV of the BF16 gate, kernels.gemv), then one warp per token:

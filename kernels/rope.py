@@ -2,7 +2,7 @@
 
 Adjacent pairs (2i, 2i+1) of the last rd = 2 * len(freqs) dims rotate by the angle of their position:
 (a, b) -> (a cos - b sin, a sin + b cos), sin negated for the inverse rotation (attention output), each
-result rounded to BF16 (ARCHITECTURE.md §4.4.3). The cos/sin tables are inputs, indexed by position
+result rounded to BF16 (docs/architecture.md §5.3). The cos/sin tables are inputs, indexed by position
 ([P, rd/2] float32, computed on the host as the reference does: cos(float32(p) * freqs) in float32), so
 the kernel is bit-exact: each product is rounded on its own (mul_rn_device, no FMA contraction).
 

@@ -1,4 +1,4 @@
-"""Routed-expert GEMV over the DQV3 vector-quantised payload (SEED §4.1, §4.4; ds4lib.formats.vq is the format,
+"""Routed-expert GEMV over the DQV3 vector-quantised payload (docs/design.md §2, §6; ds4lib.formats.vq is the format,
 ds4lib.ref.moe.expert_ffn / ds4lib.ref.linear.linear_q the math).
 
 Owns:

@@ -1,6 +1,6 @@
 """A typed request -> the prompt's token ids and the generation length it may use.
 
-Owns: chat rendering through ds4lib.chat (ARCHITECTURE.md §6), the raw-text prompt of /v1/completions
+Owns: chat rendering through ds4lib.chat (docs/architecture.md §13.3), the raw-text prompt of /v1/completions
 (BOS + text, as `ds4 --raw`), a trailing assistant message as a prefill that the reply continues, and the
 context check (a prompt that leaves no room for one generated token, or a max_tokens that does not fit, is a
 400 `context_length_exceeded` before the request reaches the queue).

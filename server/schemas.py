@@ -7,7 +7,7 @@ of the wrong type or out of range is a 400; a field this server does not know is
 SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
 tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
 silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
-parsed into ds4lib.chat's message form. Also owns the resolution of thinking per request (SEED §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
+parsed into ds4lib.chat's message form. Also owns the resolution of thinking per request (docs/design.md §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
 "enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
 release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
 levels (thinking, with the level's instruction prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any
@@ -138,7 +138,7 @@ def _refuse_openai_extras(body: dict) -> None:
 
 
 def _thinking(body: dict, model: str | None, *, effort: str | None = None, effort_param: str = "reasoning_effort"):
-    """(thinking, effort level). SEED §7: any explicit switch decides (on wins over off); otherwise the model
+    """(thinking, effort level). docs/design.md §7: any explicit switch decides (on wins over off); otherwise the model
     name; otherwise off. A reasoning effort other than "none" is a switch to on."""
     votes, level = [], None
     if effort is not None:

@@ -1,4 +1,4 @@
-"""PyTorch training model of ds4-tiny: the same parameter names and math as ds4lib.ref (ARCHITECTURE.md §4).
+"""PyTorch training model of ds4-tiny: the same parameter names and math as ds4lib.ref (docs/architecture.md §4–§10).
 
 Only the training run imports torch; the engine and toolchain never do. A full-sequence forward from
 position 0 (the prefill case of the reference) with:

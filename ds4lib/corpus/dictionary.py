@@ -54,7 +54,7 @@ FIELD_DOMAIN: dict[str, str] = {
 }
 _LAW = re.compile(r"\bLaw\b(?! ?Tennis)")
 
-# science tag -> stratum used by the slices (SEED §4.5: several sub-sources per domain)
+# science tag -> stratum used by the slices (docs/design.md §5.3: several sub-sources per domain)
 SCIENCE_GROUPS: dict[str, str] = {
     **{t: "zoology" for t in ("Zool", "Paleon", "Anat. & Zool", "Zool. & Anat", "Nat. Hist")},
     **{t: "botany-biology" for t in ("Bot", "Botany", "Biol", "Biology", "Genetics", "Bot. & Zool",

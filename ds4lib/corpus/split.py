@@ -5,7 +5,7 @@ contributes per role), and `reserve_documents`, which decides from the corpus te
 tokenizer exists, which documents belong to which slice. The tokenizer is trained and the training
 set is built without every reserved document, so neither has seen a slice's text.
 
-Rule (SEED §4.2/§4.5: a source document lands on one side only; every sub-source on both sides):
+Rule (docs/design.md §3, §5.3: a source document lands on one side only; every sub-source on both sides):
 for each stratum, documents are ordered by sha256("ds4-slices:" + key); the judging slice takes
 documents from the front until their text (each document's first `PIECE_CHARS` characters, cut at a
 line end) reaches `windows * WINDOW_TOKENS * RESERVE_CHARS_PER_TOKEN` characters, then the fitting

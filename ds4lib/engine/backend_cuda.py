@@ -17,7 +17,7 @@ What lives where:
 - sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device
   unless `to_host` is asked (scoring).
 
-Semantics are ds4lib.ref.model's, with the per-query rules of ARCHITECTURE.md erratum E2 (window rows from the
+Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows from the
 ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the compressor's
 partial group carried across calls, window written after reading). Every kernel forms a token's result in an
 order that does not depend on the other tokens of the call (the attention value split is fixed per layer, the

@@ -1,4 +1,4 @@
-"""The one comparator for every quality number (SEED.md §4.5): original (teacher) vs ours (student).
+"""The one comparator for every quality number (docs/design.md §5): original (teacher) vs ours (student).
 
 Per position, with p = softmax(teacher), q = softmax(student):
 - Same top-1: argmax p == argmax q;

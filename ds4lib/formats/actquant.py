@@ -1,4 +1,4 @@
-"""Activation quantise-dequantise rules of the V4.1 reference (ARCHITECTURE.md §3.3, errata E1 and N3).
+"""Activation quantise-dequantise rules of the V4.1 reference (docs/architecture.md §11.3, errata E1 and N3 in §1).
 
 All three work on the last axis in contiguous blocks and return float32 values that the quantised
 format can represent exactly (so a BF16 holder keeps them exactly):

@@ -2,7 +2,7 @@
 
 E2M1 code c: magnitude [0, .5, 1, 1.5, 2, 3, 4, 6][c & 7], sign = bit 3 (so code 8 is -0).
 Packing: logical element 2k of a row sits in the low nibble (bits 0-3) of byte k and element 2k+1
-in the high nibble (erratum U6: the official converters unpack this way). `NIBBLE_LOW_IS_EVEN`
+in the high nibble (erratum U6, docs/architecture.md §1.3: the official converters unpack this way). `NIBBLE_LOW_IS_EVEN`
 is the one place that order is decided.
 Encoding rounds to nearest, ties to the even code, and saturates at +-6.
 """

@@ -8,7 +8,7 @@ become NaN otherwise (a plain cast).
 UE8M0: an unsigned exponent byte e meaning 2^(e-127); 255 is NaN.
 
 FP8 weight: W[out, in] E4M3 codes + scale[ceil(out/B), ceil(in/B)] UE8M0, value = code * scale
-of its BxB block (B = 32 in V4.1; ARCHITECTURE.md §3.2).
+of its BxB block (B = 32 in V4.1; docs/architecture.md §11.2).
 """
 from __future__ import annotations
 

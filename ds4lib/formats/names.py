@@ -1,4 +1,4 @@
-"""Every tensor name and on-disk dtype id of the official checkpoint layout (ARCHITECTURE.md §3.4).
+"""Every tensor name and on-disk dtype id of the official checkpoint layout (docs/architecture.md §12.2).
 
 Names follow the official module paths: `embed.weight`, `layers.{l}.attn.wq_a.weight`,
 `mtp.{s}.main_proj.weight`, `layers.{l}.engram.embed.weight`, ... A quantised linear `X` is stored

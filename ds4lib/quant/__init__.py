@@ -1,4 +1,4 @@
-"""Quantizer orchestration: the ds4 base file (① base, SEED §4.1) from an official-format checkpoint.
+"""Quantizer orchestration: the ds4 base file (① base, docs/design.md §2) from an official-format checkpoint.
 
 `quantize_checkpoint` (ds4 quantize, notebooks/quantize.ipynb) streams one layer at a time: VQ routed experts
 (ds4lib.quant.vq_layer over ds4lib.solvers.vq, CPU or CUDA backend), q4_K linears, everything else as stored,

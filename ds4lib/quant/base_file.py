@@ -1,4 +1,4 @@
-"""`quantize_checkpoint`: an official-format checkpoint directory -> the ds4 base GGUF file (SEED §4.1).
+"""`quantize_checkpoint`: an official-format checkpoint directory -> the ds4 base GGUF file (docs/design.md §2).
 
 Owns the orchestration: bit plan, layout and metadata, then one pass over the layout in file order,
 streaming one layer at a time (VQ experts through ds4lib.quant.vq_layer, q4_K / Q8_0 linears through

@@ -1,4 +1,4 @@
-"""Attention of V4.1 (ARCHITECTURE.md §4.4): query path, window KV, sparse attention with a per-head
+"""Attention of V4.1 (docs/architecture.md §5): query path, window KV, sparse attention with a per-head
 sink over the union of window rows and selected compressed rows, grouped output projection.
 
 Shapes: T queries, H heads, Dh head dim (rope tail rd), N window candidate rows, K selected

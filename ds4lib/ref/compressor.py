@@ -1,4 +1,4 @@
-"""The V4.1 KV compressor (ARCHITECTURE.md §4.4.4): one latent per group of `ratio` tokens.
+"""The V4.1 KV compressor (docs/architecture.md §6.1): one latent per group of `ratio` tokens.
 
 Ratio 2: kv = wkv(x), score = wgate(x) in FP32 (BF16 weights promoted); each complete group pools
 sum_r kv_r * softmax_r(score_r) per dimension, then BF16 and RMSNorm. Ratio 1: norm(wkv(x)) in BF16,

@@ -1,4 +1,4 @@
-"""DSpark draft head of V4.1 (ARCHITECTURE.md §4.8.2, erratum E3): context features, Markov bias,
+"""DSpark draft head of V4.1 (docs/architecture.md §9, erratum E3 in §1.1): context features, Markov bias,
 confidence.
 
 Features: the BF16 mean over the HC streams of the state entering each target layer (after Engram),

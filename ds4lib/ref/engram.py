@@ -1,4 +1,4 @@
-"""Engram (ARCHITECTURE.md §4.3): hashed 2..n-gram memory added into every HC stream before a block.
+"""Engram (docs/architecture.md §8): hashed 2..n-gram memory added into every HC stream before a block.
 
 Hashing per position t and Engram layer: over lookbacks k = 0..max_ngram-1 (k = 0 the token itself),
 v_k = pad if blocked else cid[t-k], blocked once t-k < 0 or a DEAD token was passed; rolling ^= v_k *

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (ARCHITECTURE.md §4.2): mixes, Sinkhorn, collapse, expand.
+"""Manifold-constrained hyper-connections (docs/architecture.md §4): mixes, Sinkhorn, collapse, expand.
 
 Shapes: T tokens, S = hc_mult streams, D hidden. State h [T, S, D] (BF16 values); fn [(2+S)*S, S*D],
 base [(2+S)*S], scale [3]. V4.1 threads the pre-mix one sub-layer ahead (see ref.model).

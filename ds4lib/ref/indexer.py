@@ -1,4 +1,4 @@
-"""The V4.1 indexer (ARCHITECTURE.md §4.4.5): which compressed rows each query may attend to.
+"""The V4.1 indexer (docs/architecture.md §6.2–§6.5): which compressed rows each query may attend to.
 
 score[t, s] = sum_h w[t, h] * relu(qI[t, h] . K[s]) with w = weights_proj(x) * (dI^-1/2 * nI^-1/2),
 computed with the official BF16 roundings (q.K product, the weighting and the head sum each

@@ -1,4 +1,4 @@
-"""Linear layers of the reference, with the official dtype boundaries (ARCHITECTURE.md §3.3, §4.0).
+"""Linear layers of the reference, with the official dtype boundaries (docs/architecture.md §11.3, §11.4).
 
 Shapes: T tokens, K input features, N output features.
 

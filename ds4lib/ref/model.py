@@ -1,10 +1,11 @@
-"""The full-precision reference forward of DeepSeek V4.1 (ARCHITECTURE.md §4): the teacher and the spec.
+"""The full-precision reference forward of DeepSeek V4.1 (docs/architecture.md §10): the teacher and the spec.
 
 `ReferenceModel.load(dir)` opens an official-format checkpoint; `logits(ids)` gives teacher-forced
 FP32 logits [T, V]; `forward(ids, state)` runs one chunk at the state's position (prefill, chunked
-prefill or one-token decode: the same code, ARCHITECTURE.md erratum E2), and the DSpark calls draft
-blocks. Dtype boundaries follow the official code (BF16 state and linear outputs, FP32 mixes,
-accumulations and logits); the activation quantise-dequantise of §3.3 is on unless `quant_sim=False`.
+prefill or one-token decode: the same code, docs/architecture.md §1.1, erratum E2), and the DSpark calls
+draft blocks. Dtype boundaries follow the official code (BF16 state and linear outputs, FP32 mixes,
+accumulations and logits); the activation quantise-dequantise of docs/architecture.md §11.3 is on unless
+`quant_sim=False`.
 
 Observation points: pass `observer(layer, name, value)`; it receives block_in, engram_out,
 attn_out, moe_in, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, index_scores,

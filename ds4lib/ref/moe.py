@@ -1,4 +1,4 @@
-"""Mixture of experts of V4.1 (ARCHITECTURE.md §4.5): router, routed experts, shared expert.
+"""Mixture of experts of V4.1 (docs/architecture.md §7): router, routed experts, shared expert.
 
 Router: s = sqrt(softplus(x W^T / gate_temp)) in FP32; choose top-k of s + bias (selection only);
 weights = s at the chosen ids / (sum + 1e-20) * route_scale. Expert (SwiGLU with asymmetric clamp):

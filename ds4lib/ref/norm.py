@@ -1,4 +1,4 @@
-"""RMSNorm (ARCHITECTURE.md §4.0): x * rsqrt(mean(x^2) + eps) * w in FP32, rounded to BF16.
+"""RMSNorm (docs/architecture.md §2.5): x * rsqrt(mean(x^2) + eps) * w in FP32, rounded to BF16.
 
 Shapes: any [..., D]; the statistic is over the last axis.
 """

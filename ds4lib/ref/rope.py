@@ -1,4 +1,4 @@
-"""Rotary embedding on the tail of each head, with YaRN (ARCHITECTURE.md §4.4.3).
+"""Rotary embedding on the tail of each head, with YaRN (docs/architecture.md §5.3).
 
 Adjacent pairs (2i, 2i+1) of the last `rd` dims rotate by theta = p * f_i; f_i = base^(-2i/rd),
 blended towards f_i / factor by the YaRN ramp on compressed layers. No magnitude scaling.

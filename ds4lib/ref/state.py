@@ -1,4 +1,4 @@
-"""Per-sequence state of the reference forward (ARCHITECTURE.md §4.9, §5.1).
+"""Per-sequence state of the reference forward (docs/architecture.md §10.4, §10.5).
 
 What persists between calls: the window rows of every layer (last W, in position order; the DSpark
 stages' rings hold context rows), each compressor's incomplete group, the compressed KV and index-key

@@ -1,4 +1,4 @@
-"""Lloyd codebook training and nearest-codeword assignment for 8-dimensional VQ (SEED §4.1), CPU path.
+"""Lloyd codebook training and nearest-codeword assignment for 8-dimensional VQ (docs/design.md §2.2), CPU path.
 
 Owns the math of the base quantizer: row gains, row normalisation, equidistant sampling, the codebook
 preparation both assignment paths share, the assignment and update rules, and the Lloyd loop over an

@@ -1,4 +1,4 @@
-"""Chat encoding (ARCHITECTURE.md §6) and the reply parser."""
+"""Chat encoding (docs/architecture.md §13.3) and the reply parser."""
 import pytest
 
 from ds4lib.chat import ChatError, encode_chat, parse_reply, render_chat

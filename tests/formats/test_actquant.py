@@ -1,4 +1,4 @@
-"""Activation quantise-dequantise rules (ARCHITECTURE.md §3.3): scales, exact representability, idempotence."""
+"""Activation quantise-dequantise rules (docs/architecture.md §11.3): scales, exact representability, idempotence."""
 import numpy as np
 
 from ds4lib.formats.actquant import act_quant_fp4_e4m3, act_quant_fp4_pow2, act_quant_fp8

@@ -1,4 +1,4 @@
-"""Warp intrinsics for Numba's CUDA simulator, which has none (TOOLCHAIN.md §2.3).
+"""Warp intrinsics for Numba's CUDA simulator, which has none (docs/toolchain.md §2.3).
 
 Each call publishes the lane's value in a per-block table keyed by thread id, waits at a block barrier,
 reads the source lane, and waits again. Semantics therefore need every live thread of the block to

@@ -1,4 +1,4 @@
-"""Self-consistency of the reference (ARCHITECTURE.md §7.6) on a seeded random tiny checkpoint."""
+"""Self-consistency of the reference (docs/architecture.md §14) on a seeded random tiny checkpoint."""
 import numpy as np
 import pytest
 

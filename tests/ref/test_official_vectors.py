@@ -2,7 +2,7 @@
 
 Strict checks are teacher-forced per layer (see replay.py): block outputs and pre-mixes, router choices
 and weights, Engram hashes and outputs, index scores, top-k lists and candidate masks, DSpark features,
-the head, decode steps with the corrected index keys (`fixed_index_k.*`, README caveat) and DSpark
+the head, decode steps with the corrected index keys (`fixed_index_k.*`, docs/architecture.md §15) and DSpark
 proposals. One free-running test bounds the end-to-end drift.
 """
 import json

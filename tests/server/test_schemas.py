@@ -1,4 +1,4 @@
-"""Request parsing without an engine: thinking resolution (SEED §7), sampling defaults, field validation, and
+"""Request parsing without an engine: thinking resolution (docs/design.md §7), sampling defaults, field validation, and
 the streaming reasoning/answer split agreeing with ds4lib.chat.parse_reply."""
 from __future__ import annotations
 
