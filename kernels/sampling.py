@@ -18,6 +18,12 @@ How (per row, rows in parallel through grid.y):
 A row with a NaN or +inf logit, or with every logit -inf, gets token -1 (ds4lib.ref.sampling raises for it): the
 max pass counts NaN as +inf, so the row's max is non-finite exactly then; later passes give NaN z weight 0.
 
+Token mask (constrained decoding; optional, `mask=` int32 [B, ceil(V / 32)], bit i % 32 of word i // 32 = token i
+allowed): every pass reads a disallowed token's logit as -inf, which is ref.sampling's masked row l'. The max pass
+still lets a disallowed NaN or +inf through as +inf, so the non-finite rule sees the whole row as ref's does, and a
+row whose allowed logits are all -inf gets -1 too. Without `mask` the kernels take their unmasked path (`use_mask`
+is a launch argument, the mask a 1 x 1 placeholder).
+
 Shapes: B rows, V vocab, NB = ceil(V / chunk) blocks per row.
 """
 import math
@@ -41,6 +47,7 @@ SHIFTS = (21, 10, 0)              # digit passes: bits 31..21, 20..10, 9..0
 WIDTHS = (11, 11, 10)
 FIXED_ONE = 4294967296.0          # 2^32
 NEG_INF64 = -np.inf
+NEG_INF32 = np.float32(-np.inf)
 M0 = np.uint64(0xD2511F53)
 M1 = np.uint64(0xCD9E8D57)
 W0 = np.uint64(0x9E3779B9)
@@ -62,6 +69,12 @@ def _order_key_device(v):
         u = np.uint32(0)
     k = np.int64(u)
     return (k ^ 0xFFFFFFFF) if (k >> 31) else (k | 0x80000000)
+
+
+@cuda.jit(device=True, inline=True)
+def _allowed_device(mask, b, i):
+    """Token i of row b is allowed by the int32 bitmask `mask` [B, ceil(V / 32)]."""
+    return ((mask[b, i >> 5] >> (i & 31)) & 1) != 0
 
 
 @cuda.jit(device=True, inline=True)
@@ -121,8 +134,8 @@ def _block_best_device(v, i, sh_v, sh_i):
 
 
 @cuda.jit
-def sample_max_kernel(logits, chunk, part_v, part_i):
-    """Per block: the largest logit of its chunk and its first index."""
+def sample_max_kernel(logits, chunk, mask, use_mask, part_v, part_i):
+    """Per block: the largest (allowed) logit of its chunk and its first index."""
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     n = logits.shape[1]
@@ -132,6 +145,8 @@ def sample_max_kernel(logits, chunk, part_v, part_i):
         v = np.float64(logits[b, i])
         if v != v:                                # NaN: the row's max becomes +inf, which marks it non-finite
             v = -NEG_INF64
+        if use_mask and v != -NEG_INF64 and not _allowed_device(mask, b, i):
+            v = NEG_INF64                         # disallowed; a NaN or +inf there still marks the row
         if v > bv or bi == n:
             bv = v
             bi = i
@@ -170,7 +185,7 @@ def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
 
 
 @cuda.jit
-def sample_hist_kernel(logits, chunk, temperature, st, stf, pass_id, hist_cnt, hist_w):
+def sample_hist_kernel(logits, chunk, mask, use_mask, temperature, st, stf, pass_id, hist_cnt, hist_w):
     """Count and weight histograms of the current digit over keys matching the chosen higher digits."""
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
@@ -189,6 +204,8 @@ def sample_hist_kernel(logits, chunk, temperature, st, stf, pass_id, hist_cnt, h
     m = stf[b, F_MAX]
     for i in range(blk * chunk + tid, min(n, (blk + 1) * chunk), THREADS):
         v = logits[b, i]
+        if use_mask and not _allowed_device(mask, b, i):
+            v = NEG_INF32
         key = _order_key_device(v)
         if top >= 32 or (key >> top) == (prefix >> top):
             bin_ = (key >> shift) & ((1 << width) - 1)
@@ -293,8 +310,8 @@ def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k
 
 
 @cuda.jit
-def sample_gumbel_kernel(logits, chunk, temperature, min_p, seeds, steps, st, stf, part_v, part_i, kept,
-                         write_kept):
+def sample_gumbel_kernel(logits, chunk, mask, use_mask, temperature, min_p, seeds, steps, st, stf, part_v, part_i,
+                         kept, write_kept):
     """Per block: the kept token with the largest z + Gumbel noise."""
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
@@ -306,6 +323,8 @@ def sample_gumbel_kernel(logits, chunk, temperature, min_p, seeds, steps, st, st
     bi = np.int64(n)
     for i in range(blk * chunk + cuda.threadIdx.x, min(n, (blk + 1) * chunk), THREADS):
         v = logits[b, i]
+        if use_mask and not _allowed_device(mask, b, i):
+            v = NEG_INF32
         z, w = _weight_device(v, m, temperature)
         keep = _order_key_device(v) >= theta and (min_p <= 0.0 or np.float64(w) >= w_min)
         if write_kept:
@@ -339,28 +358,29 @@ def sample_pick_kernel(part_v, part_i, tokens):
 
 
 SIGNATURES = {
-    "sample_max_kernel": "void(float32[:, :], int64, float64[:, :], int64[:, :])",
+    "sample_max_kernel": "void(float32[:, :], int64, int32[:, :], boolean, float64[:, :], int64[:, :])",
     "sample_reduce_kernel": "void(float64[:, :], int64[:, :], int64[:, :], float64[:, :], int32[:, :], "
                             "int64[:, :], int64[:])",
-    "sample_hist_kernel": "void(float32[:, :], int64, float64, int64[:, :], float64[:, :], int64, int32[:, :], "
-                          "int64[:, :])",
+    "sample_hist_kernel": "void(float32[:, :], int64, int32[:, :], boolean, float64, int64[:, :], float64[:, :], "
+                          "int64, int32[:, :], int64[:, :])",
     "sample_scan_kernel": "void(int32[:, :], int64[:, :], int64, int64, int64, float64, boolean, int64[:, :], "
                           "float64[:, :])",
-    "sample_gumbel_kernel": "void(float32[:, :], int64, float64, float64, int64[:], int64[:], int64[:, :], "
-                            "float64[:, :], float64[:, :], int64[:, :], uint8[:, :], boolean)",
+    "sample_gumbel_kernel": "void(float32[:, :], int64, int32[:, :], boolean, float64, float64, int64[:], int64[:], "
+                            "int64[:, :], float64[:, :], float64[:, :], int64[:, :], uint8[:, :], boolean)",
     "sample_pick_kernel": "void(float64[:, :], int64[:, :], int64[:])",
 }
 
 
 
 
-def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, chunk=CHUNK, out=None,
-           kept=None, scratch=None, stream=0):
+def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, mask=None, chunk=CHUNK,
+           out=None, kept=None, scratch=None, stream=0):
     """logits [B, V] float32, seeds [B] and steps [B] int64 (>= 0) -> tokens [B] int64 on the device; -1 for a
-    row with NaN or +inf, or without a finite logit.
+    row with NaN or +inf, or without a finite (allowed) logit.
 
-    One parameter set for the batch (launch once per distinct set). `kept` (uint8 [B, V], optional) receives
-    the truncation mask, for tests and diagnostics.
+    One parameter set for the batch (launch once per distinct set). `mask` (int32 [B, ceil(V / 32)] on the device,
+    optional): the allowed tokens of each row (module docstring). `kept` (uint8 [B, V], optional) receives the
+    truncation mask, for tests and diagnostics.
     """
     n_rows, n_vocab = tuple(logits.shape)
     if logits.dtype != np.float32 or n_vocab == 0 or chunk % THREADS or temperature < 0:
@@ -369,10 +389,15 @@ def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         raise ValueError(f"sample: seeds and steps must be [{n_rows}]")
     if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
         raise ValueError("sample: top_p in (0, 1], min_p in [0, 1], top_k >= 0")
+    use_mask = mask is not None
+    if use_mask and (tuple(mask.shape) != (n_rows, (n_vocab + 31) // 32) or mask.dtype != np.int32):
+        raise ValueError(f"sample: mask must be int32 [{n_rows}, {(n_vocab + 31) // 32}]")
     if out is None:
         out = cuda.device_array(n_rows, np.int64, stream=stream)
     if n_rows == 0:
         return out
+    if not use_mask:
+        mask = _scratch(scratch, "no_mask", (1, 1), np.int32, stream)
     nb = math.ceil(n_vocab / chunk)
     part_v = _scratch(scratch, "part_v", (n_rows, nb), np.float64, stream)
     part_i = _scratch(scratch, "part_i", (n_rows, nb), np.int64, stream)
@@ -380,7 +405,7 @@ def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     stf = _scratch(scratch, "state_f", (n_rows, 2), np.float64, stream)
     hist_cnt = _scratch(scratch, "hist_cnt", (n_rows, BINS), np.int32, stream)
     hist_w = _scratch(scratch, "hist_w", (n_rows, BINS), np.int64, stream)
-    sample_max_kernel[(nb, n_rows), THREADS, stream](logits, chunk, part_v, part_i)
+    sample_max_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, part_v, part_i)
     sample_reduce_kernel[n_rows, THREADS, stream](part_v, part_i, st, stf, hist_cnt, hist_w, out)
     if temperature == 0:
         return out
@@ -388,8 +413,8 @@ def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
     phases = ([PHASE_K] if use_top_k else []) + ([PHASE_P] if top_p < 1.0 else [])
     for phase in phases:
         for pass_id in range(3):
-            sample_hist_kernel[(nb, n_rows), THREADS, stream](logits, chunk, float(temperature), st, stf, pass_id,
-                                                              hist_cnt, hist_w)
+            sample_hist_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, float(temperature), st,
+                                                              stf, pass_id, hist_cnt, hist_w)
             sample_scan_kernel[n_rows, THREADS, stream](hist_cnt, hist_w, pass_id, phase, int(top_k), float(top_p),
                                                         use_top_k, st, stf)
     write_kept = kept is not None
@@ -397,7 +422,8 @@ def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         raise ValueError(f"sample: kept must be uint8 [{n_rows}, {n_vocab}]")
     if not write_kept:
         kept = _scratch(scratch, "no_kept", (1, 1), np.uint8, stream)
-    sample_gumbel_kernel[(nb, n_rows), THREADS, stream](logits, chunk, float(temperature), float(min_p), seeds,
-                                                        steps, st, stf, part_v, part_i, kept, write_kept)
+    sample_gumbel_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, float(temperature),
+                                                        float(min_p), seeds, steps, st, stf, part_v, part_i, kept,
+                                                        write_kept)
     sample_pick_kernel[math.ceil(n_rows / THREADS), THREADS, stream](part_v, part_i, out)
     return out

@@ -6,18 +6,20 @@ model name, the default generation length) and the error handlers, which answer 
 the calling API's own error shape (Anthropic's under /v1/messages, OpenAI's elsewhere) and never let an
 exception escape to the WSGI server.
 
-Imports ds4lib.engine's public API (SamplingParams) and ds4lib.chat through prompts.py; nothing imports server.
+Imports ds4lib.engine's public API (SamplingParams) and ds4lib.chat (through prompts.py, and END_THINK, where a
+thinking reply's JSON constraint starts); nothing imports server.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from ds4lib.chat import END_THINK
 from ds4lib.engine import SamplingParams
 
 from server import anthropic_api, openai_api
@@ -69,8 +71,11 @@ class ServerState:
         s = req.sampling
         n = plan_max_tokens(len(prompt.ids), s.max_tokens, default=self.default_max_tokens,
                             context=engine.context_length, param=_MAX_TOKENS_PARAM[req.api])
+        fmt = req.json_format
+        if fmt is not None and prompt.thinking_open:   # reason freely, then answer in JSON after </think>
+            fmt = replace(fmt, after_token=engine.tokenizer.token_to_id(END_THINK))
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                                max_tokens=n, seed=s.seed, stop=s.stop)
+                                max_tokens=n, seed=s.seed, stop=s.stop, json_format=fmt)
         return self.worker.submit(prompt.ids, params, thinking_open=prompt.thinking_open)
 
 

@@ -148,7 +148,7 @@ def _response(req, job, model: str, *, status: str, output: list, done: dict | N
             "instructions": req.extras.get("instructions"), "max_output_tokens": job.params.max_tokens,
             "metadata": req.extras.get("metadata", {}), "parallel_tool_calls": False, "temperature": s.temperature,
             "top_p": s.top_p, "tool_choice": "auto", "tools": [], "store": False, "background": False,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": req.extras.get("text_format", {"type": "text"})},
             "reasoning": {"effort": req.extras.get("effort"), "summary": None},
             "usage": _response_usage(job, done) if done else None}
 

@@ -7,12 +7,15 @@ of the wrong type or out of range is a 400; a field this server does not know is
 SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
 tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
 silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
-parsed into ds4lib.chat's message form. Also owns the resolution of thinking per request (docs/design.md §7: non-thinking by default; `reasoning_effort`, `thinking: {"type":
-"enabled"}`, `think: true` or model `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1
-release encoder's normalisation maps it: "none" is non-thinking; "low", "high" and "max" are the encoder's own
-levels (thinking, with the level's instruction prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any
-other value is a 400 naming the accepted ones. Anthropic's `thinking.budget_tokens` is validated but not
-enforced (the engine has no way to force `</think>`); `max_tokens` bounds the reasoning and the answer together.
+parsed into ds4lib.chat's message form. Structured output (`response_format`, `text.format`,
+`output_config.format`) becomes a checked JSON Schema (output_formats.py); with tools in the same request it is a 400,
+since the grammar would forbid the tool-call markup. Also owns the resolution of thinking per request (docs/design.md §7:
+non-thinking by default; `reasoning_effort`, `thinking: {"type": "enabled"}`, `think: true` or model
+`deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1 release encoder's normalisation maps it:
+"none" is non-thinking; "low", "high" and "max" are the encoder's own levels (thinking, with the level's instruction
+prefix, ds4lib.chat.REASONING_EFFORTS); "xhigh" is "max"; any other value is a 400 naming the accepted ones.
+Anthropic's `thinking.budget_tokens` is validated but not enforced (the engine has no way to force `</think>`);
+`max_tokens` bounds the reasoning and the answer together.
 
 Does not own: tokenization, context checks and chat rendering (prompts.py), response shapes (openai_api.py,
 anthropic_api.py).
@@ -22,12 +25,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ds4lib.engine import JsonFormat
+
 from server.fields import JSON_TYPES as _TYPES
 from server.fields import RequestError
 from server.fields import body_object as _body
 from server.fields import get_field as _get
 from server.fields import in_range as _in_range
 from server.fields import text_parts as _text_parts
+from server.output_formats import anthropic_output_format, chat_response_format, responses_text_format
 from server.tool_schemas import anthropic_tools as _anthropic_tools
 from server.tool_schemas import openai_tool_calls as _openai_tool_calls
 from server.tool_schemas import openai_tools as _openai_tools
@@ -67,6 +73,7 @@ class GenerationRequest:
     tools: tuple = ()                         # function definitions {"name", "description"?, "parameters"?}
     thinking: bool = False
     effort: str | None = None                 # the encoder's reasoning-effort level (thinking mode only)
+    json_format: JsonFormat | None = None     # the reply must be JSON valid under this schema
     stream: bool = False
     include_usage: bool = False
     extras: dict = field(default_factory=dict)   # values echoed back in the response (responses API)
@@ -204,18 +211,24 @@ def parse_chat(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     _refuse_openai_extras(body)
-    fmt = _get(body, "response_format", "object")
-    if fmt is not None and fmt.get("type") not in (None, "text"):
-        raise RequestError("only response_format {'type': 'text'} is supported", param="response_format",
-                           code="unsupported_value")
+    tools = _openai_tools(body)
+    json_format = _no_tools(chat_response_format(body), tools, "response_format")
     opts = _get(body, "stream_options", "object") or {}
     return GenerationRequest(
-        api="chat", model=model, messages=_openai_messages(body.get("messages")), tools=_openai_tools(body),
+        api="chat", model=model, messages=_openai_messages(body.get("messages")), tools=tools,
+        json_format=json_format,
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                            stop_key="stop"),
         **_thinking_fields(body, model, effort=_get(body, "reasoning_effort", "string")),
         stream=bool(_get(body, "stream", "boolean", False)),
         include_usage=bool(_get(opts, "include_usage", "boolean", False, where="stream_options.")))
+
+
+def _no_tools(json_format, tools, param: str):
+    if json_format is not None and tools:
+        raise RequestError(f"'{param}' with tools is not supported: the JSON grammar would forbid tool calls",
+                           param=param, code="unsupported_value")
+    return json_format
 
 
 def parse_completion(body) -> GenerationRequest:
@@ -286,12 +299,15 @@ def parse_responses(body) -> GenerationRequest:
     reasoning = _get(body, "reasoning", "object") or {}
     effort = _get(reasoning, "effort", "string", where="reasoning.")
     instructions = _get(body, "instructions", "string")
+    json_format, echo = responses_text_format(body)
     return GenerationRequest(
         api="responses", model=model, messages=_responses_input(body.get("input"), instructions),
+        json_format=json_format,
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
         **_thinking_fields(body, model, effort=effort, effort_param="reasoning.effort"),
         stream=bool(_get(body, "stream", "boolean", False)),
-        extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {}})
+        extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {},
+                "text_format": echo})
 
 
 # ---------------------------------------------------------------------------------------------- Anthropic
@@ -366,9 +382,6 @@ def _anthropic_thinking(body: dict, model: str | None) -> dict:
     """`thinking` ({"type": "enabled" | "adaptive" | "between_tools" | "disabled"}), `output_config.effort` (high |
     max, as reasoning_effort), `think`, or the reasoner model name."""
     cfg = _get(body, "output_config", "object") or {}
-    if _get(cfg, "format", "object", where="output_config."):
-        raise RequestError("structured output (output_config.format) is not supported", param="output_config.format",
-                           code="unsupported_value")
     return _thinking_fields(body, model, effort=_get(cfg, "effort", "string", where="output_config."),
                             effort_param="output_config.effort")
 
@@ -379,8 +392,10 @@ def parse_messages(body) -> GenerationRequest:
     body = _body(body)
     model = _get(body, "model", "string")
     _check_ignored(body, _IGNORED_ANTHROPIC)
+    tools = _anthropic_tools(body)
+    json_format = _no_tools(anthropic_output_format(body), tools, "output_config.format")
     return GenerationRequest(
-        api="messages", model=model, messages=_anthropic_messages(body), tools=_anthropic_tools(body),
+        api="messages", model=model, messages=_anthropic_messages(body), tools=tools, json_format=json_format,
         sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
                            max_tokens_required=True),
         **_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))

@@ -1,8 +1,9 @@
 """Backend table: `cpu` runs the reference forward (NumPy) over the dequantised stack; `cuda` runs Numba CUDA
 kernels (backend_cuda.py, the only ds4lib module that imports `kernels`). Both expose the same methods:
 new_state(), forward(state, tokens, last_only, observer) -> ForwardOut (logits [T, V] where the backend keeps
-them), to_host(logits) -> numpy, sample(logits_row, params, seed, step) -> int (the CUDA backend samples on the
-device), memory_plan() -> MemoryPlan, and `name`.
+them), to_host(logits) -> numpy, sample(logits_row, params, seed, step, mask=None) -> int (the CUDA backend samples
+on the device; `mask` is a constrained step's int32 token bitmask, ds4lib.ref.sampling), memory_plan() ->
+MemoryPlan, and `name`.
 """
 from __future__ import annotations
 

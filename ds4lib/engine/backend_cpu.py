@@ -30,9 +30,10 @@ class CpuBackend:
     def to_host(self, logits):
         return logits
 
-    def sample(self, logits, params, seed, step) -> int:
+    def sample(self, logits, params, seed, step, mask=None) -> int:
+        """`mask`: int32 token bitmask [ceil(V / 32)] of a constrained step (ds4lib.ref.sampling), or None."""
         return int(sample(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                min_p=params.min_p, seed=seed, step=step))
+                          min_p=params.min_p, seed=seed, step=step, mask=mask))
 
     def memory_plan(self):
         from ds4lib.engine.engine import MemoryPlan

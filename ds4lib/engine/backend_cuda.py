@@ -15,7 +15,8 @@ What lives where:
   position of each ring slot, the ratio-2 compressors' incomplete group (FP32 kv and score), the compressed KV
   and index-key caches as BF16 rows growing by doubling, the Engram history.
 - sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device
-  unless `to_host` is asked (scoring).
+  unless `to_host` is asked (scoring). A constrained step's token mask (int32 bitmask, ceil(V / 32) words) is
+  uploaded each step and read by the sampling kernels.
 
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows from the
 ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the compressor's
@@ -555,7 +556,9 @@ class CudaBackend:
     def to_host(self, logits):
         return logits if isinstance(logits, np.ndarray) else logits.copy_to_host()
 
-    def sample(self, logits, params, seed, step) -> int:
+    def sample(self, logits, params, seed, step, mask=None) -> int:
+        """`mask`: int32 token bitmask [ceil(V / 32)] of a constrained step, uploaded and read by the sampling
+        kernels; None takes the unmasked path."""
         s = self.stream
         V = self.cfg.vocab_size
         if isinstance(logits, np.ndarray):
@@ -563,8 +566,13 @@ class CudaBackend:
         lg = logits.reshape(1, V)
         seeds = cuda.to_device(np.array([int(seed) & (2 ** 64 - 1)], dtype=np.uint64).view(np.int64), stream=s)
         steps = cuda.to_device(np.array([int(step)], dtype=np.int64), stream=s)
+        d_mask = None
+        if mask is not None:
+            words = np.ascontiguousarray(mask, dtype=np.int32).reshape(1, -1)
+            d_mask = self._buf("token_mask", words.shape, np.int32)
+            d_mask.copy_to_device(words, stream=s)
         tok = sampling.sample(lg, seeds, steps, temperature=float(params.temperature), top_k=int(params.top_k),
-                              top_p=float(params.top_p), min_p=float(params.min_p),
+                              top_p=float(params.top_p), min_p=float(params.min_p), mask=d_mask,
                               out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=s)
         t = int(tok.copy_to_host()[0])
         if t < 0:

@@ -9,6 +9,8 @@ Prefill runs in blocks, decode one token at a time, both on the same forward; sc
 paths (`logits(..., split=P)`: P tokens by prefill, the rest one at a time).
 With `prefix_cache_mb` (CPU backend), generation without an explicit session resumes from the longest cached
 prefix of its prompt and stores its finished session back (prefix_cache.py); logits are those of a cold prefill.
+With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
+backend's sampler; without it the unmasked path runs, unchanged.
 
 Shapes: T tokens, V vocab.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4lib.engine.backend import make_backend
+from ds4lib.engine.constrain import Constrainer, GrammarError, JsonFormat
 from ds4lib.engine.prefix_cache import KvDiskStore, PrefixCache
 from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
 from ds4lib.formats.gguf import BaseFile, BaseFileError
@@ -28,7 +31,8 @@ from ds4lib.formats.names import KEY_SOURCE_DIR
 from ds4lib.formats.sidecar import SidecarError, read_sidecar
 from ds4lib.tokenmap import TokenMapError, load_token_map
 
-__all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan", "find_engram_checkpoint"]
+__all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan", "find_engram_checkpoint",
+           "JsonFormat", "GrammarError"]
 
 EOS = 1
 _MB = 1 << 20
@@ -45,7 +49,8 @@ class Cancelled(EngineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy."""
+    """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy.
+    `json_format`: the output must be JSON valid under that schema (constrained decoding, constrain.py)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -53,6 +58,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple = ()
+    json_format: JsonFormat | None = None
 
     def __post_init__(self):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -188,6 +194,7 @@ class Engine:
             Path(engram_dir or "")
         self.engram_reader, self.token_map = self._open_engram(cfg)
         self.tokenizer = self._open_tokenizer(tokenizer_path)
+        self.constrainer = Constrainer(self.tokenizer.to_str(), n_vocab=cfg.vocab_size, eos=EOS)
         self.backend = make_backend(backend, self, gains, bias)
         self.memory = self.backend.memory_plan()
         self.memory.prefix_cache = int(prefix_cache_mb * _MB)
@@ -358,10 +365,20 @@ class Engine:
             else:
                 logits = self.prefill(s, prompt_ids, should_stop=should_stop)
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+            constraint = self._constraint(params)
             for step in range(params.max_tokens):
-                tok = self.backend.sample(logits, params, seed, step)
+                if constraint is None:
+                    tok = self.backend.sample(logits, params, seed, step)
+                else:
+                    tok = self.backend.sample(logits, params, seed, step, mask=constraint.mask())
+                    constraint.advance(tok)
                 yield tok
-                if tok == EOS or step == params.max_tokens - 1:
+                if tok == EOS:
+                    break
+                if constraint is not None and constraint.finished:
+                    yield EOS                     # the only token the grammar allows: no forward needed
+                    break
+                if step == params.max_tokens - 1:
                     break
                 logits = self.decode(s, tok)
             clean = True
@@ -371,6 +388,14 @@ class Engine:
         finally:
             if store and clean and self.prefix_cache is not None:
                 self.prefix_cache.store(s.tokens, s.state, s.features)
+
+    def _constraint(self, params: SamplingParams):
+        if params.json_format is None:
+            return None
+        try:
+            return self.constrainer.start(params.json_format)
+        except GrammarError as e:
+            raise EngineError(str(e)) from None
 
     def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None,
                  progress: bool = False):

@@ -11,6 +11,12 @@ For one row of logits l [V] (float32) and parameters temperature, top_k, top_p, 
   token i iff the weight of the tokens with a strictly larger logit is < P. This is the smallest prefix of
   the sorted distribution whose mass reaches top_p; tied tokens are kept or dropped together.
 - min_p (0 = off): keep W_i >= min_p * 2^32, i.e. p_i >= min_p * p_max.
+- token mask (optional; constrained decoding, ds4lib.engine.constrain): an int32 bitmask [ceil(V / 32)], bit i % 32
+  of word i // 32 set = token i allowed (llguidance's layout). It applies before everything else: the row becomes
+  l'_i = l_i where allowed, -inf elsewhere, and all of the above and below runs on l' (top-k counts the -inf tokens as
+  any other value; their weight is 0, so they are never drawn while an allowed token has a finite logit). The
+  non-finite check below sees the whole row l (a NaN outside the mask is still a broken forward) and l' (an allowed
+  set whose logits are all -inf leaves nothing to draw). Without a mask the path is exactly the unmasked one.
 - non-finite rows: a NaN or +inf logit, or no finite logit at all (every token -inf), means the forward went wrong;
   `sample` raises NonFiniteLogits instead of drawing a token (an argmax over NaN would silently give token 0 or
   the NaN's index). The device sampler reports such a row as token -1 and its host side raises the same error.
@@ -25,8 +31,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NonFiniteLogits", "check_finite", "PHILOX_KEY_BUMP", "philox4x32", "uniforms", "fixed_weights", "kept_mask", "probabilities", "sample",
-           "sample_batch", "FIXED_ONE"]
+__all__ = ["NonFiniteLogits", "check_finite", "PHILOX_KEY_BUMP", "philox4x32", "uniforms", "fixed_weights", "kept_mask",
+           "probabilities", "sample", "sample_batch", "FIXED_ONE", "mask_words", "token_mask", "allowed_tokens",
+           "masked_logits"]
 
 class NonFiniteLogits(ValueError):
     """A logits row with NaN or +inf, or without any finite value: nothing can be sampled from it."""
@@ -39,6 +46,33 @@ def check_finite(logits) -> None:
         what = "NaN" if np.isnan(top) else "+inf" if top > 0 else "no finite value (every logit is -inf)"
         raise NonFiniteLogits(f"the logits hold {what}: the forward produced non-finite values, so no token is "
                               f"sampled")
+
+
+def mask_words(n_vocab: int) -> int:
+    """int32 words of a token bitmask over `n_vocab` tokens."""
+    return (int(n_vocab) + 31) // 32
+
+
+def token_mask(allowed) -> np.ndarray:
+    """int32 [..., ceil(V / 32)] bitmask from bool [..., V] (the inverse of `allowed_tokens`)."""
+    a = np.asarray(allowed, dtype=bool)
+    pad = (-a.shape[-1]) % 32
+    a = np.concatenate([a, np.zeros(a.shape[:-1] + (pad,), bool)], axis=-1)
+    return np.ascontiguousarray(np.packbits(a, axis=-1, bitorder="little")).view(np.int32)
+
+
+def allowed_tokens(mask, n_vocab: int) -> np.ndarray:
+    """bool [V] from an int32 token bitmask [ceil(V / 32)] (module docstring)."""
+    m = np.ascontiguousarray(mask, dtype=np.int32)
+    if m.shape != (mask_words(n_vocab),):
+        raise ValueError(f"a token mask over {n_vocab} tokens has {mask_words(n_vocab)} int32 words, got {m.shape}")
+    return np.unpackbits(m.view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+
+
+def masked_logits(logits, mask) -> np.ndarray:
+    """float32 [V]: the logits of allowed tokens, -inf elsewhere."""
+    l = np.asarray(logits, dtype=np.float32)
+    return np.where(allowed_tokens(mask, l.shape[0]), l, np.float32(-np.inf))
 
 
 FIXED_ONE = float(2 ** 32)                    # the weight of the most likely token
@@ -117,10 +151,15 @@ def probabilities(logits, *, temperature: float, top_k: int = 0, top_p: float = 
 
 
 def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-           seed: int = 0, step: int = 0) -> int:
-    """One token from logits [V]; NonFiniteLogits for a row with NaN, +inf or no finite value."""
+           seed: int = 0, step: int = 0, mask=None) -> int:
+    """One token from logits [V], among the tokens of `mask` (int32 bitmask, optional); NonFiniteLogits for a row
+    with NaN or +inf, or with no finite value among the allowed tokens."""
     l = np.asarray(logits, dtype=np.float32)
     check_finite(l)
+    if mask is not None:
+        l = masked_logits(l, mask)
+        if not np.isfinite(l.max()):
+            raise NonFiniteLogits("no token the mask allows has a finite logit: nothing can be sampled")
     if temperature == 0:
         return int(np.argmax(l))
     z, _ = fixed_weights(l, temperature)
@@ -130,7 +169,9 @@ def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1
     return int(np.argmax(np.where(keep, z + g, -np.inf)))
 
 
-def sample_batch(logits, seeds, steps, **params) -> np.ndarray:
-    """logits [B, V], seeds [B], steps [B] -> int64 [B], row by row."""
-    return np.array([sample(row, seed=int(s), step=int(t), **params)
-                     for row, s, t in zip(np.asarray(logits), seeds, steps)], dtype=np.int64)
+def sample_batch(logits, seeds, steps, masks=None, **params) -> np.ndarray:
+    """logits [B, V], seeds [B], steps [B], masks int32 [B, ceil(V / 32)] or None -> int64 [B], row by row."""
+    rows = np.asarray(logits)
+    ms = [None] * len(rows) if masks is None else list(np.asarray(masks))
+    return np.array([sample(row, seed=int(s), step=int(t), mask=m, **params)
+                     for row, s, t, m in zip(rows, seeds, steps, ms)], dtype=np.int64)

@@ -4,6 +4,7 @@ import pytest
 from numba import cuda                  # the simulator swaps this global inside kernels (conftest chose the mode)
 
 from ds4lib.ref import sampling as ref
+from tests.kernels.compile_sm90 import ptx_counts
 from tests.kernels.tolerances import assert_matches
 
 
@@ -75,3 +76,65 @@ def test_non_finite_rows_give_token_minus_one(cuda_ready, temperature):
     for row in l[:3]:
         with pytest.raises(ref.NonFiniteLogits):
             ref.sample(row, temperature=temperature, top_p=0.9)
+
+
+def _masks(rng, B, V):
+    """~30% of the tokens allowed; row 1 allows three only (fewer than top_k), one in the last, partial block."""
+    allowed = rng.random((B, V)) < 0.3
+    allowed[1] = False
+    allowed[1, [3, 150, V - 1]] = True
+    return allowed, ref.token_mask(allowed)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0),
+    dict(temperature=0.8, top_k=20, min_p=0.02),                  # top-k counts the masked-out tokens as -inf
+    pytest.param(dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02), marks=pytest.mark.slow),
+])
+def test_masked_sample_matches_ref(cuda_ready, params):
+    """A token mask (constrained decoding): the same tokens and kept sets as ref on the masked row, bit for bit."""
+    from kernels.sampling import sample
+    rng = np.random.default_rng(21)
+    B, V = 2, 300
+    l = _logits(rng, B, V)
+    allowed, masks = _masks(rng, B, V)
+    seeds = np.array([7, 2**40 + 11], np.int64)
+    steps = np.array([0, 123456789], np.int64)
+    kept = cuda_ready.to_device(np.zeros((B, V), np.uint8))
+    got = sample(cuda_ready.to_device(l), cuda_ready.to_device(seeds), cuda_ready.to_device(steps), chunk=128,
+                 mask=cuda_ready.to_device(masks), kept=kept, **params).copy_to_host()
+    want = ref.sample_batch(l, seeds, steps, masks=masks, **params)
+    assert_matches("sampling", got, want)
+    assert all(allowed[b, t] for b, t in enumerate(got))
+    assert got.tolist() != ref.sample_batch(l, seeds, steps, **params).tolist()     # the mask changed the draw
+    if params["temperature"] > 0:
+        want_kept = np.stack([ref.kept_mask(ref.masked_logits(row, m), **params) for row, m in zip(l, masks)])
+        assert_matches("sampling", kept.copy_to_host().astype(bool), want_kept)
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.9, marks=pytest.mark.slow)])
+def test_masked_non_finite_rows_give_token_minus_one(cuda_ready, temperature):
+    """A NaN outside the mask still marks the row (as ref, which checks the whole row), and so does an allowed set
+    whose logits are all -inf."""
+    from kernels.sampling import sample
+    l = _logits(np.random.default_rng(9), 3, 300)
+    allowed = np.zeros((3, 300), bool)
+    allowed[:, [20, 260]] = True
+    l[0, 250] = np.nan
+    l[1, [20, 260]] = -np.inf
+    masks = ref.token_mask(allowed)
+    seeds, steps = np.array([1, 2, 3], np.int64), np.zeros(3, np.int64)
+    got = sample(cuda_ready.to_device(l), cuda_ready.to_device(seeds), cuda_ready.to_device(steps), chunk=128,
+                 temperature=temperature, top_p=0.9, mask=cuda_ready.to_device(masks)).copy_to_host()
+    assert got[:2].tolist() == [-1, -1]
+    assert got[2] == ref.sample(l[2], temperature=temperature, top_p=0.9, seed=3, step=0, mask=masks[2])
+    for row, m in zip(l[:2], masks[:2]):
+        with pytest.raises(ref.NonFiniteLogits):
+            ref.sample(row, temperature=temperature, top_p=0.9, mask=m)
+
+
+def test_masked_kernels_compile_for_sm90():
+    """The three kernels that read the token mask compile for sm_90 without a GPU (test_compile_sm90 compiles every
+    kernel; this is the fast check of the ones constrained decoding changed)."""
+    r = ptx_counts([f"sampling:{k}" for k in ("sample_max_kernel", "sample_hist_kernel", "sample_gumbel_kernel")], [])
+    assert len(r) == 3 and all(v["sm90"] for v in r.values()), r

@@ -97,7 +97,7 @@ def test_message_shapes():
     {"messages": USER, "temperature": True}, {"messages": USER, "top_k": 1.5}, {"messages": USER, "seed": "1"},
     {"messages": USER, "stream_options": []}, {"messages": USER, "temperature": 2.5},
     {"messages": USER, "frequency_penalty": 0.5}, {"messages": USER, "logprobs": True},
-    {"messages": USER, "response_format": {"type": "json_object"}},
+    {"messages": USER, "response_format": {"type": "xml"}},
     {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]},
     {"messages": USER, "user": 5}, {"messages": USER, "metadata": "x"}, {"messages": USER, "store": "no"},
 ])
