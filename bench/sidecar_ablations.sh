@@ -14,9 +14,9 @@ declare -A flags=(
   [gains_only]="--no-router-bias"
   [float_then_round]="--float-then-round"
   [own_ridge]="--own-ridge"
-  [no_gate]="--gate -1"
+  [no_gate]="--gate 0"
 )
-for v in default gains_only float_then_round own_ridge no_gate; do
+for v in ${VARIANTS:-default gains_only float_then_round own_ridge no_gate}; do
     echo "== $v"
     start=$(date +%s.%N)
     .venv/bin/ds4 sidecar --base $base --domain "$d" --fit "$d/fit" --windows "$W" --out "$work/$v" --fresh --quiet \
@@ -32,6 +32,8 @@ from pathlib import Path
 d, work = sys.argv[1], Path(sys.argv[2])
 rows = {"bare": {"eval": json.loads((work / "bare.eval.json").read_text())}}
 for v in ("default", "gains_only", "float_then_round", "own_ridge", "no_gate"):
+    if not (work / f"{v}.eval.json").exists():
+        continue
     s = json.loads((work / f"{v}.solve.json").read_text())
     rows[v] = {"eval": json.loads((work / f"{v}.eval.json").read_text()), "wall_seconds":
                json.loads((work / f"{v}.wall.json").read_text())["wall_seconds"], "bytes": s["bytes"],
