@@ -27,6 +27,12 @@ mkdir -p "$OUT" .train_state .train_cache
 common=(--data "${DATA:-.train_data}" --config training/ds4_tiny_config.json
         --tokenizer data/tokenizer/tokenizer.json --slices data/slices --tokens "${TOKENS:-200e6}")
 
+send_cache() {   # the compiler's cache, for a later run on a fresh machine, when it fits the transfer limit
+    if [ -f .train_cache/compile.bin ] && [ "$(stat -c %s .train_cache/compile.bin)" -lt 50000000 ]; then
+        cp .train_cache/compile.bin "$OUT/compile.bin"
+    fi
+}
+
 report() {   # what a call sends back from a started run
     cp .train_state/stdout.txt "$OUT/train_stdout.txt" 2>/dev/null || true
     if [ -f .train_state/run/train_log.json ]; then
@@ -34,10 +40,7 @@ report() {   # what a call sends back from a started run
     elif [ -d .train_state/snapshot ]; then
         cp -r .train_state/snapshot "$OUT/snapshot"
     fi
-    if [ -f .train_state/run/train_log.json ] && [ -f .train_cache/compile.bin ] \
-            && [ "$(stat -c %s .train_cache/compile.bin)" -lt 50000000 ]; then
-        cp .train_cache/compile.bin "$OUT/compile.bin"        # for a later run on a fresh machine
-    fi
+    [ -f .train_state/run/train_log.json ] && send_cache
     grep -E '^(train:|call|judge|ref vs)' .train_state/stdout.txt | tail -n 12 || true
     tail -n 2 .train_state/stdout.txt || true
 }
@@ -61,7 +64,7 @@ case "$mode" in
     python3 -m training.train "${common[@]}" --out "$OUT/run" --state .train_state \
         --total-budget "${TOTAL:-0}" --budget "${BUDGET:-480}" --snapshot "$OUT/snapshot" \
         --compile-cache .train_cache/compile.bin ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_stdout.txt"
-    cp .train_cache/compile.bin "$OUT/compile.bin" 2>/dev/null || true
+    send_cache
     ls -la .train_state "$OUT"/* ;;
   start)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

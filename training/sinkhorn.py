@@ -19,6 +19,8 @@ Imports torch (and Triton when present): training only.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:                                              # the GPU machine has Triton; CPU-only installs need not
@@ -118,8 +120,6 @@ if triton is not None:
 
     sinkhorn_norm.register_autograd(_backward, setup_context=_setup)
 
-
-import os
 
 _FUSED = {"enabled": os.environ.get("DS4_TRAIN_FUSED_SINKHORN", "1") != "0"}   # 0: always the loop
 

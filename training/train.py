@@ -446,9 +446,9 @@ def main(argv=None):
     elif args.snapshot:
         # insurance while the run is unfinished: the weights so far in the official format (52 MB), which
         # travel back from the GPU machine where the full state (weights + moments, ~0.9 GB) cannot
-        export_checkpoint(trainer.model.cpu(), args.snapshot, metadata={"generator": "training/train.py",
-                                                                        "step": str(trainer.step)})
-        (args.snapshot / "train_log.json").write_text(json.dumps(log, indent=1))
+        snap = snap or Snapshotter(trainer.model, args.snapshot)
+        snap.start(trainer.step, log)
+        snap.join()
     print(f"train: step {trainer.step}/{trainer.plan.total_steps}, {time.time() - t_start:.0f} s in this call",
           flush=True)
     return trainer
