@@ -200,7 +200,7 @@ def cases(m, d, s, small):
     keys_w = d.bf16((W + TB, Dh), 1.0)
     win_idx = cuda.device_array((1, W), np.int32)
     yield ("attention.window_indices", f"[1, {W}]", 8 * W + 4 * W,
-           lambda: attention.window_indices(ring_pos, pos, ctx - 1, out=win_idx, stream=s))
+           lambda: attention.window_indices(ring_pos, pos, out=win_idx, stream=s))
     kv1 = d.f32((1, Dh))
     ring = cuda.device_array((W, Dh), np.uint16)
     ring_p2 = d.host(ring_pos_slots)
@@ -219,7 +219,7 @@ def cases(m, d, s, small):
     q16 = d.f32((T16, H, Dh))
     pos16 = d.host(np.arange(ctx - T16, ctx, dtype=np.int64))
     win16 = cuda.device_array((T16, W), np.int32)
-    attention.window_indices(ring_pos, pos16, ctx - T16, out=win16, stream=s)
+    attention.window_indices(ring_pos, pos16, out=win16, stream=s)
     cmp16 = d.host(np.sort(rng.choice(n_cache, (T16, KT)), axis=1).astype(np.int32))
     out16 = cuda.device_array((T16, H, Dh), np.float32)
     yield (f"attention.sparse_prefill_T{TB}", f"T={TB} H={H} Dh={Dh} rows={W}+{KT}",
@@ -231,8 +231,9 @@ def cases(m, d, s, small):
     st_kv, st_sc = d.f32((2, Dh)), d.f32((2, Dh))
     normw = d.f32((Dh,))
     lat = cuda.device_array((1, Dh), np.float32)
+    pos_c = cuda.to_device(np.array([ctx - 1], np.int64))
     yield ("compressor.ratio2_decode", f"[1, {Dh}] completing a group", 4 * Dh * 6,
-           lambda: compressor.compress(kvc, scc, st_kv, st_sc, ctx - 1, 2, normw, 1e-20, out=lat, stream=s))
+           lambda: compressor.compress(kvc, scc, st_kv, st_sc, pos_c, 2, normw, 1e-20, 1, out=lat, stream=s))
 
     qi, wts = d.f32((1, nI, dI), 0.5), d.f32((1, nI), 0.5)
     keys_i = d.bf16((S, dI), 1.0)

@@ -70,12 +70,13 @@ def window_write_kernel(kv, positions, ring, ring_pos):
 
 
 @cuda.jit
-def window_index_kernel(ring_pos, positions, start_pos, idx):
-    """idx[t, j] = key-buffer row of position positions[t] - W + 1 + j, or -1."""
+def window_index_kernel(ring_pos, positions, idx):
+    """idx[t, j] = key-buffer row of position positions[t] - W + 1 + j, or -1 (positions[0] starts the call)."""
     n_tok, w = idx.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * w:
         return
+    start_pos = positions[0]
     t = g // w
     j = g % w
     q = positions[t] - (w - 1) + j
@@ -265,7 +266,7 @@ def attn_combine_kernel(part, den, out):
 
 SIGNATURES = {
     "window_write_kernel": "void(float32[:, :], int64[:], uint16[:, :], int64[:])",
-    "window_index_kernel": "void(int64[:], int64[:], int64, int32[:, :])",
+    "window_index_kernel": "void(int64[:], int64[:], int32[:, :])",
     "cache_write_kernel": "void(float32[:, :], int64[:], uint16[:, :])",
     "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, "
                          "float32[:, :, :])",
@@ -294,8 +295,9 @@ def window_write(kv, positions, ring, ring_pos, stream=0):
         window_write_kernel[_blocks(n), THREADS, stream](kv, positions, ring, ring_pos)
 
 
-def window_indices(ring_pos, positions, start_pos, out=None, stream=0):
-    """Window rows of each query into the key buffer [ring (W); chunk rows (T)] -> int32 [T, W]."""
+def window_indices(ring_pos, positions, out=None, stream=0):
+    """Window rows of each query into the key buffer [ring (W); chunk rows (T)] -> int32 [T, W]; positions [T]
+    int64 on the device, consecutive (the call starts at positions[0])."""
     w = ring_pos.shape[0]
     n_tok = positions.shape[0]
     if out is None:
@@ -303,7 +305,7 @@ def window_indices(ring_pos, positions, start_pos, out=None, stream=0):
     elif tuple(out.shape) != (n_tok, w):
         raise ValueError(f"window_indices: out {out.shape} must be {(n_tok, w)}")
     if n_tok * w:
-        window_index_kernel[_blocks(n_tok * w), THREADS, stream](ring_pos, positions, int(start_pos), out)
+        window_index_kernel[_blocks(n_tok * w), THREADS, stream](ring_pos, positions, out)
     return out
 
 

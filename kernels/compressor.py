@@ -39,11 +39,18 @@ def _row_device(kv, state, start_pos, p, d):
 
 
 @cuda.jit
-def compress_pool_kernel(kv, score, state_kv, state_score, start_pos, ratio, norm_w, eps, out):
-    """out[j] = RMSNorm(bf16(pool of group start_pos // ratio + j)); ratio 1: out[j] = RMSNorm(kv[j])."""
+def compress_pool_kernel(kv, score, state_kv, state_score, positions, ratio, norm_w, eps, out):
+    """out[j] = RMSNorm(bf16(pool of group positions[0] // ratio + j)); ratio 1: out[j] = RMSNorm(kv[j]); rows j
+    past the call's completed groups are zero."""
     j = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     dh = kv.shape[1]
+    start_pos = positions[0]
+    n_groups = (start_pos + kv.shape[0]) // ratio - start_pos // ratio
+    if j >= n_groups:                                 # block-uniform
+        for d in range(tid, dh, THREADS):
+            out[j, d] = np.float32(0.0)
+        return
     p0 = (start_pos // ratio + j) * ratio
     x = cuda.local.array(DIMS_PER_THREAD, np.float32)
     ssq = 0.0
@@ -78,10 +85,11 @@ def compress_pool_kernel(kv, score, state_kv, state_score, start_pos, ratio, nor
 
 
 @cuda.jit
-def compress_state_kernel(kv, score, start_pos, state_kv, state_score):
+def compress_state_kernel(kv, score, positions, state_kv, state_score):
     """Rows of the trailing incomplete group -> state slot p mod ratio."""
     n_tok, dh = kv.shape
     ratio = state_kv.shape[0]
+    start_pos = positions[0]
     end = start_pos + n_tok
     first = max(end // ratio * ratio, start_pos)
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -94,42 +102,42 @@ def compress_state_kernel(kv, score, start_pos, state_kv, state_score):
 
 
 SIGNATURES = {
-    "compress_pool_kernel": "void(float32[:, :], float32[:, :], float32[:, :], float32[:, :], int64, int64, "
+    "compress_pool_kernel": "void(float32[:, :], float32[:, :], float32[:, :], float32[:, :], int64[:], int64, "
                             "float32[:], float32, float32[:, :])",
-    "compress_state_kernel": "void(float32[:, :], float32[:, :], int64, float32[:, :], float32[:, :])",
+    "compress_state_kernel": "void(float32[:, :], float32[:, :], int64[:], float32[:, :], float32[:, :])",
 }
 
 
-def compress(kv, score, state_kv, state_score, start_pos, ratio, norm_w, eps, out=None, stream=0):
+def compress(kv, score, state_kv, state_score, positions, ratio, norm_w, eps, n_groups, out=None, stream=0):
     """kv, score [T, Dh] float32 (FP32 projections; for ratio 1 kv is the BF16 projection and score, state_kv,
-    state_score are None) at positions start_pos.. -> (latents [G, Dh] pre-RoPE, first group id).
+    state_score are None) at the consecutive device positions [T] int64 -> latents [n_groups, Dh] pre-RoPE.
 
-    The state [ratio, Dh] holds the rows of positions start_pos - start_pos % ratio .. start_pos - 1 and is
-    updated to hold the trailing incomplete group; G = (start_pos + T) // ratio - start_pos // ratio.
+    Row j is group positions[0] // ratio + j for j < G = (p0 + T) // ratio - p0 // ratio, zero past G; n_groups
+    (>= G) is the row count the caller reserves: G itself, or an upper bound when the positions live on the device
+    only (a replayed decode step; kernels.step.group_rows gives each row's cache slot). The state [ratio, Dh] holds
+    the rows of positions p0 - p0 % ratio .. p0 - 1 and is updated to hold the trailing incomplete group.
     """
     n_tok, dh = tuple(kv.shape)
     if kv.dtype != np.float32 or dh > DH_MAX or tuple(norm_w.shape) != (dh,) or ratio < 1:
         raise ValueError(f"compress: kv must be float32 [T, Dh <= {DH_MAX}] with norm_w [Dh], got {kv.shape}")
+    if tuple(positions.shape) != (n_tok,) or positions.dtype != np.int64:
+        raise ValueError(f"compress: positions must be int64 [{n_tok}]")
     if ratio == 1:
-        n_groups, first = n_tok, start_pos
         score = state_kv = state_score = kv                  # unused by the ratio-1 path
-    else:
-        if tuple(score.shape) != (n_tok, dh) or tuple(state_kv.shape) != (ratio, dh) \
-                or tuple(state_score.shape) != (ratio, dh):
-            raise ValueError(f"compress: score {score.shape} and states {state_kv.shape}, {state_score.shape} "
-                             f"must be [T, Dh] and [{ratio}, Dh]")
-        n_groups, first = (start_pos + n_tok) // ratio - start_pos // ratio, start_pos // ratio
+    elif tuple(score.shape) != (n_tok, dh) or tuple(state_kv.shape) != (ratio, dh) \
+            or tuple(state_score.shape) != (ratio, dh):
+        raise ValueError(f"compress: score {score.shape} and states {state_kv.shape}, {state_score.shape} "
+                         f"must be [T, Dh] and [{ratio}, Dh]")
+    n_groups = int(n_groups)
     if out is None:
         out = cuda.device_array((n_groups, dh), np.float32, stream=stream)
     elif tuple(out.shape) != (n_groups, dh):
         raise ValueError(f"compress: out {out.shape} must be {(n_groups, dh)}")
     if n_groups:
-        compress_pool_kernel[n_groups, THREADS, stream](kv, score, state_kv, state_score, int(start_pos),
-                                                        int(ratio), norm_w, np.float32(eps), out)
-    if ratio > 1:
-        end = start_pos + n_tok
-        n_tail = end - max(end // ratio * ratio, start_pos)
-        if n_tail * dh:
-            compress_state_kernel[(n_tail * dh + THREADS - 1) // THREADS, THREADS, stream](
-                kv, score, int(start_pos), state_kv, state_score)
-    return out, first
+        compress_pool_kernel[n_groups, THREADS, stream](kv, score, state_kv, state_score, positions, int(ratio),
+                                                        norm_w, np.float32(eps), out)
+    if ratio > 1 and n_tok:
+        n_tail = min(n_tok, ratio - 1) * dh                  # the kernel keeps those of the trailing group
+        compress_state_kernel[(n_tail + THREADS - 1) // THREADS, THREADS, stream](kv, score, positions, state_kv,
+                                                                                  state_score)
+    return out

@@ -8,10 +8,24 @@ MemoryPlan, and `name`.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
-__all__ = ["make_backend", "BACKENDS"]
+__all__ = ["make_backend", "BACKENDS", "BackendContext"]
 
 BACKENDS = {"cpu": "ds4lib.engine.backend_cpu:CpuBackend", "cuda": "ds4lib.engine.backend_cuda:CudaBackend"}
+
+
+@dataclass
+class BackendContext:
+    """What a backend needs from the engine that owns it: the model config, the base file (None when a backend is
+    given its weights directly, as the real-size benchmark does), the Engram token map and table reader (None
+    without Engram layers), the prefill block and the context length."""
+    cfg: object
+    base: object
+    token_map: object
+    engram_reader: object
+    prefill_block: int
+    context_length: int
 
 
 def make_backend(name: str, engine, gains, bias):

@@ -1,97 +1,103 @@
 """The CUDA backend: the reference forward (ds4lib.ref.model) run by the Numba CUDA kernels of `kernels/` over the
-quantised stack as stored. The only ds4lib module that imports `kernels`.
+quantised stack as stored. The only ds4lib module besides cuda_weights.py that imports `kernels`.
 
 What lives where:
-- weights (device, uploaded once): VQ payloads as stored (index and plane bytes, f16 row gains) with each layer's
-  E4M3 codebook decoded once to BF16 (kernels.vq_gemv.vq_codebook, checked against ds4lib.formats.vq at load);
-  q4_K / Q8_0 linears as their GGUF bytes (kernels.q4k_gemv, the embedding included); F16 linears as float32;
-  stored BF16 and FP8 projections as BF16 bit patterns (kernels.gemv); vectors and the mHC matrices as float32.
-  The ② sidecar / ③ post-training down-projection gains (float32 [E, D]) scale the w2 row sums, and their router
-  deltas are added to the gate bias in float32 beforehand, exactly as ds4lib.engine.weights.StackWeights does.
-- Engram tables stay on the host (the original checkpoint): hashes are computed on the device from the
-  session's n-gram history, read back, the rows gathered from the memory map and copied up per call (a few KB
-  per token), then decoded on the device (kernels.engram).
+- weights (device, uploaded once): ds4lib.engine.cuda_weights (`upload_base` from the base file, or synthetic ones
+  at the true V4.1 shapes from ds4lib.engine.cuda_synth for the real-size benchmark).
+- Engram tables stay on the host (the original checkpoint): the n-gram hashes are computed on the host
+  (ds4lib.ref.engram.engram_hashes, which the device hash kernel is tested against) from the session's history, the
+  rows gathered from the memory map and decoded on the device (kernels.engram); a decode step reads them from a
+  host-mapped staging buffer.
 - session state (device): per layer the window key buffer (W ring rows, then room for a chunk's rows) and the
-  position of each ring slot, the ratio-2 compressors' incomplete group (FP32 kv and score), the compressed KV
-  and index-key caches as BF16 rows growing by doubling, the Engram history.
-- sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device
-  unless `to_host` is asked (scoring). A constrained step's token mask (int32 bitmask, ceil(V / 32) words) is
-  uploaded each step and read by the sampling kernels.
+  position of each ring slot, the ratio-2 compressors' incomplete group (FP32 kv and score), the compressed KV and
+  index-key caches as BF16 rows (row s = compressed group s; capacity doubles, the row count is kept on the host),
+  the Engram history (host).
+- sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device unless
+  `to_host` is asked (scoring); a decode step's logits are overwritten by the next decode step. A constrained step's
+  token mask (int32 bitmask, ceil(V / 32) words) is uploaded each step and read by the sampling kernels.
 
-Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows from the
-ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the compressor's
-partial group carried across calls, window written after reading). Every kernel forms a token's result in an
-order that does not depend on the other tokens of the call (the attention value split is fixed per layer, the
-top-k width is always index_topk with -1 padding), so one-token decode, chunked prefill and single-shot prefill
-give the same bits. Launches are eager (CUDA graphs need device-slot positions in kernels.attention.window_indices
-and kernels.compressor.compress, and the Engram gather on the device; BENCHMARKS.md "Engine" has the cost).
+A call's host plan (`_plan`) fixes every shape: how many compressed rows each compressor completes, the cache rows
+each indexer and attention reads. Kernels never receive a position as a scalar: they read the call's positions from
+the device (kernels.step), so a one-token decode step is the same sequence of launches at every position of a
+bucket. Decode steps are captured per bucket into a CUDA graph (ds4lib.engine.cuda_graph) and replayed; a bucket
+fixes the cache views (each owner's rows rounded up to a multiple of 1/8 of a power of two, `_bucket`), the buffers
+and the RoPE table: rows past a query's reach are masked by the kernels' own position rules, so a wider view gives
+the same bits. The first step of a bucket runs eagerly (it allocates the scratch), is then captured; later steps
+replay. `graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step eager.
+
+Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
+from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
+compressor's partial group carried across calls, window written after reading). Every kernel forms a token's result
+in an order that does not depend on the other tokens of the call (the attention value split is fixed per layer, the
+top-k width is always index_topk with -1 padding), so one-token decode, chunked prefill, single-shot prefill and a
+replayed graph give the same bits.
 
 Shapes: T tokens of a call, S = hc_mult streams, D hidden, H heads, Dh head dim, W window, K active experts,
 E experts, F expert width, V vocab, Nc compressed rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 
 import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything compiles)
 from numba import cuda
 
+from ds4lib.engine import cuda_graph
+from ds4lib.engine.cuda_weights import CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
-from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
-from ds4lib.formats.names import EMBED, HEAD, NORM, layer_prefix
-from ds4lib.formats.vq import EXPERT_MATRICES, decode_codebook
+from ds4lib.formats.floats import f32_to_bf16_bits
+from ds4lib.formats.names import layer_prefix
+from ds4lib.formats.vq import decode_codebook
+from ds4lib.ref.engram import engram_hashes
 from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
 from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
-from kernels import attention, compressor, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling, vq_gemv
+from kernels import (attention, compressor, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling, step,
+                     vq_gemv)
 
 __all__ = ["CudaBackend", "CudaState"]
 
-# stored 2-D tensors that feed kernels.gemv (kept as BF16 bit patterns when their values are BF16-exact)
-_GEMV_WEIGHTS = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.indexer.wq_b.weight",
-                 "attn.indexer.weights_proj.weight", "attn.indexer.wk.weight", "ffn.gate.weight")
 _SCRATCH_BUDGET = 1 << 30          # bytes of per-chunk scratch the prefill chunk size is chosen for
 _PRUNE_AT = 64                     # context-dependent scratch entries kept before that dict is cleared
 _SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the dict is cleared
+_MIN_ROWS = 16                     # first capacity of a compressed-row cache
 
 
-@dataclass
-class _Lin:
-    """A linear's device weight: kind 'q4_K' | 'q8_0' (block bytes), 'bf16' (uint16 bits) or 'f32'; K inputs."""
-    kind: str
-    w: object
-    rows: int
-    k: int
+def _bucket(n: int) -> int:
+    """The cache view of a decode step whose owner holds n rows: n rounded up to a multiple of max(64, 1/8 of the
+    next power of two), so a long session re-captures its graph every ~1/8 of its length."""
+    if n <= 0:
+        return 0
+    step_rows = max(64, 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // step_rows) * step_rows
 
 
 class _Rows:
-    """Device rows (BF16 bits) appended over time; capacity doubles, so appends are amortised O(rows)."""
+    """Device rows (BF16 bits) of a compressed cache: row s holds group s. The row count `n` lives on the host;
+    capacity doubles, so growth is amortised O(rows)."""
 
-    def __init__(self, width: int):
-        self.buf = cuda.device_array((16, width), np.uint16)
+    def __init__(self, width: int, stream):
+        self.buf = cuda.device_array((_MIN_ROWS, width), np.uint16, stream=stream)
         self.n = 0
 
-    def append(self, src, stream):
-        """src float32 [G, width] (BF16 values) on the device."""
-        g = src.shape[0]
-        need = self.n + g
-        if need > self.buf.shape[0]:
-            cap = self.buf.shape[0]
-            while cap < need:
-                cap *= 2
-            buf = cuda.device_array((cap, self.buf.shape[1]), np.uint16, stream=stream)
-            if self.n:
-                buf[:self.n].copy_to_device(self.buf[:self.n], stream=stream)
-            self.buf = buf
-        rows = cuda.to_device(np.arange(self.n, need, dtype=np.int64), stream=stream)
-        attention.cache_write(src, rows, self.buf, stream=stream)
-        self.n = need
+    def reserve(self, need, stream):
+        cap = self.buf.shape[0]
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        buf = cuda.device_array((cap, self.buf.shape[1]), np.uint16, stream=stream)
+        if self.n:
+            buf[:self.n].copy_to_device(self.buf[:self.n], stream=stream)
+        self.buf = buf
 
-    def view(self):
-        return self.buf[:self.n]
+    def view(self, rows):
+        return self.buf[:rows]
 
 
 @dataclass
@@ -104,27 +110,29 @@ class CudaState:
     pend_sc: dict
     ckv: dict                      # kv-source layer -> _Rows(Dh)
     idxk: dict                     # index-key owner -> _Rows(dI)
-    hist: object                   # int64 [n-1] Engram history (device), or None
-    hist_next: object
+    hist: object                   # int64 [n-1] Engram history (host), or None
+    graphs: dict = field(default_factory=dict)     # bucket key -> cuda_graph.StepGraph
 
 
 class _Call:
-    """Device arrays of one chunk in flight."""
+    """One call's host plan (sizes only: kernels read positions from `pos` on the device) and its arrays."""
 
-    def __init__(self, T, p0):
-        self.T, self.p0 = T, p0
+    def __init__(self, T, p0, decode):
+        self.T, self.p0, self.decode = T, p0, decode
         self.topk = {}
         self.cand = None
+        self.gmax = {}             # compressor layer -> latent rows of the call (exact, or 1 at decode)
+        self.n_after = {}          # compressor layer -> rows once the call is done
+        self.view = {}             # compressor layer -> rows its readers see (n_after, or its bucket at decode)
 
 
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, engine, gains, bias):
+    def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None):
         from ds4lib.engine.engine import EngineError
-        self.engine = engine
-        self.cfg = cfg = engine.cfg
-        self.base = engine.base
+        self.ctx = ctx
+        self.cfg = cfg = ctx.cfg
         self.roles = layer_roles(cfg)
         problems = []
         if cfg.score_func != "sqrtsoftplus":
@@ -142,72 +150,31 @@ class CudaBackend:
             cuda.get_current_device()
         except Exception as e:   # noqa: BLE001 - no driver / no device: a clear refusal
             raise EngineError(f"the CUDA backend needs a GPU: {type(e).__name__}: {e}") from None
-        self.stream = 0
+        self.stream = cuda.stream()
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
-        self.weight_bytes = 0
-        self._upload(gains or {}, bias or {})
+        self.W = weights if weights is not None else upload_base(cfg, ctx.base, gains or {}, bias or {})
+        self.g, self.L = self.W.g, self.W.L
+        self.weight_bytes = self.W.nbytes
         self._check_codebook_decode(EngineError)
         self.geo = engram_geometry(cfg) if cfg.engram_layer_ids else None
         if self.geo is not None:
-            self.d_geo = tuple(self._up(a) for a in self.geo.arrays())
-            self.pad_cid = int(engine.token_map[cfg.engram_pad_id])
+            self.pad_cid = int(ctx.token_map[cfg.engram_pad_id])
         self._rope = {}
         self._rope_cap = 0
         self.freqs = {y: rope_freqs(cfg.rope_head_dim, cfg.compress_rope_theta if y else cfg.rope_theta, y,
                                     cfg.original_seq_len, cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
                       for y in (False, True)}
-        self.max_chunk = self._pick_chunk(engine.prefill_block)
+        self.max_chunk = self._pick_chunk(ctx.prefill_block)
         self.n_split = {}
+        if graphs is None:
+            graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") not in ("0", "")
+        self.graphs = bool(graphs) and cuda_graph.available()
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0}
+        self._decode_io()
 
     # ------------------------------------------------------------------ loading
-    def _up(self, a):
-        d = cuda.to_device(np.array(a, copy=True, order="C"))
-        self.weight_bytes += d.size * d.dtype.itemsize
-        return d
-
-    def _lin(self, name):
-        t = self.base.layout[name]
-        rows, k = t.shape[0], t.shape[-1]
-        if t.kind in ("q4_K", "q8_0"):
-            return _Lin(t.kind, self._up(self.base.raw(name).view(np.uint8)), rows, k)
-        v = self.base.tensor(name).astype(np.float32)
-        if t.kind != "f16" and np.array_equal(round_bf16(v), v):
-            return _Lin("bf16", self._up(f32_to_bf16_bits(v)), rows, k)
-        return _Lin("f32", self._up(v), rows, k)
-
-    def _upload(self, gains, bias):
-        cfg, base = self.cfg, self.base
-        self.g = {"embed": self._lin(EMBED), "head": self._lin(HEAD), "norm": self._up(base.tensor(NORM))}
-        if self.g["embed"].kind not in ("q4_K", "q8_0"):
-            raise ValueError(f"the embedding is {self.g['embed'].kind}, expected q4_K or Q8_0 blocks")
-        self.L = []
-        for l in range(cfg.n_layers):
-            p = layer_prefix(cfg, l)
-            w = {}
-            for name, t in base.layout.items():
-                if not name.startswith(p) or name.endswith(".scale") or t.kind.startswith("vq_"):
-                    continue
-                rel = name[len(p):]
-                if t.kind in ("q4_K", "q8_0", "f16") or rel in _GEMV_WEIGHTS:
-                    w[rel] = self._lin(name)
-                else:
-                    v = base.tensor(name).astype(np.float32)
-                    if rel == "ffn.gate.bias" and l in bias:
-                        v = (v + np.asarray(bias[l], dtype=np.float32)).astype(np.float32)
-                    w[rel] = self._up(v)
-            if w["ffn.gate.weight"].kind != "bf16":
-                raise ValueError(f"layer {l}: the router weight is not BF16-valued")
-            vq = base.vq_layer(l)
-            w["vq_cb"] = vq_gemv.vq_codebook(self._up(vq.codebook_codes.view(np.uint8)))
-            w["vq_index"] = self._up(vq.index.view(np.uint8))
-            w["vq_plane"] = self._up(vq.plane.view(np.uint8)) if vq.plane is not None else None
-            w["vq_gains"] = tuple(self._up(vq.gains[m].view(np.uint16)) for m in EXPERT_MATRICES)
-            w["vq_scale"] = self._up(np.asarray(gains[l], dtype=np.float32)) if l in gains else None
-            w["vq_experts"] = vq.n_experts
-            self.L.append(w)
-
     def _check_codebook_decode(self, error):
         codes = np.arange(256, dtype=np.uint8).reshape(32, 8)
         got = vq_gemv.vq_codebook(cuda.to_device(codes)).copy_to_host().view(np.uint16).reshape(32, 8)
@@ -215,6 +182,25 @@ class CudaBackend:
         fin = np.isfinite(want)
         if not np.array_equal(got[fin], f32_to_bf16_bits(want)[fin]):
             raise error("the device E4M3 codebook decoder disagrees with ds4lib.formats.vq.decode_codebook")
+
+    def _decode_io(self):
+        """The fixed buffers a decode step reads its inputs from: (position, token) in host-mapped memory, their
+        device copies, and the Engram rows' mapped staging (one table row per hash column and Engram layer)."""
+        cfg, s = self.cfg, self.stream
+        self.m_in = cuda.mapped_array(2, np.int64)
+        self.d_pos = cuda.device_array(1, np.int64, stream=s)
+        self.d_rep = cuda.device_array(cfg.hc_mult, np.int64, stream=s)
+        self.d_dead = cuda.device_array(1, np.uint8, stream=s)
+        self.m_engram = {}
+        if self.geo is None:
+            return
+        reader = self.ctx.engram_reader
+        for l in self.geo.layer_ids:
+            name = layer_prefix(cfg, l) + "engram.embed.weight"
+            codes = reader.raw(name)
+            scales = reader.raw(name[:-len(".weight")] + ".scale")
+            self.m_engram[l] = (cuda.mapped_array((self.geo.n_cols, codes.shape[1]), np.uint8),
+                                cuda.mapped_array((self.geo.n_cols, scales.shape[1]), np.uint8))
 
     def _pick_chunk(self, block):
         t = 1 << max(0, int(block) - 1).bit_length()
@@ -231,7 +217,7 @@ class CudaBackend:
         attn = T * H * (split * Dh + rows) * 4
         vqb = T * K * (2 * F * (1 + vq_gemv._geometry(F, D)[5]) + F + D * (1 + vq_gemv._geometry(D, F)[5])) * 4
         ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
-        idx = T * (self.engine.context_length // ratio) * 4 if ratio else 0
+        idx = T * (self.ctx.context_length // ratio) * 4 if ratio else 0
         act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
         return attn + vqb + idx + act + T * cfg.vocab_size * 4
 
@@ -247,7 +233,7 @@ class CudaBackend:
 
     def _const_arr(self, name, make):
         if name not in self._const:
-            self._const[name] = cuda.to_device(make())
+            self._const[name] = cuda.to_device(make(), stream=self.stream)
         return self._const[name]
 
     def _rope_tables(self, need):
@@ -257,8 +243,8 @@ class CudaBackend:
         pos = np.arange(cap, dtype=np.float32)
         for y, f in self.freqs.items():
             ang = np.outer(pos, f).astype(np.float32)                  # as ds4lib.ref.rope.apply_rope
-            self._rope[y] = (cuda.to_device(np.cos(ang).astype(np.float32)),
-                             cuda.to_device(np.sin(ang).astype(np.float32)))
+            self._rope[y] = (cuda.to_device(np.cos(ang).astype(np.float32), stream=self.stream),
+                             cuda.to_device(np.sin(ang).astype(np.float32), stream=self.stream))
         self._rope_cap = cap
 
     # ------------------------------------------------------------------ linears
@@ -289,15 +275,38 @@ class CudaBackend:
                 pkv[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
                 psc[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
             if r.owns_compressor:
-                ckv[r.layer] = _Rows(dh)
+                ckv[r.layer] = _Rows(dh, s)
             if r.indexer_owns_k:
-                idxk[r.layer] = _Rows(cfg.index_head_dim)
-        hist = hist_next = None
+                idxk[r.layer] = _Rows(cfg.index_head_dim, s)
+        hist = None
         if self.geo is not None:
-            n = max(cfg.engram_max_ngram_size - 1, 1)
-            hist = cuda.to_device(np.full(n, -2, dtype=np.int64), stream=s)
-            hist_next = cuda.device_array(n, np.int64, stream=s)
-        return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist, hist_next)
+            hist = np.full(max(cfg.engram_max_ngram_size - 1, 1), -2, dtype=np.int64)
+        return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist)
+
+    def synthetic_state(self, pos: int, seed: int = 0) -> CudaState:
+        """A state as if `pos` tokens had been processed, with pseudo-random cache contents (the real-size
+        benchmark's long contexts: decode cost depends on the row counts, not on the values)."""
+        cfg, s = self.cfg, self.stream
+        st = self.new_state()
+        W = cfg.window_size
+        st.pos = int(pos)
+        for i, l in enumerate(sorted(st.win)):
+            step.fill_bits(st.win[l], seed * 1000 + i, 1.0, stream=s)
+            slots = np.full(W, -1, dtype=np.int64)
+            p = np.arange(max(0, pos - W), pos, dtype=np.int64)
+            slots[p % W] = p
+            st.ring_pos[l].copy_to_device(slots, stream=s)
+        for rows, owner in ((st.ckv, 1), (st.idxk, 2)):
+            for l, r in rows.items():
+                n = pos // self.roles[l].ratio
+                r.reserve(max(n, 1), s)
+                step.fill_bits(r.buf, seed * 1000 + 100 * owner + l, 1.0, stream=s)
+                r.n = n
+        if st.hist is not None:
+            rng = np.random.default_rng(seed)
+            st.hist[:] = rng.integers(0, cfg.engram_compressed_vocab_size, size=st.hist.shape)
+        self.stream.synchronize()
+        return st
 
     # ------------------------------------------------------------------ forward
     def forward(self, state, tokens, last_only=False, observer=None):
@@ -306,6 +315,8 @@ class CudaBackend:
             raise ValueError("forward needs a non-empty 1-D token list")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) == 1 and last_only and observer is None:
+            return ForwardOut(self._decode(state, int(ids[0])), None)
         T = len(ids)
         logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
@@ -320,23 +331,111 @@ class CudaBackend:
                 logits = got
         return ForwardOut(logits, None)
 
+    def _plan(self, st, T, decode):
+        """Sizes of a call at the state's position (module docstring); grows the caches it will write."""
+        c = _Call(T, st.pos, decode)
+        p0 = st.pos
+        for r in self.roles[:self.cfg.n_layers]:
+            if not r.owns_compressor:
+                continue
+            l, ratio = r.layer, r.ratio
+            g = (p0 + T) // ratio - p0 // ratio
+            c.gmax[l] = 1 if decode else g
+            c.n_after[l] = st.ckv[l].n + g
+            c.view[l] = _bucket(c.n_after[l]) if decode else c.n_after[l]
+            for rows in (st.ckv, st.idxk):
+                if l in rows:
+                    rows[l].reserve(max(c.view[l], st.ckv[l].n + c.gmax[l], 1), self.stream)
+        return c
+
+    def _commit(self, st, c):
+        for l, n in c.n_after.items():
+            st.ckv[l].n = n
+            if l in st.idxk:
+                st.idxk[l].n = n
+        st.pos = c.p0 + c.T
+
     def _chunk(self, st, ids, want, out, observer):
         cfg, s = self.cfg, self.stream
         T, p0 = len(ids), st.pos
         self._rope_tables(p0 + T)
-        c = _Call(T, p0)
+        c = self._plan(st, T, decode=False)
         c.pos = cuda.to_device(np.arange(p0, p0 + T, dtype=np.int64), stream=s)
+        rep = cuda.to_device(np.repeat(ids, cfg.hc_mult), stream=s)         # h[t, j] = embed[ids[t]] for every j
+        c.dead = cuda.to_device((ids == cfg.image_token_id).astype(np.uint8), stream=s)
+        rows = self._engram_host(st, ids)
+        c.engram = {}
+        for l, (codes, scales) in rows.items():
+            c.engram[l] = (cuda.to_device(codes, stream=s), cuda.to_device(scales, stream=s))
+        logits = self._body(st, c, rep, want, out, observer)
+        self._commit(st, c)
+        return logits
+
+    def _decode(self, st, token):
+        """One token at st.pos: the bucket's graph replayed, or the same launches made eagerly (module docstring)."""
+        s = self.stream
+        self._rope_tables(st.pos + 1)
+        c = self._plan(st, 1, decode=True)
+        s.synchronize()                                    # the previous step may still read the mapped inputs
+        self.m_in[0] = st.pos
+        self.m_in[1] = token
+        for l, (codes, scales) in self._engram_host(st, np.array([token], dtype=np.int64)).items():
+            self.m_engram[l][0][:] = codes
+            self.m_engram[l][1][:] = scales
+        c.pos, c.dead = self.d_pos, self.d_dead
+        c.engram = self.m_engram
+        key = (self._rope_cap,) + tuple((l, c.view[l], st.ckv[l].buf.shape[0],
+                                         st.idxk[l].buf.shape[0] if l in st.idxk else 0) for l in sorted(c.view))
+        graph = st.graphs.get(key) if self.graphs else None
+        if graph is not None:
+            graph.launch()
+            self.stats["graph_replays"] += 1
+        else:
+            self._decode_body(st, c)
+            self.stats["eager_steps"] += 1
+            if self.graphs and key not in st.graphs:
+                for old in st.graphs.values():
+                    if old is not None:
+                        old.close()
+                st.graphs = {key: self._capture(st, c)}     # None: this bucket stays eager
+        self._commit(st, c)
+        return self._buf("logits_decode", (1, self.cfg.vocab_size))
+
+    def _decode_body(self, st, c):
+        step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
+        return self._body(st, c, self.d_rep, "last", self._buf("logits_decode", (1, self.cfg.vocab_size)), None)
+
+    def _capture(self, st, c):
+        """The decode body captured as a graph, or None (with a warning) if capturing failed or a launcher
+        allocated while capturing (a graph must not outlive the memory it points to)."""
+        sizes = (len(self.scr), len(self.scr_var), len(self._const))
+        try:
+            graph = cuda_graph.StepGraph.capture(self.stream, lambda: self._decode_body(st, c))
+        except Exception as e:  # noqa: BLE001 - a capture problem costs speed, never a wrong token
+            warnings.warn(f"CUDA graph capture failed, decode stays eager for this bucket: {type(e).__name__}: {e}")
+            self.stream.synchronize()
+            return None
+        if (len(self.scr), len(self.scr_var), len(self._const)) != sizes:
+            graph.close()
+            warnings.warn("a launcher allocated while the decode step was captured; decode stays eager here")
+            return None
+        graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                      dict(self._rope), self.m_engram]
+        self.stats["graph_captures"] += 1
+        self.stats["graph_nodes"] = graph.nodes
+        return graph
+
+    def _body(self, st, c, rep, want, out, observer):
+        """Every launch of a call (embedding, layers, head); no host state changes (a decode step's is captured)."""
+        cfg, s = self.cfg, self.stream
+        T = c.T
         h = self._buf("h", (T, cfg.hc_mult, cfg.dim))
         emb = self.g["embed"]
-        rep = cuda.to_device(np.repeat(ids, cfg.hc_mult), stream=s)         # h[t, j] = embed[ids[t]] for every j
         q4k_gemv.q4k_rows(emb.w, rep, kind=emb.kind, out=h.reshape(T * cfg.hc_mult, cfg.dim), stream=s)
-        pre0 = np.zeros((T, cfg.hc_mult), np.float32)
-        pre0[:, 0] = 1.0
-        c.pre = cuda.to_device(pre0, stream=s)
-        self._engram_rows(st, c, ids)
+        c.pre = self._const_arr(("pre0", T, cfg.hc_mult), lambda: np.eye(1, cfg.hc_mult, dtype=np.float32).repeat(T, 0))
+        self._engram_decode(c)
         for l in range(cfg.n_layers):
             self._layer(l, st, c, h, observer)
-        st.pos = p0 + T
         if want == "none":
             return None
         y = hc.hc_pre(h, c.pre, out=self._buf("y_final", (T, cfg.dim)), stream=s)
@@ -347,40 +446,44 @@ class CudaBackend:
             out = cuda.device_array((1, cfg.vocab_size), np.float32, stream=s)
         return self._linear(yn, self.g["head"], quantize=False, bf16=False, out=out)
 
-    def _engram_rows(self, st, c, ids):
-        """Hash on the device, gather the table rows on the host, decode them on the device: c.engram[l]."""
-        cfg, s, geo = self.cfg, self.stream, self.geo
-        c.engram = {}
-        if geo is None:
-            return
-        T = c.T
-        tmap = self.engine.token_map
+    def _engram_host(self, st, ids):
+        """Hash the call's tokens on the host (advancing st.hist) and gather their table rows from the memory map:
+        {layer: (codes uint8 [T * C, hd], scales uint8 [T * C, hd / 32])}."""
+        if self.geo is None:
+            return {}
+        cfg, geo = self.cfg, self.geo
+        tmap = self.ctx.token_map
         cids = np.where(ids == cfg.image_token_id, -1, tmap[ids]).astype(np.int64)
-        primes, offs, mults = self.d_geo
-        hashes = engram.engram_hashes(cuda.to_device(cids, stream=s), st.hist, primes, offs, mults, geo.n_heads,
-                                      self.pad_cid, out=self._buf("eg_hash", (T, len(geo.layer_ids), geo.n_cols),
-                                                                  np.int64),
-                                      new_history=st.hist_next, stream=s)[0].copy_to_host()
-        st.hist, st.hist_next = st.hist_next, st.hist
-        c.dead = cuda.to_device((ids == cfg.image_token_id).astype(np.uint8), stream=s)
-        reader = self.engine.engram_reader
-        ident = self._const_arr(("eg_ident", T, geo.n_cols),
-                                lambda: np.arange(T * geo.n_cols, dtype=np.int64).reshape(T, geo.n_cols))
+        hashes, st.hist = engram_hashes(cids, st.hist, geo, self.pad_cid)
+        reader = self.ctx.engram_reader
+        out = {}
         for li, l in enumerate(geo.layer_ids):
             name = layer_prefix(cfg, l) + "engram.embed.weight"
             rows = hashes[:, li, :].reshape(-1)
-            codes = np.ascontiguousarray(reader.raw(name)[rows]).view(np.uint8)
-            scales = np.ascontiguousarray(reader.raw(name[:-len(".weight")] + ".scale")[rows]).view(np.uint8)
-            c.engram[l] = engram.engram_gather(ident, cuda.to_device(codes, stream=s), cuda.to_device(scales, stream=s),
-                                               out=self._buf(f"eg_rows{li}", (T, geo.n_cols, codes.shape[1])),
-                                               stream=s)
+            out[l] = (np.ascontiguousarray(reader.raw(name)[rows]).view(np.uint8),
+                      np.ascontiguousarray(reader.raw(name[:-len(".weight")] + ".scale")[rows]).view(np.uint8))
+        return out
+
+    def _engram_decode(self, c):
+        """The gathered rows (device or host-mapped) -> c.engram_rows[l] float32 [T, C, hd] on the device."""
+        c.engram_rows = {}
+        if self.geo is None:
+            return
+        T, n_cols = c.T, self.geo.n_cols
+        ident = self._const_arr(("eg_ident", T, n_cols),
+                                lambda: np.arange(T * n_cols, dtype=np.int64).reshape(T, n_cols))
+        for li, l in enumerate(self.geo.layer_ids):
+            codes, scales = c.engram[l]
+            c.engram_rows[l] = engram.engram_gather(ident, codes, scales,
+                                                    out=self._buf(f"eg_rows{li}", (T, n_cols, codes.shape[1])),
+                                                    stream=self.stream)
 
     # ------------------------------------------------------------------ one layer
     def _layer(self, l, st, c, h, observer):
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D = c.T, cfg.dim
         if role.engram:
-            rows = c.engram[l]
+            rows = c.engram_rows[l]
             kv = self._linear(rows.reshape(T, rows.shape[1] * rows.shape[2]), w["engram.wkv.weight"], quantize=True)
             engram.engram_gate(h, kv, w["engram.q_weight"], w["engram.k_weight"], cfg.norm_eps, c.dead, out=h,
                                stream=s)
@@ -431,14 +534,15 @@ class CudaBackend:
         buf = st.win[l]
         rows = self._const_arr(("win_rows", T), lambda: np.arange(W, W + T, dtype=np.int64))
         attention.cache_write(kvq, rows, buf, stream=s)
-        win_idx = attention.window_indices(st.ring_pos[l], c.pos, c.p0, out=self._buf("win_idx", (T, W), np.int32),
+        win_idx = attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (T, W), np.int32),
                                            stream=s)
         cmp_keys = cmp_idx = None
         if role.ratio:
             self._compress(l, st, c, x, xq, qrq, observer)
             cmp_idx = c.topk[role.idx_src]
-            ckv = st.ckv[role.kv_src]
-            cmp_keys = ckv.view() if ckv.n else self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
+            n_view = c.view[role.kv_src]
+            cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
+                self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
         n_rows = W + (cmp_idx.shape[1] if cmp_idx is not None else 0)
         split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
         o = attention.sparse_attention(q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, w["attn.attn_sink"], dh ** -0.5,
@@ -452,55 +556,57 @@ class CudaBackend:
     def _compress(self, l, st, c, x, xq, qrq, observer):
         """Compressor (KV sources) and indexer (index sources) of a compressed layer; sets c.topk[l]."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
-        T, p0, dh, ratio = c.T, c.p0, cfg.head_dim, role.ratio
+        T, dh, ratio = c.T, cfg.head_dim, role.ratio
         cos, sin = self._rope[role.yarn]
         if role.owns_compressor:
+            n_g = c.gmax[l]                               # 0: the call completes no group (the state still moves)
             if ratio == 1:
                 kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, out=self._buf("ckv", (T, dh)))
-                n_g = T
-                lat, first = compressor.compress(kvc, None, None, None, p0, 1, w["attn.compressor.norm.weight"],
-                                                 cfg.norm_eps, out=self._buf("lat", (T, dh)), stream=s)
+                lat = compressor.compress(kvc, None, None, None, c.pos, 1, w["attn.compressor.norm.weight"],
+                                          cfg.norm_eps, n_g, out=self._buf("lat", (n_g, dh)), stream=s)
             else:
                 kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, bf16=False,
                                    out=self._buf("ckv", (T, dh)))
                 sc = self._linear(x, w["attn.compressor.wgate.weight"], quantize=False, bf16=False,
                                   out=self._buf("csc", (T, dh)))
-                n_g = (p0 + T) // ratio - p0 // ratio
-                lat, first = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], p0, ratio,
-                                                 w["attn.compressor.norm.weight"], cfg.norm_eps,
-                                                 out=self._buf("lat", (n_g, dh)), stream=s)
+                lat = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], c.pos, ratio,
+                                          w["attn.compressor.norm.weight"], cfg.norm_eps, n_g,
+                                          out=self._buf("lat", (n_g, dh)), stream=s)
             if n_g:
-                gpos = cuda.to_device((np.arange(first, first + n_g, dtype=np.int64) * ratio), stream=s)
+                slots, gpos = self._buf("c_rows", (n_g,), np.int64), self._buf("c_gpos", (n_g,), np.int64)
+                step.group_rows(c.pos, ratio, slots, gpos, stream=s)
                 if role.indexer_owns_k:
                     di = cfg.index_head_dim
                     k = self._linear(lat, w["attn.indexer.wk.weight"], quantize=False, out=self._buf("ik", (n_g, di)))
                     kn = rms_norm.rms_norm(k, w["attn.indexer.k_norm.weight"], cfg.norm_eps,
                                            out=self._buf("ikn", (n_g, di)), stream=s)
                     rope.rope(kn, gpos, cos, sin, stream=s)
-                    st.idxk[l].append(gemv.act_quant_fp4_pow2(kn, out=self._buf("ikq", (n_g, di)), stream=s), s)
+                    attention.cache_write(gemv.act_quant_fp4_pow2(kn, out=self._buf("ikq", (n_g, di)), stream=s),
+                                          slots, st.idxk[l].buf, stream=s)
                 rope.rope(lat, gpos, cos, sin, stream=s)
-                st.ckv[l].append(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s), s)
+                attention.cache_write(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s),
+                                      slots, st.ckv[l].buf, stream=s)
         if not role.owns_indexer:
             return
         k_top = cfg.index_topk
-        keys = st.idxk[role.kv_src]
+        S = c.view[role.kv_src]
         topk = self._buf(f"topk{l}", (T, k_top), np.int32)
-        if keys.n == 0:                                  # nothing compressed yet: no compressed rows
+        if c.n_after[role.kv_src] == 0:                   # nothing compressed yet: no compressed rows
             topk.copy_to_device(self._const_arr(("no_topk", T, k_top),
                                                 lambda: np.full((T, k_top), -1, dtype=np.int32)), stream=s)
             c.topk[l] = topk
             if role.publishes_candidates:
                 c.cand = None
             return
+        keys = st.idxk[role.kv_src].view(S)
         nI, di = cfg.index_n_heads, cfg.index_head_dim
         qi = self._linear(qrq, w["attn.indexer.wq_b.weight"], quantize=False, out=self._buf("iq", (T, nI * di)))
         qi3 = qi.reshape(T, nI, di)
         rope.rope(qi3, c.pos, cos, sin, stream=s)
         qiq = gemv.act_quant_fp4_pow2(qi3, out=self._buf("iqq", (T, nI, di)), stream=s)
         wts = self._linear(x, w["attn.indexer.weights_proj.weight"], quantize=False, out=self._buf("iw", (T, nI)))
-        S = keys.n
         cand = c.cand if role.consumes_candidates else None
-        sc = indexer.index_scores(qiq, wts, np.float32(di ** -0.5 * nI ** -0.5), keys.view(), c.pos, ratio,
+        sc = indexer.index_scores(qiq, wts, np.float32(di ** -0.5 * nI ** -0.5), keys, c.pos, ratio,
                                   cand=cand, cand_block=cfg.candidate_block_size,
                                   out=self._buf("iscore", (T, S), var=True), scratch=self.scr_var, stream=s)
         if observer:
@@ -582,7 +688,7 @@ class CudaBackend:
 
     def memory_plan(self):
         from ds4lib.engine.engine import MemoryPlan
-        cfg, ctx = self.cfg, self.engine.context_length
+        cfg, ctx = self.cfg, self.ctx.context_length
         W, dh = cfg.window_size, cfg.head_dim
         state = 0
         for r in self.roles[:cfg.n_layers]:

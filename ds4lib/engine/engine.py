@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4lib.engine.backend import make_backend
+from ds4lib.engine.backend import BackendContext, make_backend
 from ds4lib.engine.constrain import Constrainer, GrammarError, JsonFormat
 from ds4lib.engine.prefix_cache import KvDiskStore, PrefixCache
 from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
@@ -195,7 +195,9 @@ class Engine:
         self.engram_reader, self.token_map = self._open_engram(cfg)
         self.tokenizer = self._open_tokenizer(tokenizer_path)
         self.constrainer = Constrainer(self.tokenizer.to_str(), n_vocab=cfg.vocab_size, eos=EOS)
-        self.backend = make_backend(backend, self, gains, bias)
+        ctx = BackendContext(cfg, self.base, self.token_map, self.engram_reader, self.prefill_block,
+                             self.context_length)
+        self.backend = make_backend(backend, ctx, gains, bias)
         self.memory = self.backend.memory_plan()
         self.memory.prefix_cache = int(prefix_cache_mb * _MB)
         self.prefix_cache = self._open_prefix_cache(prefix_cache_mb, kv_disk_dir, kv_disk_mb)

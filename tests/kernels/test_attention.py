@@ -38,7 +38,7 @@ def _kernel_window(cuda, ring, ring_pos, kv, P, start):
     from kernels.attention import cache_write, window_indices
     buf = cuda.to_device(np.concatenate([ring, np.zeros((len(kv), DH), np.uint16)]))
     cache_write(cuda.to_device(kv), cuda.to_device(np.arange(W, W + len(kv), dtype=np.int64)), buf)
-    idx = window_indices(cuda.to_device(ring_pos), cuda.to_device(P), start)
+    idx = window_indices(cuda.to_device(ring_pos), cuda.to_device(P))
     return buf, idx
 
 

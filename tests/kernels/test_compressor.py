@@ -32,12 +32,15 @@ def test_ratio2_sequence_of_calls(cuda_ready):
         want, gids = ref_compress(x, w, CFG, 2, pos, pending)
         kv = linear_f32(x, w["attn.compressor.wkv.weight"])
         sc = linear_f32(x, w["attn.compressor.wgate.weight"])
-        got, first = compress(cuda_ready.to_device(kv), cuda_ready.to_device(sc), s_kv, s_sc, pos, 2, d_norm,
-                              CFG.norm_eps)
-        assert got.shape == want.shape
-        if len(gids):
-            assert first == gids[0]
-        assert_matches("compress", got.copy_to_host(), want)
+        positions = cuda_ready.to_device(np.arange(pos, pos + T, dtype=np.int64))
+        got = compress(cuda_ready.to_device(kv), cuda_ready.to_device(sc), s_kv, s_sc, positions, 2, d_norm,
+                       CFG.norm_eps, n_groups=len(gids) + 1)          # one row more than completed: zero
+        rows, gpos = _group_rows(cuda_ready, positions, 2, len(gids) + 1)
+        np.testing.assert_array_equal(rows, list(gids) + [-1])
+        np.testing.assert_array_equal(gpos[:len(gids)], np.asarray(gids) * 2)
+        got = got.copy_to_host()
+        assert not got[len(gids):].any()
+        assert_matches("compress", got[:len(gids)], want)
         pos += T
         slots = np.arange(pos - len(pending.kv), pos) % 2                # the incomplete group's rows
         np.testing.assert_array_equal(s_kv.copy_to_host()[slots], pending.kv)
@@ -51,7 +54,19 @@ def test_ratio1_pass_through(cuda_ready):
     x = round_bf16(rng.standard_normal((3, D)))
     want, gids = ref_compress(x, w, CFG, 1, 7, Pending(DH))
     kv = linear_bf16(x, w["attn.compressor.wkv.weight"])
-    got, first = compress(cuda_ready.to_device(kv), None, None, None, 7, 1,
-                          cuda_ready.to_device(w["attn.compressor.norm.weight"]), CFG.norm_eps)
-    assert first == gids[0] == 7
+    positions = cuda_ready.to_device(np.arange(7, 10, dtype=np.int64))
+    got = compress(cuda_ready.to_device(kv), None, None, None, positions, 1,
+                   cuda_ready.to_device(w["attn.compressor.norm.weight"]), CFG.norm_eps, n_groups=3)
+    rows, gpos = _group_rows(cuda_ready, positions, 1, 3)
+    np.testing.assert_array_equal(rows, gids)
+    np.testing.assert_array_equal(gpos, gids)
+    assert gids[0] == 7
     assert_matches("compress", got.copy_to_host(), want)
+
+
+def _group_rows(cuda, positions, ratio, n):
+    """kernels.step.group_rows: the cache slot and RoPE position of each latent row."""
+    from kernels.step import group_rows
+    rows, gpos = cuda.device_array(n, np.int64), cuda.device_array(n, np.int64)
+    group_rows(positions, ratio, rows, gpos)
+    return rows.copy_to_host(), gpos.copy_to_host()
