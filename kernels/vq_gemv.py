@@ -66,7 +66,8 @@ THREADS_T1 = 32 if SIM else 384                 # decode kernel: 12 warps, <= 16
 THREADS_T2 = 32 if SIM else 256                 # two-token kernel: 8 warps, <= 255 registers
 WARPS_MAX = max(THREADS_T1, THREADS_T2) // WARP
 THREADS = 128
-PLAN_THREADS = 64 if SIM else 512
+PLAN_THREADS = 64 if SIM else 512               # plan kernel: one expert per thread up to E_MAX
+PLAN_WARPS = PLAN_THREADS // WARP
 X_REGS = 8 * VQ_DIM             # activations a lane keeps per token
 
 VQPlan = namedtuple("VQPlan", "ids pairs tiles n_tiles n_pairs n_experts tile_rows")
@@ -120,45 +121,150 @@ def vq_codebook_kernel(codes32, out64):
 
 
 # --------------------------------------------------------------------------------------------- the plan
+@cuda.jit(device=True, inline=True)
+def _block_exclusive_scan_device(v, sh):
+    """(sum of v over the threads before this one, sum over the block) for int64 v, in thread order; every thread
+    of the block calls it (blockDim.x a multiple of 32). sh: int64 [WARP] shared, free again after the next
+    barrier. Shuffle scans within each warp, then every warp scans the warps' totals (no second barrier)."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    inc = v
+    off = 1
+    while off < WARP:
+        u = cuda.shfl_up_sync(0xFFFFFFFF, inc, off)
+        if lane >= off:
+            inc += u
+        off *= 2
+    if lane == WARP - 1:
+        sh[warp] = inc
+    cuda.syncthreads()
+    n_warps = cuda.blockDim.x // WARP
+    s = sh[lane] if lane < n_warps else np.int64(0)
+    off = 1
+    while off < WARP:
+        u = cuda.shfl_up_sync(0xFFFFFFFF, s, off)
+        if lane >= off:
+            s += u
+        off *= 2
+    before = cuda.shfl_sync(0xFFFFFFFF, s, max(warp - 1, 0))
+    total = cuda.shfl_sync(0xFFFFFFFF, s, n_warps - 1)
+    return (before if warp > 0 else np.int64(0)) + inc - v, total
+
+
+@cuda.jit(device=True, inline=True)
+def _pair_expert_device(ids, p, p_end, n_experts):
+    """The expert of pair p (ids flattened token-major), or -1 past p_end or for an id outside 0..n_experts-1."""
+    if p >= p_end:
+        return -1
+    k_act = ids.shape[1]
+    e = ids[p // k_act, p % k_act]
+    return e if 0 <= e < n_experts else -1
+
+
+@cuda.jit(device=True, inline=True)
+def _plan_offsets_device(n_experts, tile_rows, n_warps, e0, e1, seen, cnt, off, toff, scan):
+    """From seen[w, e] = warp w's pair count of expert e (for the thread's experts e0..e1-1): cnt[e], off[e] (first
+    slot of e in pairs), toff[e] (first tile of e), and seen[w, e] = the slot of warp w's first pair of e. Every
+    thread calls it; returns the number of tiles."""
+    c_sum = 0
+    t_sum = 0
+    for e in range(e0, e1):
+        c = 0
+        for w in range(n_warps):
+            c += seen[w, e]
+        cnt[e] = c
+        c_sum += c
+        t_sum += (c + tile_rows - 1) // tile_rows
+    before, total = _block_exclusive_scan_device(np.int64(c_sum) | (np.int64(t_sum) << np.int64(32)), scan)
+    o = before & np.int64(0xFFFFFFFF)                           # (pairs, tiles) of the experts before e0
+    to = before >> np.int64(32)
+    for e in range(e0, e1):
+        off[e] = o
+        toff[e] = to
+        for w in range(n_warps):
+            c = seen[w, e]
+            seen[w, e] = o
+            o += c
+        to += (cnt[e] + tile_rows - 1) // tile_rows
+    return total >> np.int64(32)
+
+
+@cuda.jit(device=True, inline=True)
+def _plan_fill_device(ids, n_experts, tile_rows, p0, p_end, n_steps, seen, cnt, off, toff, lane_e, pairs, tiles):
+    """The warp's pairs p0..p_end-1 in order, 32 per step, into pairs and tiles. A lane's slot is seen[w, e] plus
+    the number of lanes before it with the same expert; the last of them advances seen[w, e]. Every warp of the
+    block takes the same n_steps (the simulator's syncwarp is a block barrier)."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    for i in range(n_steps):
+        p = p0 + i * WARP + lane
+        e = _pair_expert_device(ids, p, p_end, n_experts)
+        lane_e[warp, lane] = e
+        cuda.syncwarp(0xFFFFFFFF)
+        rank = 0
+        same = 0
+        if e >= 0:
+            for j in range(WARP):
+                if lane_e[warp, j] == e:
+                    same += 1
+                    if j < lane:
+                        rank += 1
+            slot = seen[warp, e] + rank
+            pairs[slot] = p
+            r = slot - off[e]
+            if r % tile_rows == 0:
+                ti = toff[e] + r // tile_rows
+                tiles[ti, 0] = e
+                tiles[ti, 1] = slot
+                tiles[ti, 2] = min(tile_rows, cnt[e] - r)
+        cuda.syncwarp(0xFFFFFFFF)
+        if e >= 0 and rank == same - 1:
+            seen[warp, e] += same
+        cuda.syncwarp(0xFFFFFFFF)
+
+
 @cuda.jit
 def vq_plan_kernel(ids, n_experts, tile_rows, pairs, tiles, n_tiles):
     """One block. pairs: the pair ids of each expert in token order, experts ascending; tiles [n, 3] = (expert,
-    first slot in pairs, count <= tile_rows); n_tiles[0] = n."""
+    first slot in pairs, count <= tile_rows); n_tiles[0] = n. Ids outside 0..n_experts-1 are left out.
+
+    Warp w owns the pairs [w * chunk, (w + 1) * chunk) (chunk a multiple of 32) and counts them per expert with
+    shared atomics into seen[w, e]; thread t owns a run of consecutive experts, and an exclusive scan over the
+    threads places each expert's pairs and tiles; then each warp writes its pairs in order (_plan_fill_device).
+    Every slot is a function of the ids alone, so the pairs of an expert land in ascending order whatever the
+    scheduling, and the plan does not depend on the block size."""
     tid = cuda.threadIdx.x
+    warp = tid // WARP
     nt = cuda.blockDim.x
-    n_tok, k_act = ids.shape
-    n_pairs = n_tok * k_act
+    n_warps = nt // WARP
+    n_pairs = ids.shape[0] * ids.shape[1]
+    seen = cuda.shared.array((PLAN_WARPS, E_MAX), np.int32)     # warp w's pairs of e: count, then next slot
     cnt = cuda.shared.array(E_MAX, np.int32)
     off = cuda.shared.array(E_MAX, np.int32)
     toff = cuda.shared.array(E_MAX, np.int32)
-    for e in range(tid, n_experts, nt):
-        c = 0
-        for p in range(n_pairs):
-            if ids[p // k_act, p % k_act] == e:
-                c += 1
-        cnt[e] = c
+    lane_e = cuda.shared.array((PLAN_WARPS, WARP), np.int32)   # the experts of a warp's current 32 pairs
+    scan = cuda.shared.array(WARP, np.int64)
+    chunk = WARP * ((n_pairs + WARP * n_warps - 1) // (WARP * n_warps))
+    p0 = warp * chunk
+    p_end = min(p0 + chunk, n_pairs)
+    e_per = (n_experts + nt - 1) // nt
+    e0 = min(tid * e_per, n_experts)
+    e1 = min(e0 + e_per, n_experts)
+    for e in range(e0, e1):
+        for w in range(n_warps):
+            seen[w, e] = 0
     cuda.syncthreads()
+    for b in range(p0, p_end, WARP):
+        e = _pair_expert_device(ids, b + cuda.threadIdx.x % WARP, p_end, n_experts)
+        if e >= 0:
+            cuda.atomic.add(seen, (warp, e), 1)
+    cuda.syncthreads()
+    n = _plan_offsets_device(n_experts, tile_rows, n_warps, e0, e1, seen, cnt, off, toff, scan)
     if tid == 0:
-        o = 0
-        to = 0
-        for e in range(n_experts):
-            off[e] = o
-            toff[e] = to
-            o += cnt[e]
-            to += (cnt[e] + tile_rows - 1) // tile_rows
-        n_tiles[0] = to
+        n_tiles[0] = n
     cuda.syncthreads()
-    for e in range(tid, n_experts, nt):
-        c = 0
-        for p in range(n_pairs):
-            if ids[p // k_act, p % k_act] == e:
-                pairs[off[e] + c] = p
-                if c % tile_rows == 0:
-                    ti = toff[e] + c // tile_rows
-                    tiles[ti, 0] = e
-                    tiles[ti, 1] = off[e] + c
-                    tiles[ti, 2] = min(tile_rows, cnt[e] - c)
-                c += 1
+    _plan_fill_device(ids, n_experts, tile_rows, p0, p_end, chunk // WARP, seen, cnt, off, toff, lane_e, pairs,
+                      tiles)
 
 
 # ------------------------------------------------------------------------------------------ the GEMV

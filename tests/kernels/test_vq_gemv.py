@@ -172,3 +172,79 @@ def test_sm90_ptx_has_no_local_memory_and_uses_the_hardware_e4m3_decode():
         assert v["sm90"] and v[".local"] == 0 and v["fma.rn.f32"] >= 48, r
     v = r["vq_gemv:vq_codebook_kernel"]
     assert v["cvt.rn.f16x2.e4m3x2"] >= 1 and v[".local"] == 0, r
+
+
+def _plan_want(ids, n_experts, tile_rows):
+    """The plan's definition (vq_plan): pair p = t*K + k; the pairs of each expert in ascending p, experts
+    ascending, ids outside 0..E-1 left out; tiles of up to tile_rows consecutive pairs of one expert."""
+    flat = ids.reshape(-1)
+    pairs, tiles = [], []
+    for e in range(n_experts):
+        ps = np.flatnonzero(flat == e)
+        tiles += [(e, len(pairs) + i, min(tile_rows, len(ps) - i)) for i in range(0, len(ps), tile_rows)]
+        pairs += list(ps)
+    return np.array(pairs, np.int32), np.array(tiles, np.int32).reshape(-1, 3)
+
+
+def _routing(rng, n_tok, k_act, n_exp):
+    return np.stack([rng.choice(n_exp, k_act, replace=False) for _ in range(n_tok)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("n_tok, k_act, n_exp, tile_rows", [
+    (1, 6, 384, 1),            # V4.1 decode
+    (1, 1, 1, 2),              # one pair, one expert
+    (5, 3, 7, 2),              # E not a power of two
+    (70, 6, 384, 2),           # several 32-pair steps per warp; expert 383 in every token, expert 0 in one
+    (33, 16, 512, 1),          # K_MAX, E_MAX; pairs not a multiple of 32
+])
+def test_plan_matches_its_definition(cuda_ready, n_tok, k_act, n_exp, tile_rows):
+    from kernels.vq_gemv import vq_plan
+    rng = np.random.default_rng(n_tok * 1000 + n_exp)
+    ids = _routing(rng, n_tok, k_act, n_exp)
+    if n_tok > 2:
+        ids[:, 0] = n_exp - 1
+        ids[2, 1] = 0
+    plan = vq_plan(cuda_ready.to_device(ids), n_exp, tile_rows=tile_rows)
+    pairs, tiles = _plan_want(ids, n_exp, tile_rows)
+    n = int(plan.n_tiles.copy_to_host()[0])
+    np.testing.assert_array_equal(plan.pairs.copy_to_host()[:len(pairs)], pairs)
+    assert n == len(tiles)
+    np.testing.assert_array_equal(plan.tiles.copy_to_host()[:n], tiles)
+
+
+def test_plan_reuse_repeated_and_out_of_range_ids(cuda_ready):
+    """A reused plan is rewritten in full; a token naming an expert twice keeps both pairs in pair order; ids
+    outside 0..E-1 are left out of the plan."""
+    from kernels.vq_gemv import vq_plan
+    rng = np.random.default_rng(4)
+    plan = vq_plan(cuda_ready.to_device(_routing(rng, 4, 3, 5)), 5, tile_rows=2)
+    ids = np.array([[3, 3, -1], [4, 2, 3], [9, 0, 3], [3, 1, 2]], np.int32)
+    plan = vq_plan(cuda_ready.to_device(ids), 5, tile_rows=2, out=plan)
+    pairs, tiles = _plan_want(ids, 5, 2)
+    n = int(plan.n_tiles.copy_to_host()[0])
+    np.testing.assert_array_equal(plan.pairs.copy_to_host()[:len(pairs)], pairs)
+    assert n == len(tiles)
+    np.testing.assert_array_equal(plan.tiles.copy_to_host()[:n], tiles)
+
+
+def test_plan_does_not_depend_on_the_block_size(cuda_ready):
+    """One warp (every pair in one warp's run, every expert in few threads' runs) writes the launcher's plan."""
+    from kernels.vq_gemv import vq_plan, vq_plan_kernel
+    rng = np.random.default_rng(6)
+    ids = _routing(rng, 30, 6, 50)
+    d_ids = cuda_ready.to_device(ids)
+    plan = vq_plan(d_ids, 50, tile_rows=2)
+    pairs = cuda_ready.device_array(180, np.int32)
+    tiles = cuda_ready.device_array((180, 3), np.int32)
+    n_tiles = cuda_ready.device_array(1, np.int32)
+    vq_plan_kernel[1, 32](d_ids, 50, 2, pairs, tiles, n_tiles)
+    n = int(n_tiles.copy_to_host()[0])
+    assert n == int(plan.n_tiles.copy_to_host()[0])
+    np.testing.assert_array_equal(pairs.copy_to_host(), plan.pairs.copy_to_host())
+    np.testing.assert_array_equal(tiles.copy_to_host()[:n], plan.tiles.copy_to_host()[:n])
+
+
+def test_sm90_ptx_plan_counts_in_shared_memory():
+    """The plan kernel counts with shared-memory atomics and keeps no local (stack) arrays."""
+    v = ptx_counts(["vq_gemv:vq_plan_kernel"], [".local", "atom.shared.add"])["vq_gemv:vq_plan_kernel"]
+    assert v["sm90"] and v[".local"] == 0 and v["atom.shared.add"] >= 1, v
