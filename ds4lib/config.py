@@ -425,17 +425,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Env:
-    """Process environment, read once. The only code in ds4lib that calls os.getenv."""
+    """Process environment, read once. The only code in ds4lib that calls os.getenv.
+
+    `kernel_cache_dir`: the root of numba-cuda's on-disk kernel cache (kernels/__init__.py keeps one subdirectory
+    per version of the kernel sources under it): DS4_KERNEL_CACHE, else NUMBA_CACHE_DIR, else
+    $XDG_CACHE_HOME/ds4/numba (an absolute XDG_CACHE_HOME only, as the XDG spec asks), else ~/.cache/ds4/numba."""
 
     require_cuda: bool
     cache_dir: Path
     cudasim: bool
+    kernel_cache_dir: Path
 
     @classmethod
     def read(cls) -> "Env":
         root = Path(__file__).resolve().parent.parent
+        xdg = os.getenv("XDG_CACHE_HOME", "")
+        user_cache = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+        explicit = os.getenv("DS4_KERNEL_CACHE") or os.getenv("NUMBA_CACHE_DIR")
         return cls(
             require_cuda=os.getenv("DS4_REQUIRE_CUDA", "0") not in ("", "0"),
             cache_dir=Path(os.getenv("DS4_CACHE_DIR", str(root / "cache"))),
             cudasim=os.getenv("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"),
+            kernel_cache_dir=Path(explicit).expanduser().absolute() if explicit else user_cache / "ds4" / "numba",
         )

@@ -2,19 +2,59 @@
 constants, a host launcher `<op>(...)` (validates, sizes the grid, launches; no math of its own) and
 `SIGNATURES` {kernel name: Numba signature} compiled for sm_90 by the tests.
 
-Kernels import numpy, numba and ds4lib.formats constants only; no I/O and no model objects.
+Kernels import numpy, numba and ds4lib.formats constants only; no I/O and no model objects. This file also reads
+`ds4lib.config.Env` (the one reader of the environment) for the kernel cache's home, and hashes the kernel sources
+once at import (below).
+
+Every `@cuda.jit` kernel is declared with `cache=True`: numba-cuda keeps its compiled code (LLVM IR, PTX, cubin) on
+disk, so a later process loads it instead of compiling (docs/toolchain.md §4.5). The cache lives in
+`KERNEL_CACHE_DIR` = Env.kernel_cache_dir / "kernels-<hash of the kernel sources>". Numba keys a cached kernel by its
+own bytecode, its closure variables and its file's mtime and size, but not by the device functions it calls from
+other modules (kernels.bf16, rms_norm's block sums), an intrinsic's PTX text or the ds4lib.formats constants it
+freezes; the source hash in the directory name covers those, so an edit anywhere in kernels/ starts a fresh cache
+rather than loading stale code. Old `kernels-*` directories are never read again and may be deleted.
 """
+import hashlib as _hashlib
+import os as _os
+import re as _re
+from pathlib import Path as _Path
+
 import numpy as _np
+
+from ds4lib.config import Env as _Env
 
 # numba-cuda 0.30 registers np.row_stack, which numpy 2.5 removed (docs/toolchain.md §4.1): restore the alias
 # before anything compiles. Done here, once, for every kernel module.
 if not hasattr(_np, "row_stack"):
     _np.row_stack = _np.vstack
 
+from numba.cuda.core import config as _cuda_config  # noqa: E402  (after the alias)
+
 # Decode launches grids of a few blocks by design (one token, a handful of experts); numba-cuda warns about every
 # grid under 128 blocks, which floods the CLI's stderr. Turned off here unless the user asked for it.
-import os as _os
-
 if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in _os.environ:
-    from numba.cuda.core import config as _cuda_config
     _cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
+
+def source_fingerprint(here: _Path = _Path(__file__).resolve().parent) -> str:
+    """sha256 (16 hex digits) of every `here`/*.py (this package) and of the ds4lib/formats modules they import
+    constants from (`here` is a sibling of ds4lib/, in a checkout and in site-packages alike)."""
+    files = sorted(here.glob("*.py"))
+    formats = here.parent / "ds4lib" / "formats"
+    imported = set()
+    for p in files:
+        imported.update(_re.findall(r"^from ds4lib\.formats\.(\w+) import", p.read_text(), _re.M))
+    h = _hashlib.sha256()
+    for p in files + [formats / f"{m}.py" for m in sorted(imported)]:
+        h.update(f"{p.parent.name}/{p.name}\0".encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+KERNEL_CACHE_DIR = _Env.read().kernel_cache_dir / f"kernels-{source_fingerprint()}"
+
+# numba-cuda's cache locator reads this when each `cache=True` kernel is decorated, i.e. when its module is first
+# imported, which is always after this package's __init__. Set on numba-cuda's config rather than as
+# NUMBA_CACHE_DIR in os.environ: child processes then resolve the same root themselves instead of nesting a second
+# kernels-<hash> level under an inherited one.
+_cuda_config.CACHE_DIR = str(KERNEL_CACHE_DIR)

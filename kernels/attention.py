@@ -52,7 +52,7 @@ NEG_INF = np.float32(-np.inf)
 
 
 # ------------------------------------------------------------------------------------------- window ring
-@cuda.jit
+@cuda.jit(cache=True)
 def window_write_kernel(kv, positions, ring, ring_pos):
     """ring[p mod W] = bf16(kv[t]) for the last min(T, W) rows; ring_pos[p mod W] = p."""
     n_tok, dh = kv.shape
@@ -69,7 +69,7 @@ def window_write_kernel(kv, positions, ring, ring_pos):
         ring_pos[slot] = positions[t]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def window_index_kernel(ring_pos, positions, idx):
     """idx[t, j] = key-buffer row of position positions[t] - W + 1 + j, or -1 (positions[0] starts the call)."""
     n_tok, w = idx.shape
@@ -90,7 +90,7 @@ def window_index_kernel(ring_pos, positions, idx):
     idx[t, j] = r
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def cache_write_kernel(src, rows, dst):
     """dst[rows[r]] = bf16 bits of src[r] (rows[r] < 0: skipped)."""
     n, dh = src.shape
@@ -114,7 +114,7 @@ def _key_row_device(win_idx, cmp_idx, t, r):
     return cmp_idx[t, r - kw], False
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
     """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x 128 rows per block; -inf for invalid rows."""
     tid = cuda.threadIdx.x
@@ -164,7 +164,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
             z[t, h0 + hh, r] = v * scale if valid else NEG_INF
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attn_softmax_kernel(z, sink, den):
     """Per (t, h): z <- bf16(exp(z - max)) in place; den = float64 sum of the exp weights + exp(sink - max),
     or 0 when no row is valid."""
@@ -198,7 +198,7 @@ def attn_softmax_kernel(z, sink, den):
         den[t, h] = np.float32(s) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
     """part[t, s, h, :] = sum over rows of split s of bf16 weight z[t, h, r] * key(r); one thread per 4 dims."""
     tid = cuda.threadIdx.x
@@ -247,7 +247,7 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
                 part[t, s, h0 + hh, 4 * tid + i] = acc[hh, i]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def attn_combine_kernel(part, den, out):
     """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row)."""
     n_tok, n_split, n_heads, dh = part.shape

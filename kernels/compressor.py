@@ -38,7 +38,7 @@ def _row_device(kv, state, start_pos, p, d):
     return state[p % state.shape[0], d]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def compress_pool_kernel(kv, score, state_kv, state_score, positions, ratio, norm_w, eps, out):
     """out[j] = RMSNorm(bf16(pool of group positions[0] // ratio + j)); ratio 1: out[j] = RMSNorm(kv[j]); rows j
     past the call's completed groups are zero."""
@@ -84,7 +84,7 @@ def compress_pool_kernel(kv, score, state_kv, state_score, positions, ratio, nor
             out[j, d] = round_bf16_device(norm_w[d] * (x[m] * scale))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def compress_state_kernel(kv, score, positions, state_kv, state_score):
     """Rows of the trailing incomplete group -> state slot p mod ratio."""
     n_tok, dh = kv.shape

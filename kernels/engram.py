@@ -37,7 +37,7 @@ F32_NAN = np.float32(np.nan)
 E4M3_SUBNORMAL_STEP = np.float32(2.0 ** -9)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def engram_hash_kernel(cids, history, primes, offsets, mults, n_heads, pad, out, new_history):
     """out[t, l, c] for every (token, layer, column); new_history = last n-1 of history ++ cids."""
     n_tok, n_layers, n_cols = out.shape
@@ -88,7 +88,7 @@ def ue8m0_decode_device(code):
     return bits_f32(c << np.uint32(23))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def engram_gather_kernel(hashes, codes32, scales, out):
     """out[t, c, 4w..4w+3] = bf16(e4m3(codes[row, 4w..]) * ue8m0(scales[row, 4w // 32])), row = hashes[t, c]."""
     n_tok, n_cols, hd = out.shape
@@ -107,7 +107,7 @@ def engram_gather_kernel(hashes, codes32, scales, out):
         out[t, c, 4 * w + i] = round_bf16_device(e4m3_decode_device(code) * s)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def engram_gate_kernel(h, kv, q_weight, k_weight, dead, eps, out):
     """Block (stream s, token t): out[t, s] = bf16(h[t, s] + gate * value)."""
     s = cuda.blockIdx.x

@@ -62,7 +62,7 @@ def _dot_f32_device(w, x64, t, j, xw0):
 
 def _make_gemv_kernel(tt, dot, per_word):
     """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`."""
-    @cuda.jit
+    @cuda.jit(cache=True)
     def gemv_kernel(x64, w64, rows_per_group, out_bf16, out):
         lane = cuda.threadIdx.x % WARP
         row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
@@ -171,7 +171,7 @@ def _group_amax_device(v, width):
     return a
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def act_quant_fp8_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; one element per thread, one quantisation block per warp."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -187,7 +187,7 @@ def act_quant_fp8_kernel(x, out):
         out[i] = e4m3_round_device(y) * s
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def act_quant_fp4_pow2_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; scale 2^ceil(log2(amax/6)) per block of 32."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -203,7 +203,7 @@ def act_quant_fp4_pow2_kernel(x, out):
         out[i] = e2m1_round_device(y) * s
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def act_quant_fp4_e4m3_kernel(x, out):
     """x, out [n] float32, n % 16 == 0; scale e4m3(amax/6) per block of 16."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

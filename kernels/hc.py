@@ -35,7 +35,7 @@ WARP = 32
 COLS_PER_BLOCK = 256          # S*D columns per partial block (V4.1: 80 blocks)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_mix_partial_kernel(h2, fn, cols, partial):
     """partial[t, b, m] = sum over block b's columns k of fn[m, k] h2[t, k] (m < 24), partial[t, b, 24] the
     sum of squares; float64."""
@@ -76,7 +76,7 @@ def _gather_sum_device(c, src0, stride):
     return s
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
     """One warp per token: lanes 0-3 pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j)."""
     t = cuda.blockIdx.x
@@ -114,7 +114,7 @@ def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, 
         comb[t, i, j] = c
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_pre_kernel(h, pre, out):
     """out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]); one thread per (t, d)."""
     n_tok, n_s, d = h.shape
@@ -129,7 +129,7 @@ def hc_pre_kernel(h, pre, out):
     out[t, k] = round_bf16_device(np.float32(acc))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def hc_post_kernel(y, h, post, comb, out):
     """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d)."""
     n_tok, n_s, d = h.shape

@@ -52,7 +52,7 @@ ST_HI, ST_ABOVE, ST_THETA, ST_NEED = 0, 1, 2, 3
 
 
 # ------------------------------------------------------------------------------------------ index scores
-@cuda.jit
+@cuda.jit(cache=True)
 def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block, use_cand, out):
     """out[t, s] for s in a block of 256 rows: thread rows s0 + tid and s0 + 128 + tid. Heads go in groups of
     HEAD_GROUP so the accumulators stay in registers; a group re-reads the rows' keys from L1."""
@@ -125,7 +125,7 @@ def _key16_device(v):
     return (h ^ 0xFFFF) if (h & 0x8000) else (h | 0x8000)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def topk_init_kernel(hist, st, out):
     """Zero the histograms and state; -1 into every output slot (slots past min(k, S) stay -1)."""
     t = cuda.blockIdx.x
@@ -137,7 +137,7 @@ def topk_init_kernel(hist, st, out):
         st[t, cuda.threadIdx.x] = 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def topk_hist_kernel(scores, chunk, pass_id, st, hist):
     """Pass 0: histogram of the high byte of every key. Pass 1: of the low byte among keys whose high byte is
     the pass-0 choice. One shared histogram per block, merged with one atomic per non-empty bin."""
@@ -162,7 +162,7 @@ def topk_hist_kernel(scores, chunk, pass_id, st, hist):
             cuda.atomic.add(hist, (t, pass_id, b), sh[b])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def topk_scan_kernel(hist, k, pass_id, st):
     """Per row: the lowest non-empty bin (scanning from the top) with fewer than k keys above it. Thread i
     owns bins 255 - 2i and 254 - 2i; a warp-shuffle scan plus one shared step gives the counts above."""
@@ -212,7 +212,7 @@ def topk_scan_kernel(hist, k, pass_id, st):
         st[t, ST_NEED] = 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def topk_count_kernel(scores, chunk, st, cnt):
     """cnt[t, blk] = (keys above the threshold, keys equal to it) in the block's chunk."""
     tid = cuda.threadIdx.x
@@ -261,7 +261,7 @@ def _block_rank_device(flag, wtot):
     return rank, total
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
     """Selected indices of the block's chunk, in index order, at their global output slots."""
     tid = cuda.threadIdx.x
@@ -302,7 +302,7 @@ def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
         sel_run += n_sel
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def block_max_kernel(scores, positions, ratio, block_size, out):
     """out[t, b] = max over block b of scores[t] (missing positions -inf); the newest reachable block +inf."""
     n_tok, n_rows = scores.shape
@@ -319,7 +319,7 @@ def block_max_kernel(scores, positions, ratio, block_size, out):
     out[t, b] = POS_INF if b == newest else m
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def candidate_keep_kernel(block_scores, ids, keep):
     """keep[t, b] = 1 if block b is among the row's selected ids (ascending, -1 at the end) and > -inf."""
     n_tok, nb = block_scores.shape

@@ -36,7 +36,7 @@ def _better_device(v, e, v2, e2):
     return v2 > v or (v2 == v and e2 < e)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                       weights):
     """One warp per token: scores [T, E], ids [T, K] int32, weights [T, K]."""
@@ -99,7 +99,7 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
             weights[t, i] = w * route_scale
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def swiglu_kernel(g, u, w, has_w, limit, out):
     """out[r, f] = bf16(w[r] * (silu(min(g, limit)) * clamp(u, +-limit))); limit <= 0: no clamp."""
     n, f = g.shape

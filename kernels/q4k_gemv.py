@@ -147,7 +147,7 @@ def _q4k_dot8_device(q, shift, dd, dm, x, t, k0, acc):
 
 def _make_q4k_kernel(tt):
     """q4_K GEMV for `tt` tokens per pass; x [T, G*K], w64 [N, NB*18]."""
-    @cuda.jit
+    @cuda.jit(cache=True)
     def q4k_gemv_kernel(x, w64, rows_per_group, out_bf16, out):
         red = cuda.shared.array((WARPS_PER_BLOCK, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
@@ -218,7 +218,7 @@ def _q8_0_weight_device(w16, row, blk, i):
 
 def _make_q8_0_kernel(tt):
     """Q8_0 GEMV (the fallback of rows that are not a multiple of 256): lane i owns weight i of each block."""
-    @cuda.jit
+    @cuda.jit(cache=True)
     def q8_0_gemv_kernel(x, w16, rows_per_group, out_bf16, out):
         red = cuda.shared.array((WARPS_PER_BLOCK, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
@@ -252,7 +252,7 @@ q8_0_gemv_t1_kernel = _make_q8_0_kernel(1)
 q8_0_gemv_t4_kernel = _make_q8_0_kernel(TOKENS_WIDE)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def q4k_rows_kernel(w8, ids, out):
     """out[t, k] = dequantize_q4k(w[ids[t]])[k]; one thread per output element."""
     n_tok, k_len = out.shape
@@ -275,7 +275,7 @@ def q4k_rows_kernel(w8, ids, out):
     out[t, k] = cuda.fma(dd, _nibble_f32_device(byte, 4 * (s % 2)), -dm)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def q8_0_rows_kernel(w16, ids, out):
     """out[t, k] = dequantize_q8_0(w[ids[t]])[k]; one thread per output element."""
     n_tok, k_len = out.shape

@@ -21,7 +21,7 @@ __all__ = ["rope", "rope_kernel", "SIGNATURES"]
 THREADS = 128
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rope_kernel(x, positions, cos, sin, inverse, first_pair, out):
     """One thread per pair (2j, 2j+1) of x [T, H, Dh], pairs j >= first_pair; pairs of the tail rotate."""
     half = cos.shape[1]

@@ -133,7 +133,7 @@ def _block_best_device(v, i, sh_v, sh_i):
         s //= 2
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_max_kernel(logits, chunk, mask, use_mask, part_v, part_i):
     """Per block: the largest (allowed) logit of its chunk and its first index."""
     b = cuda.blockIdx.y
@@ -158,7 +158,7 @@ def sample_max_kernel(logits, chunk, mask, use_mask, part_v, part_i):
         part_i[b, blk] = sh_i[0]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
     """Per row: max and argmax over the blocks (token for temperature 0); reset the state and histograms."""
     b = cuda.blockIdx.x
@@ -184,7 +184,7 @@ def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
         tokens[b] = sh_i[0] if math.isfinite(sh_v[0]) else -1
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_hist_kernel(logits, chunk, mask, use_mask, temperature, st, stf, pass_id, hist_cnt, hist_w):
     """Count and weight histograms of the current digit over keys matching the chosen higher digits."""
     b = cuda.blockIdx.y
@@ -218,7 +218,7 @@ def sample_hist_kernel(logits, chunk, mask, use_mask, temperature, st, stf, pass
             cuda.atomic.add(hist_w, (b, k), sh_w[k])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k, st, stf):
     """Pick the digit of this pass (see module docstring); record thresholds after the last pass."""
     b = cuda.blockIdx.x
@@ -309,7 +309,7 @@ def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k
         hist_w[b, hi_bin - j] = 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_gumbel_kernel(logits, chunk, mask, use_mask, temperature, min_p, seeds, steps, st, stf, part_v, part_i,
                          kept, write_kept):
     """Per block: the kept token with the largest z + Gumbel noise."""
@@ -342,7 +342,7 @@ def sample_gumbel_kernel(logits, chunk, mask, use_mask, temperature, min_p, seed
         part_i[b, blk] = sh_i[0]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_pick_kernel(part_v, part_i, tokens):
     """Per row: the best block result, blocks in order (lowest index on ties); a non-finite row keeps its -1."""
     b = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

@@ -24,7 +24,7 @@ __all__ = ["step_inputs", "group_rows", "fill_bits", "step_inputs_kernel", "grou
 THREADS = 128
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def step_inputs_kernel(inp, image_token, pos, rep, dead):
     """inp int64 [2] = (position, token) -> pos [1], rep [S] = token, dead [1] = token is the image token."""
     i = cuda.threadIdx.x
@@ -35,7 +35,7 @@ def step_inputs_kernel(inp, image_token, pos, rep, dead):
         rep[i] = inp[1]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def group_rows_kernel(positions, ratio, rows, gpos):
     """rows[j], gpos[j] of the call's completed groups (module docstring)."""
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -48,7 +48,7 @@ def group_rows_kernel(positions, ratio, rows, gpos):
     gpos[j] = (first + j) * ratio
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_bits_kernel(buf, seed, scale):
     """buf[r, c] = BF16 bits of a hash of (seed, r, c) mapped to [-scale/2, scale/2)."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

@@ -84,7 +84,7 @@ def _uniform_device(key, i, center, sigma):
     return np.float32(center) + u * (np.float32(sigma) * np.float32(3.4641016))          # sqrt(12)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_bits_kernel(out, key, mask):
     """out[i] = hash(key, i) & mask."""
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -101,7 +101,7 @@ def _q4k_min_device(sc):
     return (np.uint64(15) * sc + np.uint64(8)) >> np.uint64(4)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_q4k_kernel(out, key, d_dmin):
     """out uint32 [NB * 36]: q4_K blocks (module docstring); d_dmin = d bits | dmin bits << 16."""
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -125,7 +125,7 @@ def fill_q4k_kernel(out, key, d_dmin):
             out[i] = np.uint32(_hash_device(key, i))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_q8_0_kernel(out, key, d_bits):
     """out uint8 [NB * 34]: Q8_0 blocks, f16 d = d_bits, random int8 codes."""
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
@@ -138,19 +138,19 @@ def fill_q8_0_kernel(out, key, d_bits):
             out[i] = np.uint8(_hash_device(key, i) & np.uint64(0xFF))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_f32_kernel(out, key, center, sigma):
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = _uniform_device(key, i, center, sigma)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_bf16_kernel(out, key, center, sigma):
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = bf16_bits_device(_uniform_device(key, i, center, sigma))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def fill_f16_kernel(out, key, exp_bits):
     """Positive f16 values: exponent bits fixed, random mantissa."""
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):

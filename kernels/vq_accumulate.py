@@ -23,7 +23,7 @@ FIXED_SCALE = float(1 << FIXED_SHIFT)
 MAX_LAUNCH_VECTORS = 1 << 26
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def vq_accumulate_kernel(x, idx, sums, counts):
     v = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
     if v < x.shape[0]:

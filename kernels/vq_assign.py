@@ -42,7 +42,7 @@ def round_sig12_device(v):
     return bits_f32((u + np.uint32(0x7FF) + lsb) & np.uint32(0xFFFFF000))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def vq_assign_kernel(x, cbm2, cnorm, out):
     sh_c = cuda.shared.array((CHUNK, DIM), float32)
     sh_n = cuda.shared.array(CHUNK, float32)

@@ -3,6 +3,10 @@
 Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90`.
 Each kernel module lists `SIGNATURES` {kernel name: Numba signature}.
 
+`--cache` prints instead, per kernel, what numba-cuda's on-disk cache would do with it, without compiling: whether the
+dispatcher has the cache (`cache=True`), its cache directory, the index file it shares with the other kernels of the
+same function (a factory's kernels share one) and a hash of the index key a lookup of its signature uses.
+
 `ptx_counts(["module:kernel", ...], [pattern, ...])` (for tests) compiles the named kernels the same way in a child
 process and returns {"module:kernel": {pattern: occurrences in its PTX, ..., "sm90": bool}}.
 """
@@ -54,9 +58,38 @@ def _count(spec):
     return 0
 
 
+class _Codegen:
+    """Stands in for the CUDA codegen, whose part of the key (CUDA runtime version, compute capability) needs a
+    device and is the same for every kernel of a process."""
+
+    def magic_tuple(self):
+        return ("sm_90",)
+
+
+def _cache_keys():
+    import hashlib
+    _compiler()
+    import kernels
+    from numba.cuda.dispatcher import CUDACache
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"kernels.{info.name}")
+        for kname, sig in getattr(mod, "SIGNATURES", {}).items():
+            disp = getattr(mod, kname)
+            cache = disp._cache
+            cached = isinstance(cache, CUDACache)
+            probe = cache if cached else CUDACache(disp.py_func)      # the key it would have with cache=True
+            key = probe._index_key(sig, _Codegen())
+            print(json.dumps({"module": info.name, "kernel": kname, "cached": cached,
+                              "dir": cache.cache_path if cached else None, "index": probe._impl.filename_base,
+                              "key": hashlib.sha256(repr(key).encode()).hexdigest()}))
+    return 0
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--count":
         return _count(sys.argv[2])
+    if len(sys.argv) == 2 and sys.argv[1] == "--cache":
+        return _cache_keys()
     numba_cuda = _compiler()
     import kernels
     results = []
