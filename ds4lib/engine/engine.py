@@ -334,6 +334,13 @@ class Engine:
         t = np.asarray(tokens[1:], dtype=np.int64)
         return lg[np.arange(len(t)), t] - lse[:-1]
 
+    def warm_up(self, *, quiet: bool = False):
+        """Compile (first run) or load from numba-cuda's disk cache every kernel a request uses, by a short prefill,
+        decode steps and samples on a throwaway session (warmup.py); one line on stderr unless `quiet`. Returns the
+        WarmUp report."""
+        from ds4lib.engine.warmup import warm_up
+        return warm_up(self, quiet=quiet)
+
     # ------------------------------------------------------------------ generation
     def generate_ids(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None):
         """Yield generated token ids (EOS included, then stop) up to params.max_tokens. `should_stop()` is polled

@@ -30,10 +30,16 @@ def add_prefix_cache_args(p, default_mb: float = 0.0):
                    help="size cap of --kv-disk-dir (default 4096)")
 
 
-def open_engine(args):
+def open_engine(args, *, warm_up: bool = True):
+    """The Engine the flags describe. With `warm_up` and --cuda, every kernel is compiled (first run) or loaded from
+    the kernel cache before this returns, with one line on stderr (Engine.warm_up); the CPU backend compiles
+    nothing, so there it is skipped."""
     from ds4lib.engine import Engine
     cache = {k: getattr(args, k) for k in ("prefix_cache_mb", "kv_disk_dir", "kv_disk_mb") if hasattr(args, k)}
     if cache and cache["prefix_cache_mb"] is None:
         cache["prefix_cache_mb"] = 0.0 if args.cuda else args.prefix_cache_default_mb
-    return Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
-                  backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)
+    engine = Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
+                    backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)
+    if warm_up and args.cuda:
+        engine.warm_up()
+    return engine

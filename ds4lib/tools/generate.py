@@ -66,6 +66,7 @@ def main(argv=None) -> int:
         t1 = time.time()
         first = (t_first or t1) - t0
         rate = (n - 1) / (t1 - t_first) if n > 1 and t1 > t_first else float("nan")
-        print(f"[prompt {len(ids)} tokens; first token after {first:.2f} s (prefill, and on the first run of a process "
-              f"the kernels' compilation); then {n - 1} tokens at {rate:.1f} tokens/s]", file=sys.stderr)
+        print(f"[prompt {len(ids)} tokens; first token after {first:.2f} s (prefill; with --cuda the kernels were "
+              f"compiled or loaded before, by the warm-up); then {n - 1} tokens at {rate:.1f} tokens/s]",
+              file=sys.stderr)
     return 0

@@ -222,3 +222,19 @@ def test_nan_logits_are_an_error_not_a_token(engine, monkeypatch, temperature):
     monkeypatch.setattr(engine.backend, "forward", poisoned)
     with pytest.raises(NonFiniteLogits, match="NaN"):
         list(engine.generate_ids(PROMPT[:6], SamplingParams(temperature=temperature, max_tokens=2, seed=1)))
+
+
+def test_warm_up_leaves_no_trace_and_says_so_on_stderr(tiny_stack, capsys):
+    """The warm-up's session is thrown away: the prefix cache stays empty and a request after it gives what a
+    fresh engine gives. The CPU backend has nothing to compile, and its one line says that."""
+    ckpt, base = tiny_stack
+    e = Engine(base, engram_dir=ckpt, tokenizer_path=_tok(), prefix_cache_mb=8)
+    fresh = Engine(base, engram_dir=ckpt, tokenizer_path=_tok())
+    report = e.warm_up()
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and line.startswith("ds4: warming up the cpu backend ... ")
+    assert "nothing to compile" in line and report.compiled is None and report.seconds > 0
+    assert len(e.prefix_cache) == 0
+    p = SamplingParams(temperature=0, max_tokens=6)
+    assert list(e.generate_ids(PROMPT, p)) == list(fresh.generate_ids(PROMPT, p))
+    assert e.warm_up(quiet=True).backend == "cpu" and capsys.readouterr().err == ""

@@ -254,3 +254,46 @@ def test_micro_masked_sampling_matches_cpu(micro):
             c.advance(want)
             toks.append(want)
         assert toks and isinstance(json.loads(cpu.tokenizer.decode(toks)), int)
+
+
+_AFTER_WARM_UP = """
+import importlib, json, pkgutil, sys
+import kernels
+from numba.cuda.dispatcher import CUDADispatcher
+from ds4lib.engine import Engine, JsonFormat, SamplingParams
+
+def overloads():
+    n = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module("kernels." + info.name)
+        n += sum(len(d.overloads) for d in vars(mod).values() if isinstance(d, CUDADispatcher))
+    return n
+
+base, ckpt, tokenizer, prompt = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+e = Engine(base, engram_dir=ckpt, tokenizer_path=tokenizer, backend="cuda")
+report = e.warm_up()
+warm = overloads()
+fmt = JsonFormat.from_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+for p in (SamplingParams(temperature=0, max_tokens=16),
+          SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, max_tokens=16, seed=1),
+          SamplingParams(temperature=0.7, max_tokens=16, seed=2, json_format=fmt)):
+    list(e.generate_ids(prompt, p))
+e.logits(prompt, split=len(prompt) // 2)
+print(json.dumps({"after_warm_up": warm, "after_requests": overloads(), "compiled": report.compiled}))
+"""
+
+
+@pytest.mark.cuda
+def test_gpu_requests_after_warm_up_compile_nothing(stack):
+    """In a fresh process, Engine.warm_up() compiles or loads every kernel a request uses: greedy, top-k/top-p/min-p
+    and JSON-constrained generations over a 60-token prompt and scoring add no kernel overload afterwards."""
+    import subprocess
+    import sys
+    base, ckpt, wins = stack
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    p = subprocess.run([sys.executable, "-c", _AFTER_WARM_UP, str(base), str(ckpt), str(TOKENIZER),
+                        json.dumps([int(t) for t in wins[0][:60]])], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["after_warm_up"] > 0 and got["after_requests"] == got["after_warm_up"], (got, p.stderr[-2000:])

@@ -32,8 +32,29 @@ def test_prefix_cache_default_follows_the_backend(monkeypatch):
     monkeypatch.setattr(ds4lib.engine, "Engine", lambda *a, **kw: seen.update(kw))
     for flags, mb in (([], 1024.0), (["--cuda"], 0.0), (["--cuda", "--prefix-cache-mb", "5"], 5.0),
                       (["--prefix-cache-mb", "0"], 0.0)):
-        open_engine(build_parser().parse_args(["-m", "b", *flags]))
+        open_engine(build_parser().parse_args(["-m", "b", *flags]), warm_up=False)
         assert seen["prefix_cache_mb"] == mb, flags
+
+
+def test_tools_warm_up_the_cuda_backend_only(monkeypatch):
+    """`ds4 -p/score/eval --cuda` compile or load every kernel before their first request (open_engine); the CPU
+    backend has nothing to compile; ds4-server warms up on its worker instead (warm_up=False here)."""
+    import ds4lib.engine
+    from ds4lib.tools.engine_args import open_engine
+    warmed = []
+
+    class Fake:
+        def __init__(self, *a, backend, **kw):
+            self.backend = backend
+
+        def warm_up(self):
+            warmed.append(self.backend)
+
+    monkeypatch.setattr(ds4lib.engine, "Engine", Fake)
+    for flags in ([], ["--cuda"]):
+        open_engine(build_parser().parse_args(["-m", "b", *flags]))
+    open_engine(build_parser().parse_args(["-m", "b", "--cuda"]), warm_up=False)
+    assert warmed == ["cuda"]
 
 
 def test_bad_flag_values_are_usage_errors():
