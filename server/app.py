@@ -1,7 +1,8 @@
 """The Flask application: `create_app(engine)` wires the worker, the routes, the metrics and the error bodies.
 
 Owns: `create_app` (takes a loaded Engine, or `load=` a callable the worker thread runs so that /health
-answers 503 while the engine loads), `ServerState` (what the routes share: the worker, the metrics, the served
+answers 503 while the engine loads; `warm_up=True` keeps that 503 until `Engine.warm_up` has compiled or loaded
+every kernel), `ServerState` (what the routes share: the worker, the metrics, the served
 model name, the default generation length) and the error handlers, which answer every failure under /v1 in
 the calling API's own error shape (Anthropic's under /v1/messages, OpenAI's elsewhere) and never let an
 exception escape to the WSGI server.
@@ -117,8 +118,9 @@ def _register_errors(app: Flask) -> None:
 
 def create_app(engine=None, *, load=None, model_name: str = "ds4", aliases=(), default_max_tokens: int = 4096,
                max_queue: int = 32, max_running: int = 4, on_fatal=None,
-               keepalive_s: float | None = 15.0) -> Flask:
-    """Exactly one of `engine` (loaded) or `load` (a callable returning one, run on the worker thread)."""
+               keepalive_s: float | None = 15.0, warm_up: bool = False) -> Flask:
+    """Exactly one of `engine` (loaded) or `load` (a callable returning one, run on the worker thread). With
+    `warm_up`, the worker runs `Engine.warm_up()` after loading and only then reports ready (ds4-server does)."""
     if (engine is None) == (load is None):
         raise ValueError("pass exactly one of engine= or load=")
     app = Flask(__name__, static_folder=str(STATIC_DIR), static_url_path="/static")
@@ -126,7 +128,7 @@ def create_app(engine=None, *, load=None, model_name: str = "ds4", aliases=(), d
     app.json.ensure_ascii = False
     metrics = Metrics()
     worker = Worker(load if load is not None else (lambda: engine), metrics=metrics, max_queue=max_queue,
-                    max_running=max_running, on_fatal=on_fatal, keepalive_s=keepalive_s).start()
+                    max_running=max_running, on_fatal=on_fatal, keepalive_s=keepalive_s, warm_up=warm_up).start()
     app.extensions["ds4"] = ServerState(worker, metrics, model_name, default_max_tokens, tuple(aliases))
     app.register_blueprint(bp)
     _register_errors(app)

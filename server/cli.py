@@ -3,10 +3,14 @@
 [--model-alias NAME ...] [--max-running N] [--max-queue N] [--threads N] [--default-max-tokens N]
 [--sse-keepalive-s S]`
 
-Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at
-once and /health answers 503 while the engine loads on the worker thread; if loading fails the process exits
-with status 1 and the reason. SIGTERM and Ctrl-C stop it: running and queued requests get a 503 error.
-The engine flags are the seed's, shared with `ds4` (ds4lib.tools.engine_args).
+Serves the stack under waitress (a production WSGI server, not Flask's development server). The port opens at once
+and /health answers 503 (status "loading", then "warming_up") while the engine loads on the worker thread and then
+runs every kernel once (`Engine.warm_up`: the CUDA kernels compile on a first run and load from the kernel cache
+after that), so that the first request pays neither. Listening at once with a 503 is what load balancers and
+orchestrators expect of a starting instance: a readiness check keeps it out of rotation, a liveness check sees it
+alive (a closed port looks like a crash). If loading fails the process exits with status 1 and the reason. SIGTERM
+and Ctrl-C stop it: running and queued requests get a 503 error. The engine flags are the seed's, shared with `ds4`
+(ds4lib.tools.engine_args).
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ def _load(args):
     def load():
         t0 = time.perf_counter()
         log.info("loading %s (%s backend) ...", args.model, "cuda" if args.cuda else "cpu")
-        engine = open_engine(args)
+        engine = open_engine(args, warm_up=False)     # the worker warms it up, with /health saying so
         log.info("loaded in %.1f s: context %d tokens; %s", time.perf_counter() - t0, engine.context_length,
                  engine.memory.table())
         return engine
@@ -93,13 +97,13 @@ def main(argv=None) -> int:
         app = create_app(load=_load(args), model_name=args.alias or Path(args.model).stem, aliases=args.model_alias,
                          default_max_tokens=args.default_max_tokens, max_queue=args.max_queue,
                          max_running=args.max_running, on_fatal=on_fatal,
-                         keepalive_s=args.sse_keepalive_s or None)
+                         keepalive_s=args.sse_keepalive_s or None, warm_up=True)
         threads = args.threads or args.max_queue + args.max_running + 8
         server = waitress.create_server(app, host=args.host, port=args.port, threads=threads,
                                         channel_request_lookahead=1, ident="ds4-server",
                                         clear_untrusted_proxy_headers=True)
-        log.info("listening on http://%s:%s (/health answers 503 until the model is loaded)", args.host,
-                 server.effective_port)
+        log.info("listening on http://%s:%s (/health answers 503 until the model is loaded and warmed up)",
+                 args.host, server.effective_port)
         server.run()                          # returns on KeyboardInterrupt (Ctrl-C, SIGTERM, failed load)
     except OSError as e:
         print(f"ds4-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """HTTP routes, thin: parse (schemas.py), submit (app.ServerState), answer (openai_api.py / anthropic_api.py).
 
 POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI style), /v1/messages,
-/v1/messages/count_tokens (Anthropic style); GET /v1/models, /health (503 while loading), /metrics
+/v1/messages/count_tokens (Anthropic style); GET /v1/models, /health (503 while loading or warming up), /metrics
 (Prometheus text) and / (the chat page).
 """
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The one thread that owns the engine, fed by a bounded FIFO queue of jobs, interleaving the admitted ones.
 
-Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads; then runs up to
-`max_running` jobs at once, round-robin: one step of each in turn, a step being one generated token or one
-prefill block, so a long prompt delays the others by one block at a time and no admitted job starves) and `Job`
-(one request's prompt ids, sampling parameters, a per-request event queue the worker fills, and a cancel flag).
-The engine is not thread-safe: nothing but the worker thread calls it; each job has its own session state. A
-request that finds `max_queue` jobs already waiting gets a 429 with Retry-After (the expected wait, from recent
-job durations); while the model loads, a 503 with Retry-After. Request threads wait on their job's queue; a
-client that goes away sets the cancel flag, and the worker drops the job before it starts or stops it at its next
-step, so the slot frees at once.
+Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads and, with `warm_up`, while
+`Engine.warm_up` compiles or loads its kernels (status "warming_up"); then runs up to `max_running` jobs at once,
+round-robin: one step of each in turn, a step being one generated token or one prefill block, so a long prompt
+delays the others by one block at a time and no admitted job starves) and `Job` (one request's prompt ids, sampling
+parameters, a per-request event queue the worker fills, and a cancel flag). The engine is not thread-safe: nothing
+but the worker thread calls it; each job has its own session state. A request that finds `max_queue` jobs already
+waiting gets a 429 with Retry-After (the expected wait, from recent job durations); while the model loads or warms
+up, a 503 with Retry-After. Request threads wait on their job's queue; a client that goes away sets the cancel flag,
+and the worker drops the job before it starts or stops it at its next step, so the slot frees at once.
 
 Events a job carries are the engine's ({"type": "token", "id", "text"}, then {"type": "done", ...}) with the
 done event completed by the worker: `stop_sequence` (which stop string ended it, or None) and
@@ -112,13 +112,15 @@ class Job:
 
 
 class Worker:
-    """`load` is called on the worker thread and returns the Engine; `on_fatal(exc)` runs if it fails."""
+    """`load` is called on the worker thread and returns the Engine; with `warm_up`, `Engine.warm_up()` runs next on
+    the same thread (the one that serves, so the CUDA context is the same) before the state turns "ready";
+    `on_fatal(exc)` runs if either fails."""
 
     def __init__(self, load, *, metrics: Metrics, max_queue: int = 32, max_running: int = 4, on_fatal=None,
-                 keepalive_s: float | None = None):
+                 keepalive_s: float | None = None, warm_up: bool = False):
         if max_running < 1 or max_queue < 0:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
-        self._load, self._on_fatal, self.keepalive_s = load, on_fatal, keepalive_s
+        self._load, self._on_fatal, self.keepalive_s, self._warm_up = load, on_fatal, keepalive_s, warm_up
         self.metrics, self.max_queue, self.max_running = metrics, max_queue, max_running
         self.engine = self.encoder = None
         self.state, self.error = "loading", None
@@ -144,12 +146,13 @@ class Worker:
         return len(self._active)
 
     def require_ready(self):
-        """The engine, for read-only use of its tokenizer and context length; a 503 while it is not loaded."""
+        """The engine, for read-only use of its tokenizer and context length; a 503 while it is not ready."""
         if not self.ready:
-            raise RequestError("the model is still loading" if self.state == "loading" else
-                               f"the model failed to load: {self.error}", status=503, kind="overloaded_error",
-                               code="model_not_ready", headers={"Retry-After": "5"} if self.state == "loading"
-                               else None)
+            starting = {"loading": "the model is still loading",
+                        "warming_up": "the model is warming up (compiling or loading its kernels)"}
+            raise RequestError(starting.get(self.state, f"the model failed to load: {self.error}"), status=503,
+                               kind="overloaded_error", code="model_not_ready",
+                               headers={"Retry-After": "5"} if self.state in starting else None)
         return self.engine
 
     def retry_after(self) -> int:
@@ -190,7 +193,11 @@ class Worker:
             tok = self.engine.tokenizer
             self.encoder = TextEncoder(tok)
             self._think_id, self._end_think_id = tok.token_to_id(THINK), tok.token_to_id(END_THINK)
-        except Exception as e:                        # any load failure: report it, never hang in "loading"
+            if self._warm_up:
+                self.state = "warming_up"
+                log.info("warming up the %s backend (compiling or loading its kernels) ...", self.engine.backend.name)
+                log.info("%s", self.engine.warm_up(quiet=True).message)
+        except Exception as e:                        # any load or warm-up failure: report it, never hang
             self.state, self.error = "failed", str(e)
             log.error("the engine failed to load: %s", e)
             if self._on_fatal is not None:

@@ -25,6 +25,7 @@ async function waitForServer() {
       const j = await h.json();
       if (h.ok) { modelName = j.model; $("model").textContent = modelName; break; }
       $("model").textContent = j.status === "loading" ? "loading the model…"
+        : j.status === "warming_up" ? "warming up (compiling or loading kernels)…"
         : "model failed: " + (j.error || j.status);
     } catch (e) {
       $("model").textContent = "server unreachable";

@@ -46,6 +46,63 @@ def test_health_is_503_while_loading_then_200(engine):
     app.extensions["ds4"].worker.stop(timeout=5)
 
 
+class _SlowWarmUp:
+    """The engine, with a warm-up that waits for `release`, then fails (`fail`) or runs the real one."""
+
+    def __init__(self, engine, fail=False):
+        self.engine, self.fail, self.release, self.calls = engine, fail, threading.Event(), 0
+        self.tokenizer, self.context_length, self.backend = engine.tokenizer, engine.context_length, engine.backend
+
+    def warm_up(self, *, quiet=False):
+        self.calls += 1
+        self.release.wait(30)
+        if self.fail:
+            raise RuntimeError("the kernels did not compile")
+        return self.engine.warm_up(quiet=quiet)
+
+    def generate(self, prompt_ids, params, **kw):
+        return self.engine.generate(prompt_ids, params, **kw)
+
+
+def test_health_is_503_warming_up_until_the_warm_up_ends(engine):
+    """ds4-server listens at once and answers 503 until the kernels are compiled or loaded (a load balancer's
+    readiness check keeps it out of rotation meanwhile); requests get a 503 that says why, with Retry-After."""
+    slow = _SlowWarmUp(engine)
+    app = create_app(load=lambda: slow, model_name="ds4-test", warm_up=True)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").json["status"] == "warming_up")
+    r = c.get("/health")
+    assert r.status_code == 503 and r.json["model"] == "ds4-test"
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json["error"]["code"] == "model_not_ready" and r.headers["Retry-After"]
+    assert "warming up" in r.json["error"]["message"]
+    assert "ds4_engine_loaded 0" in c.get("/metrics").text
+    slow.release.set()
+    _wait(lambda: c.get("/health").status_code == 200)
+    assert c.get("/health").json["status"] == "ok" and slow.calls == 1
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.json["usage"]["completion_tokens"] == 2
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_failed_warm_up_is_a_failed_load_and_no_warm_up_unless_asked(engine):
+    fatal = []
+    slow = _SlowWarmUp(engine, fail=True)
+    slow.release.set()
+    app = create_app(load=lambda: slow, on_fatal=fatal.append, warm_up=True)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").json["status"] == "failed" and fatal)
+    r = c.get("/health")
+    assert r.status_code == 503 and "did not compile" in r.json["error"]
+    assert "failed to load" in c.post("/v1/chat/completions", json=CHAT).json["error"]["message"]
+    quiet = _SlowWarmUp(engine, fail=True)
+    app = create_app(quiet)                       # an engine handed over as it is: served as it is
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    assert quiet.calls == 0
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
 def test_failed_load_reports_and_calls_on_fatal():
     fatal = []
 

@@ -93,6 +93,7 @@ def test_sigterm_stops_cleanly(tiny_stack, tmp_path):
     base, ck = tiny_stack
     server = start_server(["-m", str(base), "--engram-dir", str(ck)], tmp_path / "log")
     assert server.get("/health").json()["model"] == "ds4-test"
+    assert "cpu warm-up:" in server.log.read_text()          # warmed up before /health said ok
     assert stop_server(server) == 0
     assert "stopped" in server.log.read_text()
 
