@@ -248,19 +248,26 @@ def section_tiny(stream, reps):
           "tokens_per_s": round(len(prompt) / pre, 1), "load_s": round(load_s, 2), "warmup_compile_s": round(warm_s, 2),
           "memory": eng.memory.table(), "mode": "eager"})
     p = SamplingParams(temperature=0)
-    s = eng.new_session()
-    lg = eng.prefill(s, prompt[:64])
-    tok = eng.backend.sample(lg, p, 0, 0)
-    n = ARGS.decode_tokens
-    cuda.synchronize()
-    t0 = time.perf_counter()
-    for step in range(n):
-        lg = eng.decode(s, tok)
-        tok = eng.backend.sample(lg, p, 0, step + 1)      # the host reads back the token: a full sync per step
-    dt = time.perf_counter() - t0
-    emit({"section": "tiny", "name": "ds4-tiny.decode_greedy", "tokens": n, "context_start": 64,
-          "seconds": round(dt, 4), "tokens_per_s": round(n / dt, 1), "ms_per_token": round(1e3 * dt / n, 3),
-          "mode": "eager"})
+    be = eng.backend
+    modes = [True, False] if getattr(be, "graphs", False) else [False]
+    for graphs in modes:                                   # replayed CUDA graphs, then the same steps eagerly
+        be.graphs = graphs
+        s = eng.new_session()
+        lg = eng.prefill(s, prompt[:64])
+        tok = be.sample(lg, p, 0, 0)
+        n = ARGS.decode_tokens
+        before = dict(getattr(be, "stats", {}))
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        for step in range(n):
+            lg = eng.decode(s, tok)
+            tok = be.sample(lg, p, 0, step + 1)           # the host reads back the token: a full sync per step
+        dt = time.perf_counter() - t0
+        stats = {k: v - before.get(k, 0) if k != "graph_nodes" else v for k, v in getattr(be, "stats", {}).items()}
+        emit({"section": "tiny", "name": "ds4-tiny.decode_greedy", "tokens": n, "context_start": 64,
+              "seconds": round(dt, 4), "tokens_per_s": round(n / dt, 1), "ms_per_token": round(1e3 * dt / n, 3),
+              "mode": "graph" if graphs else "eager", "backend_stats": stats})
+    be.graphs = modes[0]
 
 
 NEAR_TIE = 0.5          # logits: a position whose CPU top-1 leads its runner-up by less is a near-tie

@@ -45,6 +45,7 @@ import numpy as np
 
 import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything compiles)
 from numba import cuda
+from numba.cuda.core import config as _cuda_config
 
 from ds4lib.engine import cuda_graph
 from ds4lib.engine.cuda_weights import CudaWeights, upload_base
@@ -65,6 +66,7 @@ __all__ = ["CudaBackend", "CudaState"]
 _SCRATCH_BUDGET = 1 << 30          # bytes of per-chunk scratch the prefill chunk size is chosen for
 _PRUNE_AT = 64                     # context-dependent scratch entries kept before that dict is cleared
 _SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the dict is cleared
+_SIM = bool(_cuda_config.ENABLE_CUDASIM)
 _MIN_ROWS = 16                     # first capacity of a compressed-row cache
 
 
@@ -75,6 +77,22 @@ def _bucket(n: int) -> int:
         return 0
     step_rows = max(64, 1 << max(0, (n - 1).bit_length() - 3))
     return -(-n // step_rows) * step_rows
+
+
+class _Mapped:
+    """Host-mapped memory: `host` (written by the host) and `dev` (a device array over the same bytes, read by
+    kernels; numba's mapped arrays cannot be re-viewed as device arrays directly)."""
+
+    def __init__(self, host, dev):
+        self.host, self.dev = host, dev
+
+
+def _mapped(shape, dtype):
+    host = cuda.mapped_array(shape, dtype)
+    if not _SIM:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        return _Mapped(host, DeviceNDArray(host.shape, host.strides, host.dtype, gpu_data=host.gpu_data))
+    return _Mapped(host, host)
 
 
 class _Rows:
@@ -199,8 +217,8 @@ class CudaBackend:
             name = layer_prefix(cfg, l) + "engram.embed.weight"
             codes = reader.raw(name)
             scales = reader.raw(name[:-len(".weight")] + ".scale")
-            self.m_engram[l] = (cuda.mapped_array((self.geo.n_cols, codes.shape[1]), np.uint8),
-                                cuda.mapped_array((self.geo.n_cols, scales.shape[1]), np.uint8))
+            self.m_engram[l] = (_mapped((self.geo.n_cols, codes.shape[1]), np.uint8),
+                                _mapped((self.geo.n_cols, scales.shape[1]), np.uint8))
 
     def _pick_chunk(self, block):
         t = 1 << max(0, int(block) - 1).bit_length()
@@ -380,10 +398,10 @@ class CudaBackend:
         self.m_in[0] = st.pos
         self.m_in[1] = token
         for l, (codes, scales) in self._engram_host(st, np.array([token], dtype=np.int64)).items():
-            self.m_engram[l][0][:] = codes
-            self.m_engram[l][1][:] = scales
+            np.copyto(self.m_engram[l][0].host, codes)
+            np.copyto(self.m_engram[l][1].host, scales)
         c.pos, c.dead = self.d_pos, self.d_dead
-        c.engram = self.m_engram
+        c.engram = {l: (codes.dev, scales.dev) for l, (codes, scales) in self.m_engram.items()}
         key = (self._rope_cap,) + tuple((l, c.view[l], st.ckv[l].buf.shape[0],
                                          st.idxk[l].buf.shape[0] if l in st.idxk else 0) for l in sorted(c.view))
         graph = st.graphs.get(key) if self.graphs else None
