@@ -68,7 +68,7 @@ def _load_pass_device(x, w, row, base, d, xs, ws):
         ws[m] = w[j]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rms_norm_kernel(x, w, eps, out):
     """out[r] = bf16(w * (x[r] * scale_r)) for row r = blockIdx.x (module docstring)."""
     row = cuda.blockIdx.x

@@ -107,7 +107,7 @@ else:
         return np.uint32(lo | (hi << np.uint32(16)))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def vq_codebook_kernel(codes32, out64):
     """codes32 uint32 [C, 2] (8 E4M3 codes per codeword) -> out64 uint64 [C, 2] (8 BF16); a thread per codeword."""
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -223,7 +223,7 @@ def _plan_fill_device(ids, n_experts, tile_rows, p0, p_end, n_steps, seen, cnt, 
         cuda.syncwarp(0xFFFFFFFF)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def vq_plan_kernel(ids, n_experts, tile_rows, pairs, tiles, n_tiles):
     """One block. pairs: the pair ids of each expert in token order, experts ascending; tiles [n, 3] = (expert,
     first slot in pairs, count <= tile_rows); n_tiles[0] = n. Ids outside 0..n_experts-1 are left out.
@@ -331,7 +331,7 @@ def _lane_rows_device(rho, lane, J):
 
 def _make_vq_kernel(tt, threads):
     """The persistent VQ GEMV for tiles of up to `tt` pairs and `threads` threads per block."""
-    jit = cuda.jit if SIM else cuda.jit(launch_bounds=(threads, 1))
+    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(threads, 1), cache=True)
     red_rows = 2 * tt
 
     @jit
@@ -450,7 +450,7 @@ vq_gemv_t1_kernel = _make_vq_kernel(1, THREADS_T1)
 vq_gemv_t2_kernel = _make_vq_kernel(2, THREADS_T2)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def vq_finalize_kernel(part, ids, gain_a, gain_b, scale, has_scale, J, G, counter, out):
     """out[m, p, r] = bf16(sum over the row's blocks of part[m, p, r, :] * g * s); resets the work counter."""
     n_mats, n_pairs, n_rows, _ = part.shape
@@ -476,7 +476,7 @@ def vq_finalize_kernel(part, ids, gain_a, gain_b, scale, has_scale, J, G, counte
     out[msel, p, r] = round_bf16_device(v)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def moe_combine_kernel(ye, ids, shared, out):
     """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d])."""
     n_tok, d_len = out.shape
