@@ -1,0 +1,431 @@
+"""Real-size DeepSeek V4.1 Flash decode on the CUDA backend (issue 12 item 1): synthetic weights at the true shapes,
+made on the GPU in the layout upload_base gives a base file (ds4lib.engine.cuda_synth), whole greedy decode steps
+of the backend that serves, eager and graph-replayed, at several contexts.
+
+    python bench/bench_v41_decode.py                          # H200: 1k, 16k, 64k contexts, 20 timed steps a mode
+    python bench/bench_v41_decode.py --contexts 1024,65536 --steps 50 --out v41.jsonl
+    python bench/bench_v41_decode.py --small                  # no GPU: the simulator, micro model, 1 step a mode
+
+Output: JSON lines on stdout (the first describes the run: machine, date, commit, config, VQ bits, weight bytes, the
+roofline; then one per context), then a human-readable table; `--out FILE` also writes the JSON lines to FILE.
+
+Per context and mode: tokens/s and ms/token (wall clock around `--steps` steps of forward + greedy device sampling
+with its token read back, after `--warm` steps that compile, grow the caches and capture the bucket's graph),
+launches per token (eager steps: Numba kernel launches counted at numba's launch call, sampling included), graph
+nodes (the replayed decode graph), graph captures during the timed steps (should be 0).
+Bytes per token are counted from the device weight structure: every non-expert weight once (the embedding: one row),
+the K routed experts' index, plane and gain bytes of every layer, each layer's codebook, the head; plus the cache
+rows read at that context (window rings, the top-k compressed rows each compressed layer attends, the index keys each
+indexer scores, BF16). The Engram rows gathered on the host travel over PCIe and are reported apart.
+The roofline is measured in the same run, before the weights exist: (a) a read-only Numba kernel, uint64 loads in
+four independent streams over `--roofline-gib` GiB, (b) an eager device-to-device copy (read + write counted); the
+highest rate is the roofline. Weights are cold by construction (~110 GB against a 60 MB L2).
+Per-op table: device time per kernel from a CUPTI trace of `--trace-steps` graph-mode steps (PyTorch's profiler,
+imported only for that; without torch the table is left out and the JSON says why), grouped by kernel module (op).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="simulator, micro model, 1 step a mode (a CI smoke run)")
+    p.add_argument("--contexts", default=None, help="comma-separated contexts (default 1024,16384,65536; small 8)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per context and mode (20; small 1)")
+    p.add_argument("--warm", type=int, default=None, help="untimed steps before timing (3; small 0)")
+    p.add_argument("--trace-steps", type=int, default=None, help="graph-mode steps in the CUPTI trace (5; small 0)")
+    p.add_argument("--bits", default="auto", help="VQ bit plan (ds4lib.quant.plan.parse_bits_plan; default auto)")
+    p.add_argument("--engram-rows", type=int, default=1 << 20, help="rows kept of each Engram table (host)")
+    p.add_argument("--roofline-gib", type=float, default=None, help="roofline buffer GiB (2; small 1/1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
+    p.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    a = p.parse_args(argv)
+    small = a.small
+    a.contexts = [int(c) for c in (a.contexts or ("8" if small else "1024,16384,65536")).split(",")]
+    a.steps = a.steps if a.steps is not None else (1 if small else 20)
+    a.warm = a.warm if a.warm is not None else 0 if small else 3
+    a.trace_steps = a.trace_steps if a.trace_steps is not None else (0 if small else 5)
+    a.roofline_gib = a.roofline_gib if a.roofline_gib is not None else (1 / 1024 if small else 2.0)
+    return a
+
+
+ARGS = _args() if __name__ == "__main__" else _args(["--small"])
+from bench.timing import use_simulator  # noqa: E402
+
+if ARGS.small:
+    use_simulator()                                     # before the first numba.cuda import
+
+import numpy as np                                      # noqa: E402
+from numba import cuda                                  # noqa: E402
+
+import kernels  # noqa: E402,F401  (numpy alias before anything compiles)
+from ds4lib.config import ModelConfig                   # noqa: E402
+from ds4lib.engine.cuda_weights import Lin              # noqa: E402
+from ds4lib.engram_geometry import engram_geometry      # noqa: E402
+from ds4lib.roles import layer_roles                    # noqa: E402
+
+SIM = ARGS.small
+
+
+# --------------------------------------------------------------------------------------------- the roofline
+@cuda.jit
+def _read4_kernel(buf, out):
+    """XOR of every uint64 word, read as four independent streams a quarter of the buffer apart."""
+    q = buf.shape[0] // 4
+    i = cuda.grid(1)
+    a0 = a1 = a2 = a3 = np.uint64(0)
+    for j in range(i, q, cuda.gridsize(1)):
+        a0 ^= buf[j]
+        a1 ^= buf[j + q]
+        a2 ^= buf[j + 2 * q]
+        a3 ^= buf[j + 3 * q]
+    out[i] = a0 ^ a1 ^ a2 ^ a3
+
+
+def _event_seconds(run, stream, reps):
+    run()                                               # warm (compile)
+    stream.synchronize()
+    if SIM:
+        t = time.perf_counter()
+        run()
+        return time.perf_counter() - t
+    start, end = cuda.event(), cuda.event()
+    start.record(stream)
+    for _ in range(reps):
+        run()
+    end.record(stream)
+    end.synchronize()
+    return cuda.event_elapsed_time(start, end) / 1e3 / reps
+
+
+def measure_roofline(gib, reps=20):
+    """{read_tbps, copy_tbps, roofline_tbps, buffer_bytes}: the read-only kernel and the eager copy (module doc)."""
+    s = cuda.stream()
+    n = int(gib * (1 << 30)) // 32 * 4                   # uint64 words, a multiple of 4 streams
+    src = cuda.device_array(n, np.uint64, stream=s)
+    dst = cuda.device_array(n, np.uint64, stream=s)
+    blocks, threads = (cuda.get_current_device().MULTIPROCESSOR_COUNT * 16, 512) if not SIM else (1, 32)
+    out = cuda.device_array(blocks * threads, np.uint64, stream=s)
+    src.copy_to_device(dst, stream=s)                   # touch both buffers before timing
+    nbytes = n * 8
+    t_read = _event_seconds(lambda: _read4_kernel[blocks, threads, s](src, out), s, reps)
+    t_copy = _event_seconds(lambda: dst.copy_to_device(src, stream=s), s, reps)
+    read, copy = nbytes / t_read / 1e12, 2 * nbytes / t_copy / 1e12
+    return {"read_tbps": round(read, 3), "copy_tbps": round(copy, 3), "roofline_tbps": round(max(read, copy), 3),
+            "roofline_from": "read kernel" if read >= copy else "device copy", "buffer_bytes": nbytes}
+
+
+# --------------------------------------------------------------------------------------------- bytes per token
+def _nbytes(a):
+    return int(a.size) * a.dtype.itemsize
+
+
+def _weight_part(key):
+    if key.startswith("attn."):
+        return "attention"
+    for prefix, part in (("ffn.shared_experts.", "shared expert"), ("ffn.gate.", "router"), ("hc_", "mHC"),
+                         ("engram.", "engram projections")):
+        if key.startswith(prefix):
+            return part
+    return "norms"
+
+
+def weight_bytes_per_token(W, cfg) -> dict:
+    """Weight bytes one decode step reads, by part (module docstring)."""
+    parts = {"embedding row": W.g["embed"].w.shape[1] * W.g["embed"].w.dtype.itemsize,
+             "head": _nbytes(W.g["head"].w), "norms": _nbytes(W.g["norm"])}
+    for l, w in enumerate(W.L):
+        k = cfg.moe_shape(l)[1]
+        e = w["vq_experts"]
+        routed = _nbytes(w["vq_index"]) + sum(_nbytes(g) for g in w["vq_gains"])
+        routed += _nbytes(w["vq_plane"]) if w["vq_plane"] is not None else 0
+        parts["routed experts"] = parts.get("routed experts", 0) + routed * k // e
+        parts["codebooks"] = parts.get("codebooks", 0) + _nbytes(w["vq_cb"])
+        for key, v in w.items():
+            if key.startswith("vq_"):
+                continue
+            part = _weight_part(key)
+            parts[part] = parts.get(part, 0) + _nbytes(v.w if isinstance(v, Lin) else v)
+    return parts
+
+
+def cache_bytes_per_token(cfg, pos) -> int:
+    """BF16 cache rows a decode step at position `pos` reads (module docstring)."""
+    total = 0
+    for r in layer_roles(cfg)[:cfg.n_layers]:
+        total += min(pos, cfg.window_size) * cfg.head_dim * 2
+        if r.ratio:
+            total += min((pos + 1) // r.ratio, cfg.index_topk) * cfg.head_dim * 2
+        if r.owns_indexer:
+            rows = (pos + 1) // r.ratio
+            if r.consumes_candidates:
+                rows = min(rows, cfg.candidate_topk_blocks * cfg.candidate_block_size)
+            total += rows * cfg.index_head_dim * 2
+    return total
+
+
+def engram_host_bytes(cfg) -> int:
+    if not cfg.engram_layer_ids:
+        return 0
+    g = engram_geometry(cfg)
+    return len(g.layer_ids) * g.n_cols * (cfg.engram_head_dim + cfg.engram_head_dim // 32)
+
+
+# --------------------------------------------------------------------------------------------- launches, trace
+def count_launches(run):
+    """(run(), kernel launches it made): an observer wrapped around numba's launch call for the duration only."""
+    if SIM:
+        from numba.cuda.simulator import kernel as sk
+        cls, name = sk.FakeCUDAKernel, "__call__"
+
+        def is_launch(k):                               # device functions and calls inside a kernel are not
+            return not k._device and not sk._kernel_context
+    else:
+        from numba.cuda.dispatcher import _Kernel as cls
+        name = "launch"
+
+        def is_launch(k):
+            return True
+    orig, n = getattr(cls, name), [0]
+
+    def counted(self, *a, **k):
+        n[0] += is_launch(self)
+        return orig(self, *a, **k)
+    setattr(cls, name, counted)
+    try:
+        out = run()
+    finally:
+        setattr(cls, name, orig)
+    return out, n[0]
+
+
+_MANGLED = re.compile(r"(\d+)")
+
+
+def kernel_op(name: str) -> tuple[str, str]:
+    """(op = the kernel's module, kernel function) of a Numba-mangled kernel name; other names pass through."""
+    if not name.startswith("_ZN"):
+        return ("other", name[:60])
+    parts, i = [], 3
+    while i < len(name) and name[i].isdigit():
+        m = _MANGLED.match(name, i)
+        n = int(m.group(1))
+        parts.append(name[m.end():m.end() + n])
+        i = m.end() + n
+    parts = [p for p in parts if p != "cudapy"]
+    if len(parts) < 2:
+        return ("other", name[:60])
+    return (parts[-2], parts[-1])
+
+
+def trace_ops(run, steps):
+    """{op: {kernel: [device µs per step, launches per step]}} from a CUPTI trace of run() (PyTorch's profiler), or
+    (None, why)."""
+    try:
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError as e:
+        return None, f"no torch ({e})"
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            events = json.loads(path.read_text())["traceEvents"]
+    except Exception as e:  # noqa: BLE001 - the table is optional; the reason goes into the JSON
+        return None, f"trace failed: {type(e).__name__}: {e}"[:300]
+    ops = {}
+    for ev in events:
+        cat = ev.get("cat", "")
+        if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        op, k = kernel_op(ev["name"]) if cat == "kernel" else (cat[4:], ev["name"][:40])
+        rec = ops.setdefault(op, {}).setdefault(k, [0.0, 0])
+        rec[0] += float(ev.get("dur", 0)) / steps
+        rec[1] += 1
+    for kern in ops.values():
+        for rec in kern.values():
+            rec[0] = round(rec[0], 2)
+            rec[1] = rec[1] / steps
+    return ops, None
+
+
+# --------------------------------------------------------------------------------------------- decode
+class Greedy:
+    temperature, top_k, top_p, min_p = 0.0, 0, 1.0, 0.0
+
+
+def decode(backend, st, token, n, step0):
+    """n greedy steps (forward + device sampling, the token read back); returns the last token."""
+    for i in range(n):
+        out = backend.forward(st, [token], last_only=True)
+        token = backend.sample(out.logits, Greedy, ARGS.seed, step0 + i)
+    return token
+
+
+def run_mode(backend, ctx, mode):
+    """One context, one mode (module docstring). Launches are counted on the last untimed step, or over the timed
+    steps when --warm is 0 (the simulator's smoke run: a micro step takes minutes there)."""
+    st = backend.synthetic_state(ctx, seed=ARGS.seed)
+    tok = decode(backend, st, 1, max(ARGS.warm - 1, 0), 0)
+    stats0 = dict(backend.stats)
+    if ARGS.warm:
+        tok, launches = count_launches(lambda: decode(backend, st, tok, 1, ARGS.warm - 1))
+        counted, stats1 = 1, dict(backend.stats)
+    backend.stream.synchronize()
+    t = time.perf_counter()
+    if ARGS.warm:
+        tok = decode(backend, st, tok, ARGS.steps, ARGS.warm)
+    else:
+        tok, launches = count_launches(lambda: decode(backend, st, tok, ARGS.steps, 0))
+        counted, stats1 = ARGS.steps, stats0
+    dt = (time.perf_counter() - t) / ARGS.steps
+    replays = (backend.stats if not ARGS.warm else stats1)["graph_replays"] - stats0["graph_replays"]
+    rec = {"mode": mode, "ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 2),
+           "kernel_launches_per_token": launches / counted, "graph_launches_per_token": replays / counted,
+           "graph_nodes": backend.stats["graph_nodes"] if mode == "graph" else 0,
+           "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
+    if mode == "graph" and ARGS.trace_steps:
+        ops, why = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000), ARGS.trace_steps)
+        rec["ops"] = ops if ops is not None else why
+    return rec
+
+
+def small_config():
+    from tests.engine.test_engine_cuda import micro_config
+    return micro_config()
+
+
+def build(cfg, bits):
+    """(weights, {mode: backend}, generation seconds)."""
+    from ds4lib.engine.backend import BackendContext
+    from ds4lib.engine.backend_cuda import CudaBackend
+    from ds4lib.engine.cuda_synth import SyntheticEngramTables, synthetic_token_map, synthetic_weights
+    t = time.perf_counter()
+    W = synthetic_weights(cfg, bits, seed=ARGS.seed)
+    gen = time.perf_counter() - t
+    tables = SyntheticEngramTables(cfg, rows=ARGS.engram_rows, seed=ARGS.seed) if cfg.engram_layer_ids else None
+    ctx = BackendContext(cfg, None, synthetic_token_map(cfg) if tables else None, tables, prefill_block=16,
+                         context_length=max(ARGS.contexts) + ARGS.warm + ARGS.steps + ARGS.trace_steps + 16)
+    backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in ("eager", "graph")}
+    return W, backends, gen
+
+
+def _commit():
+    if ARGS.commit:
+        return ARGS.commit
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _machine():
+    if SIM:
+        return "CUDA simulator on " + platform.node()
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    free, total = cuda.current_context().get_memory_info()
+    return f"{name}, {total / 2 ** 30:.1f} GiB, {dev.MULTIPROCESSOR_COUNT} SMs"
+
+
+def emit(rec, sink):
+    line = json.dumps(rec)
+    print(line, flush=True)
+    sink.append(line)
+
+
+def table(run, rows):
+    """The human-readable summary of the JSON lines."""
+    out = [f"\n{run['config']} on {run['machine']} ({run['date']}, {run['commit']}); VQ bits {run['bits_plan']}; "
+           f"weights {run['weight_bytes'] / 1e9:.2f} GB made in {run['generation_s']:.1f} s",
+           f"roofline {run['roofline']['roofline_tbps']:.2f} TB/s ({run['roofline']['roofline_from']}; read kernel "
+           f"{run['roofline']['read_tbps']:.2f}, device copy {run['roofline']['copy_tbps']:.2f})",
+           f"{'context':>8} {'mode':>6} {'tok/s':>8} {'ms/tok':>8} {'GB/tok':>7} {'roof ms':>8} {'% roof':>7} "
+           f"{'launches':>9} {'nodes':>6}"]
+    for r in rows:
+        for m in ("eager", "graph"):
+            x = r[m]
+            out.append(f"{r['context']:>8} {m:>6} {x['tokens_per_s']:>8.2f} {x['ms_per_token']:>8.2f} "
+                       f"{r['bytes_per_token'] / 1e9:>7.3f} {r['roofline_ms']:>8.3f} {x['pct_of_roofline']:>7.1f} "
+                       f"{x['kernel_launches_per_token']:>9.0f} {x['graph_nodes']:>6}")
+    for r in rows:
+        ops = r["graph"].get("ops")
+        if not isinstance(ops, dict):
+            out.append(f"context {r['context']}: no per-op table ({ops or 'tracing off'})")
+            continue
+        total = sum(v[0] for k in ops.values() for v in k.values())
+        out.append(f"\nper-op device time, context {r['context']} (graph mode; {total / 1e3:.2f} ms of kernels per "
+                   f"token against {r['graph']['ms_per_token']:.2f} ms wall)")
+        out.append(f"{'op':>16} {'kernel':>34} {'us/tok':>9} {'calls':>6} {'%':>6}")
+        flat = sorted(((v[0], v[1], op, k) for op, ks in ops.items() for k, v in ks.items()), reverse=True)
+        by_op = sorted(((sum(v[0] for v in ks.values()), op) for op, ks in ops.items()), reverse=True)
+        for us, op in by_op:
+            out.append(f"{op:>16} {'(all)':>34} {us:>9.1f} {sum(v[1] for v in ops[op].values()):>6.0f} "
+                       f"{100 * us / max(total, 1e-9):>6.1f}")
+        for us, calls, op, k in flat[:25]:
+            out.append(f"{op:>16} {k[:34]:>34} {us:>9.1f} {calls:>6.0f} {100 * us / max(total, 1e-9):>6.1f}")
+    return "\n".join(out)
+
+
+def main():
+    from ds4lib.quant.plan import parse_bits_plan
+    lines = []
+    cfg = small_config() if SIM else ModelConfig.v41_flash()
+    plan = parse_bits_plan(ARGS.bits, cfg)
+    print(f"roofline: {ARGS.roofline_gib:g} GiB buffers", file=sys.stderr, flush=True)
+    roof = measure_roofline(ARGS.roofline_gib)
+    if not SIM:
+        cuda.current_context().deallocations.clear()      # the roofline buffers go before the weights come
+    print(f"weights: generating {cfg.n_layers} layers on the device", file=sys.stderr, flush=True)
+    W, backends, gen = build(cfg, plan.bits)
+    parts = weight_bytes_per_token(W, cfg)
+    run = {"kind": "run", "machine": _machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": _commit(), "config": "micro (simulator)" if SIM else "v41-flash",
+        "n_layers": cfg.n_layers, "bits_plan": f"{plan.spec}: {plan.n13} of {cfg.n_layers} layers 13-bit",
+        "bits": list(plan.bits[:cfg.n_layers]), "weight_bytes": W.nbytes, "generation_s": round(gen, 2),
+        "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
+        "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
+        "sampling": "greedy (temperature 0), device sampler, token read back every step"}
+    emit(run, lines)
+    rows = []
+    for ctx in ARGS.contexts:
+        nbytes = sum(parts.values()) + cache_bytes_per_token(cfg, ctx)
+        roof_ms = nbytes / (roof["roofline_tbps"] * 1e12) * 1e3
+        rec = {"kind": "context", "context": ctx, "bytes_per_token": nbytes,
+               "cache_bytes_per_token": cache_bytes_per_token(cfg, ctx), "roofline_ms": round(roof_ms, 4)}
+        for mode, backend in backends.items():
+            print(f"context {ctx}: {mode}", file=sys.stderr, flush=True)
+            x = run_mode(backend, ctx, mode)
+            x["pct_of_roofline"] = round(100 * roof_ms / x["ms_per_token"], 2)
+            x["gbps"] = round(nbytes / (x["ms_per_token"] / 1e3) / 1e9, 1)
+            rec[mode] = x
+        emit(rec, lines)
+        rows.append(rec)
+    print(table(run, rows), flush=True)
+    if ARGS.out:
+        Path(ARGS.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
