@@ -323,7 +323,8 @@ def build(cfg, bits):
     tables = SyntheticEngramTables(cfg, rows=ARGS.engram_rows, seed=ARGS.seed) if cfg.engram_layer_ids else None
     ctx = BackendContext(cfg, None, synthetic_token_map(cfg) if tables else None, tables, prefill_block=16,
                          context_length=max(ARGS.contexts) + ARGS.warm + ARGS.steps + ARGS.trace_steps + 16)
-    backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in ("eager", "graph")}
+    modes = ("eager",) if SIM else ("eager", "graph")      # the simulator has no graphs: both would be eager
+    backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in modes}
     return W, backends, gen
 
 
@@ -365,12 +366,14 @@ def table(run, rows):
            f"{'launches':>9} {'nodes':>6}"]
     for r in rows:
         for m in ("eager", "graph"):
+            if m not in r:
+                continue
             x = r[m]
             out.append(f"{r['context']:>8} {m:>6} {x['tokens_per_s']:>8.2f} {x['ms_per_token']:>8.2f} "
                        f"{r['bytes_per_token'] / 1e9:>7.3f} {r['roofline_ms']:>8.3f} {x['pct_of_roofline']:>7.1f} "
                        f"{x['kernel_launches_per_token']:>9.0f} {x['graph_nodes']:>6}")
     for r in rows:
-        ops = r["graph"].get("ops")
+        ops = r.get("graph", {}).get("ops")
         if not isinstance(ops, dict):
             out.append(f"context {r['context']}: no per-op table ({ops or 'tracing off'})")
             continue

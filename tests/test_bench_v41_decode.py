@@ -1,5 +1,5 @@
 """bench/bench_v41_decode.py --small runs the real-size decode benchmark's whole path under the simulator (micro model,
-one step per mode), so the benchmark cannot rot."""
+one eager step: the simulator has no graphs), so the benchmark cannot rot."""
 import json
 import os
 import subprocess
@@ -24,7 +24,8 @@ def test_bench_v41_decode_small_runs(tmp_path):
     assert run["kind"] == "run" and run["weight_bytes"] > 0 and run["roofline"]["roofline_tbps"] > 0
     assert run["bits"] == [13, 12] and sum(run["weight_bytes_per_token"].values()) > 0
     assert [r["context"] for r in ctx] == [8]
-    for mode in ("eager", "graph"):
+    assert "graph" not in ctx[0]
+    for mode in ("eager",):
         x = ctx[0][mode]
         assert x["tokens_per_s"] > 0 and x["kernel_launches_per_token"] > 10 and 0 <= x["last_token"] < 64
     assert "per-op" in p.stdout or "no per-op table" in p.stdout

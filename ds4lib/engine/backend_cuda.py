@@ -398,8 +398,8 @@ class CudaBackend:
         self.m_in[0] = st.pos
         self.m_in[1] = token
         for l, (codes, scales) in self._engram_host(st, np.array([token], dtype=np.int64)).items():
-            np.copyto(self.m_engram[l][0].host, codes)
-            np.copyto(self.m_engram[l][1].host, scales)
+            self.m_engram[l][0].host[:] = codes
+            self.m_engram[l][1].host[:] = scales
         c.pos, c.dead = self.d_pos, self.d_dead
         c.engram = {l: (codes.dev, scales.dev) for l, (codes, scales) in self.m_engram.items()}
         key = (self._rope_cap,) + tuple((l, c.view[l], st.ckv[l].buf.shape[0],
