@@ -29,7 +29,7 @@ _TYPES = {"not_found_error": "invalid_request_error", "overloaded_error": "serve
 def error_body(e: RequestError | JobError) -> dict:
     if isinstance(e, JobError):
         return {"error": {"message": e.message, "type": "server_error" if e.status >= 500 else
-                          "invalid_request_error", "param": None, "code": None}}
+                          "invalid_request_error", "param": None, "code": e.code}}
     return {"error": {"message": e.message, "type": _TYPES.get(e.kind, e.kind), "param": e.param, "code": e.code}}
 
 
@@ -254,5 +254,5 @@ def responses_stream(req, job, model: str, disconnected):
             yield from ev.close(status)
             yield ev.emit(f"response.{status}", response=ev.response(status, value))
     except JobError as e:
-        yield ev.emit("error", code="server_error" if e.status >= 500 else "invalid_request_error",
+        yield ev.emit("error", code=e.code or ("server_error" if e.status >= 500 else "invalid_request_error"),
                       message=e.message, param=None)

@@ -12,7 +12,9 @@ and the worker drops the job before it starts or stops it at its next step, so t
 
 Events a job carries are the engine's ({"type": "token", "id", "text"}, then {"type": "done", ...}) with the
 done event completed by the worker: `stop_sequence` (which stop string ended it, or None) and
-`reasoning_tokens`. An engine failure arrives as {"type": "error"} and is raised to the consumer as JobError.
+`reasoning_tokens`. An engine failure arrives as {"type": "error"} and is raised to the consumer as JobError. A
+failure the engine names mid-generation (the output constraint rejecting a token, or logits holding NaN/inf) is a
+500 with its own code and one log line; anything else is a 500 "generation_failed" with the traceback in the log.
 
 Does not own: request parsing (schemas.py), prompt building (prompts.py), response shapes.
 """
@@ -27,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ds4lib.chat import END_THINK, THINK
-from ds4lib.engine import Cancelled, EngineError, SamplingParams
+from ds4lib.engine import Cancelled, EngineError, GrammarError, NonFiniteLogits, SamplingParams
 from ds4lib.tokenizer import TextEncoder
 
 from server.metrics import Metrics
@@ -40,9 +42,13 @@ _POLL_S = 0.2
 
 
 class JobError(RuntimeError):
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, code: str | None = None):
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.code = message, status, code
+
+
+# Failures the engine names during generation: a server fault (500), but a known one, so no traceback is logged.
+_NAMED_FAILURES = ((GrammarError, "output_constraint_failed"), (NonFiniteLogits, "non_finite_logits"))
 
 
 def _never() -> bool:
@@ -97,7 +103,7 @@ class Job:
                 continue
             last = now
             if ev["type"] == "error":
-                raise JobError(ev["message"], ev["status"])
+                raise JobError(ev["message"], ev["status"], ev.get("code"))
             yield ev
             if ev["type"] == "done":
                 return
@@ -251,8 +257,13 @@ class Worker:
             self._finish(run)
             return False
         except Exception as e:                        # the worker must outlive any one request
-            log.exception("generation failed")
-            job.events.put({"type": "error", "message": f"generation failed: {e}", "status": 500})
+            code = next((c for kind, c in _NAMED_FAILURES if isinstance(e, kind)), None)
+            if code is None:
+                log.exception("job %s: generation failed", job.id)
+            else:
+                log.error("job %s: generation failed after %d tokens: %s", job.id, len(run.ids), e)
+            job.events.put({"type": "error", "message": f"generation failed: {e}", "status": 500,
+                            "code": code or "generation_failed"})
             self._finish(run)
             return False
         if ev["type"] == "token":

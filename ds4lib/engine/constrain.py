@@ -89,9 +89,13 @@ class TokenConstraint:
         self._free_mask = token_mask(np.arange(n_vocab) != eos) if self._free else None
         self._check()
 
+    def _error(self) -> str:
+        # llguidance appends its parser state and the whole grammar on further lines: a client gets the first line
+        return (self._m.get_error() or "").strip().splitlines()[0] if self._m.get_error() else "no reason given"
+
     def _check(self):
         if self._m.is_error():
-            raise GrammarError(f"the output constraint failed: {self._m.get_error()}")
+            raise GrammarError(f"the output constraint failed: {self._error()}")
 
     @property
     def started(self) -> bool:
@@ -127,7 +131,7 @@ class TokenConstraint:
             self._free = int(token) != self._after
             return
         if not self._m.consume_token(int(token)):
-            raise GrammarError(f"the output constraint rejected token {int(token)}: {self._m.get_error()}")
+            raise GrammarError(f"the output constraint rejected token {int(token)}: {self._error()}")
 
 
 class Constrainer:

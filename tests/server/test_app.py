@@ -1,11 +1,13 @@
 """create_app in-process (Flask's test client, no sockets): health while loading, a failed load, a full queue,
-an engine failure mid-generation (the worker survives), and the chat page's static files."""
+an engine failure mid-generation (the worker survives), NaN logits and a grammar failure mid-generation (a 500 in
+each API's shape, no traceback), and the chat page's static files."""
 from __future__ import annotations
 
 import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from ds4lib.engine import EngineError
@@ -229,3 +231,92 @@ def test_health_and_models_name_the_domain(engine, tiny_stack, tmp_path):
         assert {m["domain"] for m in c.get("/v1/models").json["data"]} == {domain}
         assert c.get("/v1/models/ds4-test").json["domain"] == domain
         app.extensions["ds4"].worker.stop(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- named failures
+_STREAMED = [("/v1/chat/completions", dict(CHAT, max_tokens=6)),
+             ("/v1/completions", {"prompt": "x", "max_tokens": 6, "temperature": 0}),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": 6, "temperature": 0}),
+             ("/v1/messages", dict(MSGS, max_tokens=6, temperature=0))]
+_JSON = {"/v1/chat/completions": {"response_format": {"type": "json_object"}},
+         "/v1/responses": {"text": {"format": {"type": "json_object"}}},
+         "/v1/messages": {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}}
+
+
+def _assert_named_failure(c, path, body, code, caplog):
+    """Non-streamed: a 500 in the API's error shape naming the failure; streamed: a 200 whose stream ends in one
+    error event of that shape after the tokens already sent; no traceback logged, and the worker serves on."""
+    caplog.clear()
+    r = c.post(path, json=body)
+    if path == "/v1/messages":
+        assert r.status_code == 500 and r.json["type"] == "error" and r.json["error"]["type"] == "api_error", r.json
+    else:
+        assert r.status_code == 500 and r.json["error"]["type"] == "server_error" and r.json["error"]["code"] == code
+    message = r.json["error"]["message"]
+    text = c.post(path, json=dict(body, stream=True)).get_data(as_text=True)
+    frames = [f for f in text.split("\n\n") if f and not f.startswith(":")]
+    data = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+    errors = [d for d in data if isinstance(d.get("error"), dict) or d.get("type") == "error"]
+    assert len(errors) == 1 and data[-1] == errors[0] and len(data) >= 2, frames[-3:]   # after what was streamed
+    err = errors[0].get("error") or errors[0]          # the Responses stream's error event is flat
+    assert err["message"].split(":")[0] == message.split(":")[0] and "\n" not in err["message"] + message
+    if path == "/v1/messages":
+        assert frames[-1].startswith("event: error") and errors[0]["type"] == "error"
+    else:
+        assert err["code"] == code
+    logged = [rec for rec in caplog.records if rec.name == "ds4.server" and rec.levelname == "ERROR"]
+    assert logged and all(rec.exc_info is None for rec in logged), "a named failure logs one line, no traceback"
+    return message, frames
+
+
+def test_non_finite_logits_mid_generation_are_a_500_in_each_shape(engine, monkeypatch, caplog):
+    """The forward yields NaN logits after the first token: the sampler raises (never token 0) and each API answers
+    a 500 in its own shape; a stream that already sent a token ends in an error event."""
+    real = engine.backend.forward
+
+    def poisoned(state, tokens, last_only=False, observer=None):
+        out = real(state, tokens, last_only=last_only, observer=observer)
+        if len(tokens) == 1:                      # decode steps only: the first token comes out of the prefill
+            out.logits[..., 5] = np.nan
+        return out
+
+    monkeypatch.setattr(engine.backend, "forward", poisoned)
+    app = create_app(engine)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    for path, body in _STREAMED:
+        message, frames = _assert_named_failure(c, path, body, "non_finite_logits", caplog)
+        assert "NaN" in message
+    monkeypatch.setattr(engine.backend, "forward", real)
+    assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
+def test_grammar_failure_mid_generation_is_a_500_in_each_shape(engine, monkeypatch, caplog):
+    """The real constraint, whose mask is turned into its complement after the first token, so that the sampler picks a
+    token the grammar rejects: GrammarError out of the real advance(), answered as a 500 in each API's shape (an
+    error event on a stream), never a traceback."""
+    from ds4lib.engine.constrain import TokenConstraint
+    from ds4lib.ref.sampling import allowed_tokens, token_mask
+    real, counts = TokenConstraint.mask, {}
+    V = engine.cfg.vocab_size
+
+    def complement_after_one(self):
+        words = real(self)
+        counts[id(self)] = counts.get(id(self), 0) + 1
+        if counts[id(self)] <= 1:                  # '{' first: the object cannot end at once
+            return words
+        return token_mask(~allowed_tokens(words, V) & (np.arange(V) >= 9))      # no special token either
+
+    monkeypatch.setattr(TokenConstraint, "mask", complement_after_one)
+    app = create_app(engine)
+    c = app.test_client()
+    _wait(lambda: c.get("/health").status_code == 200)
+    for path, body in _STREAMED:
+        if path in _JSON:
+            message, _ = _assert_named_failure(c, path, dict(body, **_JSON[path]), "output_constraint_failed", caplog)
+            assert "output constraint rejected token" in message and "doesn't satisfy the grammar" in message
+    monkeypatch.setattr(TokenConstraint, "mask", real)
+    r = c.post("/v1/chat/completions", json=dict(CHAT, max_tokens=3, **_JSON["/v1/chat/completions"]))
+    assert r.status_code == 200
+    app.extensions["ds4"].worker.stop(timeout=5)
