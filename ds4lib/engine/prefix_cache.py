@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PrefixCache", "KvDiskStore", "CacheEntry", "state_arrays", "load_state_arrays", "KvCacheError"]
+__all__ = ["PrefixCache", "KvDiskStore", "CacheEntry", "state_arrays", "load_state_arrays", "KvCacheError",
+           "verify_entry"]
 
 log = logging.getLogger("ds4.engine")
 MAGIC = b"DS4KV001"
@@ -138,6 +139,40 @@ def _key(fingerprint: str, tokens) -> str:
     return h.hexdigest()
 
 
+def _parse_header(path: Path):
+    """(header, offset of the payload) of an entry whose magic, header and size are sound (any fingerprint)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 8)
+        if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+            raise KvCacheError("not a ds4 kv entry (magic)")
+        (n,) = struct.unpack("<Q", head[len(MAGIC):])
+        if n > min(_MAX_HEADER, size):
+            raise KvCacheError("header length beyond the file")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+            header["fingerprint"], n_tokens = str(header["fingerprint"]), int(header["n_tokens"])
+            end = max([n_tokens * 4] + [int(a["offset"]) + int(a["nbytes"]) for a in header["arrays"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise KvCacheError(f"unreadable header ({e})") from None
+    start = len(MAGIC) + 8 + n
+    if start + end != size:
+        raise KvCacheError(f"size {size} does not match its header ({start + end})")
+    return header, start
+
+
+def verify_entry(path) -> dict:
+    """The header of the disk entry at `path` once its magic, sizes and checksum are checked (whatever model stack
+    wrote it); KvCacheError if it cannot be trusted. Changes nothing (a soak checks a killed server's files)."""
+    path = Path(path)
+    header, start = _parse_header(path)
+    with open(path, "rb") as f:
+        f.seek(start)
+        if hashlib.sha256(f.read()).hexdigest() != header.get("sha256"):
+            raise KvCacheError("checksum mismatch")
+    return header
+
+
 class KvDiskStore:
     """The disk tier: checksummed entry files under `root`, at most `max_bytes` in all (oldest use first out)."""
 
@@ -159,25 +194,9 @@ class KvDiskStore:
         self.lengths.pop(path.stem, None)
 
     def _read_header(self, path: Path):
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC) + 8)
-            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
-                raise KvCacheError("not a ds4 kv entry (magic)")
-            (n,) = struct.unpack("<Q", head[len(MAGIC):])
-            if n > min(_MAX_HEADER, size):
-                raise KvCacheError("header length beyond the file")
-            try:
-                header = json.loads(f.read(n).decode("utf-8"))
-                fp, n_tokens = header["fingerprint"], int(header["n_tokens"])
-                end = max([n_tokens * 4] + [int(a["offset"]) + int(a["nbytes"]) for a in header["arrays"]])
-            except (ValueError, KeyError, TypeError) as e:
-                raise KvCacheError(f"unreadable header ({e})") from None
-        start = len(MAGIC) + 8 + n
-        if fp != self.fingerprint:
+        header, start = _parse_header(path)
+        if header["fingerprint"] != self.fingerprint:
             raise KvCacheError("stale: written for another model stack")
-        if start + end != size:
-            raise KvCacheError(f"size {size} does not match its header ({start + end})")
         return header, start
 
     def lookup(self, tokens) -> tuple:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ds4lib.engine import Engine, SamplingParams
-from ds4lib.engine.prefix_cache import SUFFIX, CacheEntry, KvDiskStore
+from ds4lib.engine.prefix_cache import SUFFIX, CacheEntry, KvCacheError, KvDiskStore, verify_entry
 
 TOK = Path(__file__).resolve().parents[2] / "data" / "tokenizer" / "tokenizer.json"
 P1 = [int(t) for t in np.random.default_rng(11).integers(9, 1000, 23)]
@@ -146,3 +146,24 @@ def test_disk_tier_keeps_to_its_size_cap(tiny_stack, tmp_path):
         list(e.generate_ids([20 + k] + P1, SamplingParams(temperature=0, max_tokens=1)))
         assert sum(p.stat().st_size for p in tmp_path.glob("*" + SUFFIX)) <= e.prefix_cache.disk.max_bytes
     assert len(list(tmp_path.glob("*" + SUFFIX))) == 2
+
+
+@pytest.mark.parametrize("damage", [None, "flip", "truncate", "magic"])
+def test_verify_entry_checks_an_entry_without_touching_it(tiny_stack, tmp_path, damage):
+    """What a soak uses on a killed server's directory: a sound entry passes with its header, a damaged one raises
+    KvCacheError, and neither is removed (the server, not the check, decides)."""
+    _, path, _ = _one_entry(tiny_stack, tmp_path)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-100] ^= 0x40
+    elif damage == "truncate":
+        raw = raw[:-7]
+    elif damage == "magic":
+        raw[:4] = b"GGUF"
+    path.write_bytes(bytes(raw))
+    if damage is None:
+        assert verify_entry(path)["n_tokens"] > len(P1)
+    else:
+        with pytest.raises(KvCacheError):
+            verify_entry(path)
+    assert path.exists()
