@@ -1,6 +1,10 @@
 """The CPU backend: the reference forward (ds4lib.ref) over the quantised stack's values, with the official
-activation quantise-dequantise on. Sampling by ds4lib.ref.sampling (the device sampler's specification)."""
+activation quantise-dequantise on. Sampling by ds4lib.ref.sampling (the device sampler's specification).
+Speculative decoding (engine/speculative.py): the DSpark stages draft (`propose`), the reference State marks and
+rolls back exactly (`mark`, `rollback`), and `append_context` keeps the stages' context rings."""
 from __future__ import annotations
+
+import numpy as np
 
 from ds4lib.engine.weights import StackWeights
 from ds4lib.ref import ReferenceModel
@@ -22,6 +26,21 @@ class CpuBackend:
 
     def forward(self, state, tokens, last_only=False, observer=None):
         return self.model.forward(tokens, state, last_only=last_only, observer=observer)
+
+    def propose(self, state, anchor, start_pos, pick=None):
+        """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (ref dspark_propose)."""
+        return self.model.dspark_propose(state, anchor, start_pos, pick)
+
+    def mark(self, state):
+        return state.mark()
+
+    def rollback(self, state, mark, kept_tokens):
+        self.model.rollback(state, mark, kept_tokens)
+
+    def append_context(self, state, features, positions):
+        """DSpark context rows for fed positions; only the last window's rows can reach the rings."""
+        W = self.model.cfg.window_size
+        self.model.dspark_append(state, features[-W:], np.asarray(positions)[-W:])
 
     def copy_state(self, state):
         """A deep copy (the prefix cache hands these out; the reference State holds only arrays and numbers)."""

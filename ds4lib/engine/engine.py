@@ -11,6 +11,10 @@ With `prefix_cache_mb` (CPU backend), generation without an explicit session res
 prefix of its prompt and stores its finished session back (prefix_cache.py); logits are those of a cold prefill.
 With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
 backend's sampler; without it the unmasked path runs, unchanged.
+Speculative decoding with the DSpark draft stages (speculative.py) is on by default (`dspark=True`) wherever the
+backend supports it (today the CPU backend; others decode plainly) and the request is unconstrained; greedy output
+is token-identical to plain greedy, sampled output has plain sampling's distribution. `spec_stats` sums its counts
+over requests, `last_spec_stats` holds the last request's.
 
 Shapes: T tokens, V vocab.
 """
@@ -25,6 +29,7 @@ import numpy as np
 from ds4lib.engine.backend import BackendContext, make_backend
 from ds4lib.engine.constrain import Constrainer, GrammarError, JsonFormat
 from ds4lib.engine.prefix_cache import KvDiskStore, PrefixCache
+from ds4lib.engine.speculative import Scheduler, SpecStats, generate_speculative, supports
 from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
 from ds4lib.formats.gguf import BaseFile, BaseFileError
 from ds4lib.formats.names import KEY_SOURCE_DIR
@@ -50,7 +55,10 @@ class Cancelled(EngineError):
 @dataclass(frozen=True)
 class SamplingParams:
     """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy.
-    `json_format`: the output must be JSON valid under that schema (constrained decoding, constrain.py)."""
+    `json_format`: the output must be JSON valid under that schema (constrained decoding, constrain.py).
+    `draft_k`: drafted tokens verified per speculative round; None lets the scheduler choose from this request's
+    measured costs, 0 decodes plainly. A seeded sampled request with draft_k None drafts the whole block every round:
+    its tokens depend on k (not its distribution), and a wall-clock k would make a seeded run irreproducible."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -59,6 +67,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple = ()
     json_format: JsonFormat | None = None
+    draft_k: int | None = None
 
     def __post_init__(self):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -73,6 +82,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        if self.draft_k is not None and (isinstance(self.draft_k, bool) or not isinstance(self.draft_k, int)
+                                         or self.draft_k < 0):
+            raise ValueError(f"draft_k must be None or an integer >= 0, got {self.draft_k!r}")
 
 
 @dataclass
@@ -163,7 +175,7 @@ def find_engram_checkpoint(base: BaseFile, engram_dir=None) -> Path:
 class Engine:
     def __init__(self, base_path, *, zchain=None, posttrain=None, engram_dir=None, backend: str = "cpu",
                  mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None,
-                 prefix_cache_mb: float = 0.0, kv_disk_dir=None, kv_disk_mb: float = 4096.0):
+                 prefix_cache_mb: float = 0.0, kv_disk_dir=None, kv_disk_mb: float = 4096.0, dspark: bool = True):
         try:
             self.base = BaseFile.open(base_path)
         except BaseFileError as e:
@@ -198,6 +210,9 @@ class Engine:
         ctx = BackendContext(cfg, self.base, self.token_map, self.engram_reader, self.prefill_block,
                              self.context_length)
         self.backend = make_backend(backend, ctx, gains, bias)
+        self.speculative = bool(dspark) and supports(self.backend, cfg)
+        self.spec_stats = SpecStats(cfg.dspark_block_size) if self.speculative else None
+        self.last_spec_stats = None
         self.memory = self.backend.memory_plan()
         self.memory.prefix_cache = int(prefix_cache_mb * _MB)
         self.prefix_cache = self._open_prefix_cache(prefix_cache_mb, kv_disk_dir, kv_disk_mb)
@@ -286,10 +301,12 @@ class Engine:
             raise EngineError(f"request needs {session.position + n} positions; the model's context is "
                               f"{self.context_length}")
 
-    def prefill(self, session: Session, tokens, *, all_logits: bool = False, observer=None, should_stop=None):
+    def prefill(self, session: Session, tokens, *, all_logits: bool = False, observer=None, should_stop=None,
+                draft_context: bool = False):
         """Feed tokens in blocks of `prefill_block`; returns the last position's logits [V] (or all [T, V]).
         With all_logits the result is a host array; otherwise it stays where the backend keeps it (the CUDA
-        backend samples on the device and reads back only the token)."""
+        backend samples on the device and reads back only the token). `draft_context`: also append the DSpark
+        context rows of the fed positions (speculative decoding drafts from them)."""
         toks = [int(t) for t in tokens]
         if not toks:
             raise EngineError("prefill needs at least one token")
@@ -301,6 +318,9 @@ class Engine:
                 raise Cancelled("cancelled during prefill")
             chunk = toks[i:i + self.prefill_block]
             out = self.backend.forward(session.state, chunk, last_only=not all_logits, observer=observer)
+            if draft_context:
+                self.backend.append_context(session.state, out.features,
+                                            np.arange(session.position, session.position + len(chunk)))
             session.tokens.extend(chunk)
             if out.features is not None and self.backend.name == "cpu":
                 session.features.append(out.features)
@@ -362,6 +382,7 @@ class Engine:
         generations steps each one block at a time)."""
         self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
+        spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1
         try:
             if progress:
                 B = self.prefill_block
@@ -370,10 +391,14 @@ class Engine:
                         yield None
                         if should_stop is not None and should_stop():
                             raise Cancelled("cancelled during prefill")
-                    logits = self.prefill(s, prompt_ids[i:i + B])
+                    logits = self.prefill(s, prompt_ids[i:i + B], draft_context=spec)
             else:
-                logits = self.prefill(s, prompt_ids, should_stop=should_stop)
+                logits = self.prefill(s, prompt_ids, should_stop=should_stop, draft_context=spec)
             seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 63))
+            if spec:
+                yield from self._generate_speculative(s, logits, params, seed)
+                clean = True
+                return
             constraint = self._constraint(params)
             for step in range(params.max_tokens):
                 if constraint is None:
@@ -397,6 +422,18 @@ class Engine:
         finally:
             if store and clean and self.prefix_cache is not None:
                 self.prefix_cache.store(s.tokens, s.state, s.features)
+
+    def _generate_speculative(self, s, logits, params, seed):
+        B = self.cfg.dspark_block_size
+        fixed = params.draft_k
+        if fixed is None and params.temperature > 0 and params.seed is not None:
+            fixed = B
+        stats = SpecStats(B)
+        self.last_spec_stats = stats
+        try:
+            yield from generate_speculative(self, s, logits, params, seed, Scheduler(B, fixed), stats)
+        finally:
+            self.spec_stats.add(stats)
 
     def _constraint(self, params: SamplingParams):
         if params.json_format is None:

@@ -3,7 +3,9 @@
 Ratio 2: kv = wkv(x), score = wgate(x) in FP32 (BF16 weights promoted); each complete group pools
 sum_r kv_r * softmax_r(score_r) per dimension, then BF16 and RMSNorm. Ratio 1: norm(wkv(x)) in BF16,
 no gate. Latents are returned before RoPE (the indexer needs them unrotated). A trailing incomplete
-group is carried in `pending` across calls and completed by later tokens.
+group is carried in `pending` across calls and completed by later tokens. While `pending.log` is a list (a
+speculative verify in progress, State.mark), each call also logs its first position and all its kv / score rows,
+so that State.rollback can rebuild the incomplete group of any earlier position exactly.
 
 Shapes: T tokens, Dh latent width, G completed groups.
 """
@@ -24,6 +26,7 @@ class Pending:
     def __init__(self, dh: int):
         self.kv = np.zeros((0, dh), dtype=np.float32)
         self.score = np.zeros((0, dh), dtype=np.float32)
+        self.log = None           # None, or [(first position, kv [n, Dh], score [n, Dh])] while a mark is open
 
     def copy(self):
         p = Pending(self.kv.shape[1])
@@ -45,6 +48,8 @@ def compress(x, w, cfg, ratio: int, start_pos: int, pending: Pending):
         raise ValueError(f"compressor state holds {n_prev} rows but the call starts at position {start_pos}")
     kv = np.concatenate([pending.kv, kv])
     score = np.concatenate([pending.score, score])
+    if pending.log is not None:
+        pending.log.append((start_pos - n_prev, kv, score))
     n_full = len(kv) // ratio * ratio
     pending.kv, pending.score = kv[n_full:].copy(), score[n_full:].copy()
     if n_full == 0:

@@ -249,9 +249,30 @@ class ReferenceModel:
             state.win_kv[l] = np.concatenate([state.win_kv[l], kv])[-W:]
             state.win_pos[l] = np.concatenate([state.win_pos[l], P])[-W:]
 
+    def rollback(self, state: State, mark, kept_ids) -> None:
+        """Undo all but the first len(kept_ids) tokens fed since `mark = state.mark()` (speculative verification):
+        afterwards the state equals that of feeding only kept_ids, array for array (State.rollback)."""
+        kept = np.asarray(kept_ids, dtype=np.int64)
+        hist = mark.engram_hist
+        if self.geometry is not None and len(kept):
+            cids = np.where(kept == self.cfg.image_token_id, -1, self.token_map[kept])
+            _, hist = engram_hashes(cids, hist, self.geometry, self.pad_cid)
+        ratios = {r.layer: r.ratio for r in self.roles if r.owns_compressor or r.indexer_owns_k}
+        state.rollback(mark, len(kept), ratios, hist)
+
     def dspark_propose(self, state: State, anchor: int, start_pos: int, pick=None, observer=None):
         """Draft a block after the target processed positions <= start_pos and produced `anchor` (the token
         at start_pos + 1). Block positions start_pos+1 .. start_pos+B; the rings are read, not written."""
+        y = self.dspark_hidden(state, anchor, start_pos, observer)
+        return self.dspark_draft(y, anchor, pick)
+
+    def dspark_draft(self, y, anchor: int, pick=None):
+        """The drafts of a block from its collapsed last-stage state y [B, D] (dspark.draft_tokens)."""
+        cfg = self.cfg
+        return dsp.draft_tokens(y, anchor, self.w.layer(cfg.n_all_layers - 1), self.w.global_(HEAD), cfg, pick)
+
+    def dspark_hidden(self, state: State, anchor: int, start_pos: int, observer=None):
+        """The draft stages over the block [anchor, noise...] at start_pos+1..: the collapsed state y [B, D]."""
         cfg = self.cfg
         B = cfg.dspark_block_size
         ids = np.full(B, cfg.dspark_noise_token_id, dtype=np.int64)
@@ -272,5 +293,4 @@ class ReferenceModel:
                 o = sparse_attention(q, keys, mask, None, None, w["attn.attn_sink"], cfg.head_dim ** -0.5)
                 return output_projection(o, w, cfg, P, freqs, self.quant_sim)
             h, pre = self._block(l, w, h, pre, attend, observer)
-        y = hc_pre(h, pre)
-        return dsp.draft_tokens(y, anchor, self.w.layer(cfg.n_all_layers - 1), self.w.global_(HEAD), cfg, pick)
+        return hc_pre(h, pre)

@@ -1,0 +1,311 @@
+"""Speculative decoding with the DSpark draft stages (SEED §4.4 "Speculative decoding", ARCHITECTURE §4.8.2, E2,
+issue 13): draft a block, verify 1 + k rows through the target in one forward, keep the accepted rows, roll the rest
+back exactly.
+
+A round, with the target having fed positions < F and `a` the pending token for position F:
+  1. propose: the draft stages over [a, noise...] give draft logits and a confidence logit c_j per block position;
+     the drafts d_1..d_B are their argmax (greedy) or are drawn from the draft distribution q_j at the request's
+     temperature and truncation (ds4lib.ref.sampling.probabilities) with the Markov bias following the drawn token.
+  2. k from the Scheduler (never changes a greedy token: any k gives plain greedy's output).
+  3. mark the state, forward [a, d_1..d_k] at F..F+k: target rows p_0..p_k.
+  4. greedy: d_j kept while it is the argmax of p_{j-1}; the first mismatch yields that argmax instead. Sampled:
+     d_j kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)); on the first rejection a token drawn from
+     normalise(max(0, p_{j-1} - q_j)) replaces it (`verify_rows`). All k kept: one more token from p_k.
+  5. roll the state back to the kept rows (a, d_1..d_n) and append their DSpark context rows (erratum E2: accepted
+     positions only). The last token becomes the next round's `a`.
+Every random number is the uniform of (seed, position, purpose) (`stream_uniform`), purposes DRAFT / ACCEPT /
+RESIDUAL / BONUS; the first token after the prompt is plain decoding's own (step 0), so it is the same token for a
+seed with or without speculation.
+
+The backend contract (`supports`): propose(state, anchor, start_pos, pick) -> Proposal, mark(state),
+rollback(state, mark, kept_tokens), append_context(state, features, positions), plus forward / to_host / sample. A
+backend without them (today's CUDA backend) decodes plainly; a backend may verify with its own multi-row kernels
+behind `forward`.
+
+Shapes: B block size, k drafted tokens verified, V vocab.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ds4lib.ref.sampling import probabilities, uniforms
+
+__all__ = ["SPEC_METHODS", "supports", "stream_uniform", "draw", "accept_draft", "residual", "verify_rows",
+           "SpecStats", "Scheduler", "generate_speculative", "DRAFT", "ACCEPT", "RESIDUAL", "BONUS"]
+
+SPEC_METHODS = ("propose", "mark", "rollback", "append_context")
+DRAFT, ACCEPT, RESIDUAL, BONUS = 1, 2, 3, 4
+_PURPOSE_SHIFT = 56               # plain decoding uses steps < 2^56 with purpose 0: the streams never meet
+
+
+def supports(backend, cfg) -> bool:
+    """The backend can draft, roll back and keep DSpark context rows, and the model has draft stages."""
+    return cfg.n_all_layers > cfg.n_layers and all(callable(getattr(backend, m, None)) for m in SPEC_METHODS)
+
+
+def stream_uniform(seed: int, position: int, purpose: int) -> float:
+    """The uniform in (0, 1) of (seed, position, purpose): Philox counter (0, position | purpose << 56)."""
+    return float(uniforms(seed, (int(purpose) << _PURPOSE_SHIFT) | int(position), 1)[0])
+
+
+def draw(prob, u: float) -> int:
+    """The token of `prob` [V] (sums to 1 up to rounding) at cumulative mass u: inverse-CDF sampling."""
+    c = np.cumsum(prob)
+    i = int(np.searchsorted(c, u * c[-1], side="right"))
+    i = min(i, len(c) - 1)
+    while prob[i] <= 0:              # u * total landed on the flat tail of rounding: the last token with mass
+        i -= 1
+    return i
+
+
+def accept_draft(p, q, d: int, u: float) -> bool:
+    """Accept draft d (drawn from q) with probability min(1, p[d] / q[d])."""
+    return u * q[d] < p[d]
+
+
+def residual(p, q):
+    """normalise(max(0, p - q)); p itself where p == q (then no draft is ever rejected)."""
+    r = np.maximum(p - q, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else p
+
+
+def verify_rows(target, drafts, q_rows, params, seed: int, first_pos: int, sample_bonus):
+    """(number of drafts kept, next token) for target rows p_0..p_k [k+1, V] and drafts d_1..d_k at positions
+    first_pos..first_pos+k-1. `q_rows[j]`: the draft distribution d_{j+1} was drawn from (unused when greedy).
+    `sample_bonus(row, position)`: the token after k kept drafts."""
+    k = len(drafts)
+    for j in range(k):
+        pos = first_pos + j
+        if params.temperature == 0:
+            best = int(np.argmax(target[j]))
+            if drafts[j] != best:
+                return j, best
+            continue
+        p = probabilities(target[j], temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                          min_p=params.min_p)
+        if not accept_draft(p, q_rows[j], drafts[j], stream_uniform(seed, pos, ACCEPT)):
+            return j, draw(residual(p, q_rows[j]), stream_uniform(seed, pos, RESIDUAL))
+    return k, sample_bonus(target[k], first_pos + k)
+
+
+@dataclass
+class SpecStats:
+    """Counts of one request (or summed over requests): rounds, drafted and accepted tokens, per draft position."""
+    block: int
+    rounds: int = 0
+    plain_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0                # tokens the rounds produced (kept drafts + one per round)
+    drafted_at: list = field(default_factory=list)
+    accepted_at: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.drafted_at = self.drafted_at or [0] * self.block
+        self.accepted_at = self.accepted_at or [0] * self.block
+
+    def observe_round(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        self.tokens += n + 1
+        for j in range(k):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += int(j < n)
+
+    def add(self, other: "SpecStats") -> None:
+        for name in ("rounds", "plain_steps", "drafted", "accepted", "tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for j in range(min(self.block, other.block)):
+            self.drafted_at[j] += other.drafted_at[j]
+            self.accepted_at[j] += other.accepted_at[j]
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else float("nan")
+
+    def acceptance(self) -> list:
+        """Share of drafts kept at each draft position (NaN where none was drafted)."""
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def summary(self) -> dict:
+        return {"rounds": self.rounds, "plain_steps": self.plain_steps, "drafted": self.drafted,
+                "accepted": self.accepted, "tokens_per_round": round(self.tokens_per_round, 4),
+                "acceptance": [round(a, 4) for a in self.acceptance()]}
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
+
+
+class Scheduler:
+    """Chooses k per round: k* = argmax_k (1 + sum_{j<=k} a_j) / (c_draft + c_v1 + c_tok * (1 + k)), survival
+    a_j = rho * prod_{i<=j} sigmoid(c_i) (clipped to 1), against a plain step (rate 1 / c_plain; no draft).
+
+    All costs are this request's wall clock: c_draft of the draft rounds, c_plain of the plain steps, and the line
+    c_v1 + c_tok * rows fitted by least squares to the mean verify time at each row count (a plain step counts as
+    one row). rho = first-position hits / sum of sigmoid(c_1) over the request's rounds. Warm-up: the first round
+    verifies the longest block, then a plain step gives the line its second point. `fixed_k` bypasses all of it
+    (0 = plain decoding). Timing only ever changes k, and k never changes a greedy token."""
+
+    def __init__(self, block: int, fixed_k: int | None = None):
+        self.block, self.fixed_k = block, fixed_k
+        self.plain_s, self.draft_s = [], []
+        self.verify_s: dict = {}
+        self.hits, self.sigma0 = 0, 0.0
+        self.prod_sum = np.zeros(block)      # sum over rounds of prod_{i<=j} sigmoid(c_i), for the pre-draft guess
+        self.rounds = 0
+
+    # -------------------------------------------------------------- observations
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_s.append(seconds)
+        self.verify_s.setdefault(1, []).append(seconds)
+
+    def observe_draft(self, seconds: float, conf) -> None:
+        self.draft_s.append(seconds)
+        self.prod_sum += np.cumprod(_sigmoid(conf))[:self.block]
+        self.rounds += 1
+
+    def observe_verify(self, rows: int, seconds: float, conf, kept: int) -> None:
+        self.verify_s.setdefault(rows, []).append(seconds)
+        if rows > 1:
+            self.sigma0 += float(_sigmoid(conf[0]))
+            self.hits += int(kept > 0)
+
+    # -------------------------------------------------------------- model
+    @property
+    def rho(self) -> float:
+        return self.hits / self.sigma0 if self.sigma0 > 0 else 1.0
+
+    def survival(self, conf) -> np.ndarray:
+        return np.minimum(self.rho * np.cumprod(_sigmoid(conf)), 1.0)
+
+    def line(self):
+        """(c_v1, c_tok) from the verify times, or None before two row counts were seen."""
+        if len(self.verify_s) < 2:
+            return None
+        rows = np.array(sorted(self.verify_s), dtype=np.float64)
+        t = np.array([np.mean(self.verify_s[r]) for r in sorted(self.verify_s)])
+        w = np.array([len(self.verify_s[r]) for r in sorted(self.verify_s)], dtype=np.float64)
+        A = np.stack([np.ones_like(rows), rows], axis=1) * np.sqrt(w)[:, None]
+        c_v1, c_tok = np.linalg.lstsq(A, t * np.sqrt(w), rcond=None)[0]
+        return max(float(c_v1), 0.0), max(float(c_tok), 1e-9)
+
+    def _best(self, a, kmax: int):
+        """(k, tokens per second) of the best k in 1..kmax for survival a."""
+        c_v1, c_tok = self.line()
+        c_draft = float(np.mean(self.draft_s))
+        ks = np.arange(1, kmax + 1)
+        rate = (1 + np.cumsum(a[:kmax])) / (c_draft + c_v1 + c_tok * (1 + ks))
+        i = int(np.argmax(rate))
+        return int(ks[i]), float(rate[i])
+
+    # -------------------------------------------------------------- decisions
+    def want_draft(self, kmax: int) -> bool:
+        """Draft this round, or take a plain step (before the draft is paid for, so on past rounds' survival)."""
+        if kmax < 1:
+            return False
+        if self.fixed_k is not None:
+            return self.fixed_k > 0
+        if not self.draft_s:
+            return True
+        if self.line() is None:
+            return False
+        c_v1, c_tok = self.line()
+        c_plain = float(np.mean(self.plain_s)) if self.plain_s else c_v1 + c_tok
+        a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
+        return self._best(a, kmax)[1] > 1.0 / c_plain
+
+    def choose(self, conf, kmax: int) -> int:
+        """k in 1..kmax for this round's confidence logits."""
+        if self.fixed_k is not None:
+            return max(1, min(self.fixed_k, kmax))
+        if self.line() is None:
+            return kmax
+        return self._best(self.survival(conf), kmax)[0]
+
+
+def _now():
+    return time.perf_counter()
+
+
+def generate_speculative(engine, s, logits, params, seed: int, sched: Scheduler, stats: SpecStats):
+    """Yield the tokens after the prompt whose logits are `logits` (session `s` has fed the prompt and holds its
+    DSpark context rows), by speculative rounds and plain steps, up to params.max_tokens, stopping after EOS."""
+    from ds4lib.engine.engine import EOS
+    backend, cfg = engine.backend, engine.cfg
+    tok = backend.sample(logits, params, seed, 0)
+    emitted = 1
+    yield tok
+    while tok != EOS and emitted < params.max_tokens:
+        kmax = min(cfg.dspark_block_size, params.max_tokens - emitted - 1, engine.context_length - s.position - 1)
+        if not sched.want_draft(kmax):
+            engine._check_room(s, 1)
+            t0 = _now()
+            out = backend.forward(s.state, [tok], last_only=True)
+            row = backend.to_host(out.logits)[-1]
+            sched.observe_plain(_now() - t0)
+            backend.append_context(s.state, out.features, [s.position])
+            s.tokens.append(tok)
+            stats.plain_steps += 1
+            tok = backend.sample(row, params, seed, emitted) if params.temperature == 0 else \
+                _bonus(backend, params, seed)(row, s.position)
+            emitted += 1
+            yield tok
+            continue
+        new = yield from _round(engine, s, tok, params, seed, sched, stats, kmax)
+        emitted += len(new)
+        tok = new[-1]
+
+
+def _bonus(backend, params, seed):
+    def sample_bonus(row, position):
+        return backend.sample(row, params, seed, (BONUS << _PURPOSE_SHIFT) | int(position))
+    return sample_bonus
+
+
+def _round(engine, s, anchor, params, seed, sched, stats, kmax):
+    """One round (module docstring); yields its tokens and returns them."""
+    from ds4lib.engine.engine import EOS
+    backend = engine.backend
+    F = s.position
+    q_rows = []
+
+    def pick(row):
+        q = probabilities(row, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                          min_p=params.min_p)
+        q_rows.append(q)
+        return draw(q, stream_uniform(seed, F + len(q_rows), DRAFT))
+
+    t0 = _now()
+    prop = backend.propose(s.state, anchor, F - 1, None if params.temperature == 0 else pick)
+    conf = np.asarray(prop.confidence, dtype=np.float64)
+    sched.observe_draft(_now() - t0, conf)
+    k = sched.choose(conf, kmax)
+    drafts = [int(t) for t in prop.tokens[1:1 + k]]
+    rows = [int(anchor)] + drafts
+    engine._check_tokens(rows)
+    engine._check_room(s, len(rows))
+    mark = backend.mark(s.state)
+    t0 = _now()
+    out = backend.forward(s.state, rows)
+    target = backend.to_host(out.logits)
+    dt = _now() - t0
+    n, nxt = verify_rows(target, drafts, q_rows, params, seed, F + 1, _bonus(backend, params, seed))
+    sched.observe_verify(len(rows), dt, conf, n)
+    kept = rows[:1 + n]
+    backend.rollback(s.state, mark, kept)
+    backend.append_context(s.state, out.features[:1 + n], np.arange(F, F + 1 + n))
+    s.tokens.extend(kept)
+    stats.observe_round(k, n)
+    new = drafts[:n] + [int(nxt)]
+    for i, t in enumerate(new):
+        yield t
+        if t == EOS:
+            return new[:i + 1]
+    return new
+

@@ -1,0 +1,294 @@
+"""Speculative decoding with the DSpark stages (issue 13) on the CPU backend and the shipped ds4-tiny: exact rollback of
+rejected rows, greedy output token-identical to plain greedy for every k, and the distribution gate for sampled
+decoding (speculative vs plain over 2,000 seeds, chi-square on the first tokens verification decides; the same test
+on an always-accept rule must fail)."""
+import copy
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4lib.engine import Engine, SamplingParams, Session
+from ds4lib.engine import speculative as spec
+from ds4lib.engine.prefix_cache import state_arrays
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_BASE = ROOT / "models" / "ds4-tiny-base.gguf"
+TEXTS = ("The capital of France is Paris. The capital of Germany is",
+         "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+         "In 1905, Albert Einstein published four papers that")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(TINY_BASE)
+
+
+def _prompt(engine, text):
+    return [0] + engine.encode(text)
+
+
+def _assert_states_equal(a, b):
+    A, B = state_arrays(a), state_arrays(b)
+    assert A.keys() == B.keys()
+    for k in A:
+        x, y = A[k], B[k]
+        if k.endswith("._buf"):           # growable caches: same rows in use, zeros past them (capacity may differ)
+            n = min(len(x), len(y))
+            assert not x[n:].any() and not y[n:].any(), k
+            x, y = x[:n], y[:n]
+        np.testing.assert_array_equal(x, y, err_msg=k)
+
+
+@pytest.mark.parametrize("length", [5, 18, 23])
+def test_rollback_equals_feeding_only_the_kept_tokens(engine, length):
+    """Prompts shorter and longer than the window (16), odd and even (the ratio-2 compressor's incomplete group),
+    keeping 0 .. all rows of a 5-row verify call."""
+    model = engine.backend.model
+    rng = np.random.default_rng(length)
+    base = model.new_state()
+    model.forward(rng.integers(9, 1000, length), base)
+    rows = rng.integers(9, 1000, 5)
+    for n in range(len(rows) + 1):
+        a = base.copy()
+        mark = engine.backend.mark(a)
+        model.forward(rows, a)
+        engine.backend.rollback(a, mark, rows[:n])
+        b = base.copy()
+        for t in rows[:n]:
+            model.forward([t], b)
+        _assert_states_equal(a, b)
+        # the rolled-back state goes on exactly as the other
+        nxt = rng.integers(9, 1000, 3)
+        np.testing.assert_array_equal(model.forward(nxt, a).logits, model.forward(nxt, b).logits)
+
+
+def test_rollback_refuses_without_a_mark(engine):
+    model = engine.backend.model
+    st = model.new_state()
+    model.forward([5, 6, 7], st)
+    mark = st.mark()
+    model.forward([8, 9], st)
+    model.rollback(st, mark, [8])
+    with pytest.raises(ValueError, match="without a mark"):
+        model.rollback(st, mark, [])
+    with pytest.raises(ValueError, match="keeps 3 rows"):
+        st2 = model.new_state()
+        m2 = st2.mark()
+        model.forward([1, 2], st2)
+        model.rollback(st2, m2, [1, 2, 3])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_greedy_is_token_identical_to_plain_for_every_k(engine, text):
+    ids = _prompt(engine, text)
+    plain = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=14, draft_k=0)))
+    for k in (1, 2, 4, None):
+        got = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=14, draft_k=k)))
+        assert got == plain, f"k={k}"
+        st = engine.last_spec_stats
+        assert st.rounds > 0 and st.drafted > 0
+    assert engine.spec_stats.accepted > 0           # the accept path ran, not only rejections
+
+
+def test_drafts_that_are_right_or_wrong_at_every_position(engine, monkeypatch):
+    """Drafts forced to the target's own greedy tokens with one wrong token injected at position j (or none): every
+    number of kept rows, output identical to plain greedy, the counts as forced."""
+    ids = _prompt(engine, TEXTS[0])
+    N = 12
+    plain = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=N, draft_k=0)))
+    B = engine.cfg.dspark_block_size
+    real = engine.backend.propose
+    for wrong in list(range(B)) + [None]:
+        def propose(state, anchor, start_pos, pick=None, wrong=wrong):
+            prop = real(state, anchor, start_pos, pick)
+            P = start_pos + 1 - len(ids)       # generated tokens before the anchor
+            want = (plain + [1] * (B + 2))[P + 1:P + 1 + B]
+            prop.tokens[1:] = want
+            if wrong is not None:
+                prop.tokens[1 + wrong] = (want[wrong] + 1) % engine.cfg.vocab_size
+            return prop
+        monkeypatch.setattr(engine.backend, "propose", propose)
+        got = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=N, draft_k=B)))
+        assert got == plain, f"wrong at {wrong}"
+        acc = engine.last_spec_stats.accepted_at
+        if wrong is not None:
+            assert acc[wrong] == 0 and all(acc[j] > 0 for j in range(wrong))
+    monkeypatch.undo()
+
+
+def test_scheduler_picks_from_measured_costs():
+    s = spec.Scheduler(4)
+    assert s.want_draft(4) and s.choose(np.zeros(4), 4) == 4         # warm-up: the longest block first
+    s.observe_draft(0.01, np.full(4, 5.0))
+    s.observe_verify(5, 0.05, np.full(4, 5.0), 4)
+    assert not s.want_draft(4)                                        # then a plain step for the line's 2nd point
+    s.observe_plain(0.02)
+    c_v1, c_tok = s.line()
+    assert c_v1 == pytest.approx(0.0125) and c_tok == pytest.approx(0.0075)
+    assert s.choose(np.full(4, 8.0), 4) == 4                          # confident drafts: the whole block
+    assert s.choose(np.array([8.0, -8.0, -8.0, -8.0]), 4) == 1        # the 2nd draft hopeless: k = 1
+    slow = spec.Scheduler(4)
+    slow.observe_draft(1.0, np.full(4, -5.0))                         # a draft costing 50 plain steps
+    slow.observe_verify(5, 0.05, np.full(4, -5.0), 0)
+    slow.observe_plain(0.02)
+    assert not slow.want_draft(4)
+    assert spec.Scheduler(4, fixed_k=2).choose(np.zeros(4), 4) == 2
+    assert not spec.Scheduler(4, fixed_k=0).want_draft(4)
+
+
+def test_draft_k_is_validated():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="draft_k"):
+            SamplingParams(draft_k=bad)
+
+
+# ------------------------------------------------------------------------------------------------ distribution gate
+class _Memo:
+    """Caches the model's forward, draft stages and context appends per state history: every state carries a key
+    naming the calls that built it from the prompt's state (copies keep it), so the gate's 2,000 seeds, which revisit
+    few distinct (state, inputs) pairs, pay each distinct call once; a hit leaves the state exactly as the call would.
+    Rollbacks run for real and extend the key. Test-only speed-up; every call still goes through the engine's code."""
+
+    def __init__(self, engine):
+        self.backend, self.model, self.cache = engine.backend, engine.backend.model, {}
+        self.forward, self.hidden, self.append = self.model.forward, self.model.dspark_hidden, self.model.dspark_append
+        self.rollback = self.backend.rollback
+
+    @staticmethod
+    def _key(state, *inputs):
+        h = hashlib.sha1(state.__dict__.get("memo_key", "root").encode())
+        for x in inputs:
+            h.update(np.asarray(x).tobytes() if not isinstance(x, str) else x.encode())
+        return h.hexdigest()
+
+    def _mutating(self, name, call, state, *inputs):
+        logs = "".join("1" if p is not None and p.log is not None else "0" for p in state.pending)
+        key = self._key(state, name, logs, *inputs)
+        if key not in self.cache:
+            out = call()
+            post = copy.deepcopy({k: v for k, v in state.__dict__.items() if k != "memo_key"})
+            self.cache[key] = (out, post)
+        out, post = self.cache[key]
+        state.__dict__.update(copy.deepcopy(post))
+        state.memo_key = key
+        return out
+
+    def install(self, monkeypatch):
+        m = self.model
+
+        def forward(ids, state, **kw):
+            return self._mutating("forward", lambda: self.forward(ids, state, **kw), state, ids, repr(sorted(kw.items())))
+
+        def append(state, f, p):
+            return self._mutating("append", lambda: self.append(state, f, p), state, f, p)
+
+        def hidden(state, anchor, start_pos, observer=None):
+            key = self._key(state, "hidden", int(anchor), int(start_pos))
+            if key not in self.cache:
+                self.cache[key] = self.hidden(state, anchor, start_pos)
+            return self.cache[key]
+
+        def rollback(state, mark, kept):
+            self.rollback(state, mark, kept)
+            state.memo_key = self._key(state, "rollback", np.asarray(kept, dtype=np.int64))
+        monkeypatch.setattr(m, "forward", forward)
+        monkeypatch.setattr(m, "dspark_append", append)
+        monkeypatch.setattr(m, "dspark_hidden", hidden)
+        monkeypatch.setattr(self.backend, "rollback", rollback)
+
+
+N_SEEDS = 2000
+
+
+def _first_tokens(engine, prompt, params, seeds, speculative):
+    """Per seed, the first three generated tokens: speculatively (the engine's rounds, k = 2) or by plain decoding."""
+    s0 = engine.new_session()
+    logits0 = engine.prefill(s0, prompt, draft_context=True)
+    B = engine.cfg.dspark_block_size
+    out = []
+    for seed in seeds:
+        s = Session(engine, engine.backend.copy_state(s0.state), list(s0.tokens))
+        if speculative:
+            gen = spec.generate_speculative(engine, s, logits0, params, seed, spec.Scheduler(B, 2), spec.SpecStats(B))
+            out.append(list(gen))
+        else:
+            toks, logits = [], logits0
+            for step in range(params.max_tokens):
+                toks.append(engine.backend.sample(logits, params, seed, step))
+                if step < params.max_tokens - 1:
+                    logits = engine.decode(s, toks[-1])
+            out.append(toks)
+    return np.array(out)
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(chi2_dof >= x): the regularised upper incomplete gamma Q(dof/2, x/2) (series below a + 1, continued
+    fraction above; Numerical Recipes 6.2)."""
+    a, z = dof / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    lead = math.exp(-z + a * math.log(z) - math.lgamma(a))
+    if z < a + 1:
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > 1e-15 * abs(total):
+            n += 1
+            term *= z / n
+            total += term
+        return max(0.0, 1.0 - lead * total)
+    b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c
+        c = c if abs(c) > 1e-300 else 1e-300
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return lead * h
+
+
+def _chi2_pvalue(a, b):
+    """Two-sample chi-square test of homogeneity of token samples a, b; tokens seen under 10 times pooled."""
+    cats, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+    big = cats[counts >= 10]
+    table = np.array([[np.sum(x == c) for c in big] + [np.sum(~np.isin(x, big))] for x in (a, b)], dtype=np.float64)
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return _chi2_sf(float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1)
+
+
+@pytest.mark.slow
+def test_sampled_distribution_gate(engine, monkeypatch):
+    """2,000 seeds, temperature 1.0 with top_k 8: the marginals of the 2nd and 3rd generated tokens (the first two that
+    verification decides; the 1st is plain decoding's own token) agree between speculative and plain decoding, and an
+    always-accept rule is caught."""
+    _Memo(engine).install(monkeypatch)
+    prompt = _prompt(engine, "Once upon a time, there was a")
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=3, seed=0)
+    seeds = range(N_SEEDS)
+    plain = _first_tokens(engine, prompt, params, seeds, speculative=False)
+    good = _first_tokens(engine, prompt, params, seeds, speculative=True)
+    np.testing.assert_array_equal(good[:, 0], plain[:, 0])
+    p_good = [_chi2_pvalue(good[:, i], plain[:, i]) for i in (1, 2)]
+    monkeypatch.setattr(spec, "accept_draft", lambda p, q, d, u: True)
+    bad = _first_tokens(engine, prompt, params, seeds, speculative=True)
+    p_bad = [_chi2_pvalue(bad[:, i], plain[:, i]) for i in (1, 2)]
+    print("gate p-values: rejection sampling", p_good, "always accept", p_bad)
+    assert min(p_good) > 0.01
+    assert min(p_bad) < 1e-4
+
+
+def test_chi2_tail_matches_known_values():
+    assert _chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-6)
+    assert _chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, rel=1e-6)
+    assert _chi2_sf(2.0, 30) == pytest.approx(1.0, abs=1e-9)
+    assert _chi2_sf(100.0, 3) < 1e-20
