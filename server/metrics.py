@@ -71,8 +71,9 @@ class Metrics:
         with self._lock:
             self.cancelled += 1
 
-    def render(self, *, queue_depth: int, running: int, loaded: bool, prefix_cache=None) -> str:
-        """`prefix_cache`: the engine's PrefixCache (or None), whose counters are read as they are."""
+    def render(self, *, queue_depth: int, running: int, loaded: bool, prefix_cache=None, speculative=None) -> str:
+        """`prefix_cache`: the engine's PrefixCache (or None), whose counters are read as they are; `speculative`:
+        the engine's summed SpecStats (None when speculative decoding is off)."""
         with self._lock:
             lines = ["# HELP ds4_requests_total HTTP requests to the API endpoints, by endpoint and status.",
                      "# TYPE ds4_requests_total counter"]
@@ -102,8 +103,24 @@ class Metrics:
                      prefix_cache.tokens_reused),
                     ("ds4_prefix_cache_bytes", "gauge", "Memory held by cached session states.", prefix_cache.bytes),
                 ]
+            if speculative is not None:
+                st = speculative
+                tpr = st.tokens_per_round if st.rounds else 0.0
+                scalars += [
+                    ("ds4_spec_rounds_total", "counter", "Speculative rounds (draft, verify 1 + k rows).", st.rounds),
+                    ("ds4_spec_plain_steps_total", "counter", "Plain decode steps the scheduler chose instead.",
+                     st.plain_steps),
+                    ("ds4_spec_drafted_tokens_total", "counter", "Draft tokens verified.", st.drafted),
+                    ("ds4_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", st.accepted),
+                    ("ds4_spec_tokens_per_round", "gauge", "Tokens per speculative round since start.", round(tpr, 4)),
+                ]
             for name, kind, help_, value in scalars:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+            if speculative is not None:
+                lines += ["# HELP ds4_spec_acceptance Share of drafts accepted at each draft position since start.",
+                          "# TYPE ds4_spec_acceptance gauge"]
+                lines += [f'ds4_spec_acceptance{{position="{j + 1}"}} {a / d if d else 0.0:.4f}'
+                          for j, (a, d) in enumerate(zip(speculative.accepted_at, speculative.drafted_at))]
             lines += ["# HELP ds4_time_to_first_token_seconds Seconds from request arrival to the first token.",
                       "# TYPE ds4_time_to_first_token_seconds histogram"]
             lines += self.ttft.lines("ds4_time_to_first_token_seconds")

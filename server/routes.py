@@ -137,7 +137,8 @@ def metrics():
     st = _state()
     engine = st.worker.engine if st.worker.ready else None
     text = st.metrics.render(queue_depth=st.worker.queue_depth, running=st.worker.running, loaded=st.worker.ready,
-                             prefix_cache=getattr(engine, "prefix_cache", None))
+                             prefix_cache=getattr(engine, "prefix_cache", None),
+                             speculative=getattr(engine, "spec_stats", None))
     return Response(text, mimetype="text/plain; version=0.0.4")
 
 

@@ -15,6 +15,9 @@ def add_engine_args(p, model_required: bool = True):
     p.add_argument("--cuda", action="store_true", help="run on the GPU (Numba CUDA kernels)")
     p.add_argument("--mem-budget-mb", type=finite_float(0.0, lo_open=True), default=None,
                    help="refuse to start if the stack needs more")
+    p.add_argument("--no-dspark", action="store_true",
+                   help="decode plainly: no speculative decoding with the DSpark draft stages (on by default where "
+                        "the backend supports it)")
 
 
 def add_prefix_cache_args(p, default_mb: float = 0.0):
@@ -39,7 +42,8 @@ def open_engine(args, *, warm_up: bool = True):
     if cache and cache["prefix_cache_mb"] is None:
         cache["prefix_cache_mb"] = 0.0 if args.cuda else args.prefix_cache_default_mb
     engine = Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
-                    backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb, **cache)
+                    backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb,
+                    dspark=not getattr(args, "no_dspark", False), **cache)
     if warm_up and args.cuda:
         engine.warm_up()
     return engine

@@ -29,7 +29,8 @@ def build_parser():
     p.add_argument("--seed", type=seed, default=None, help="0 .. 2^64 - 1 (default: a fresh one per run)")
     p.add_argument("--think", action="store_true", help="thinking mode (reasoning before </think>)")
     p.add_argument("--raw", action="store_true", help="no chat template: BOS + prompt")
-    p.add_argument("--stats", action="store_true", help="print tokens/s to stderr")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and speculative decoding's tokens per round, "
+                   "drafted and accepted counts, acceptance per draft position) to stderr")
     return p
 
 
@@ -69,4 +70,12 @@ def main(argv=None) -> int:
         print(f"[prompt {len(ids)} tokens; first token after {first:.2f} s (prefill; with --cuda the kernels were "
               f"compiled or loaded before, by the warm-up); then {n - 1} tokens at {rate:.1f} tokens/s]",
               file=sys.stderr)
+        st = engine.last_spec_stats
+        if st is not None:
+            acc = " ".join("-" if d == 0 else f"{a / d:.2f}" for a, d in zip(st.accepted_at, st.drafted_at))
+            print(f"[speculative: {st.rounds} rounds at {st.tokens_per_round:.2f} tokens per round, {st.plain_steps} "
+                  f"plain steps; drafted {st.drafted}, accepted {st.accepted}; acceptance per draft position {acc}]",
+                  file=sys.stderr)
+        elif not engine.speculative:
+            print("[speculative decoding off]", file=sys.stderr)
     return 0
