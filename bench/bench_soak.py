@@ -173,8 +173,9 @@ def _event(ev: dict, api: str, turn: Turn) -> tuple:
         turn.cached_tokens = ev["message"]["usage"].get("cache_read_input_tokens") or 0
     elif kind == "content_block_delta" and ev["delta"]["type"] == "text_delta":
         return ev["delta"]["text"], False
-    elif kind == "message_delta":
+    elif kind == "message_delta":                     # the final usage: the cache read is known after the prefill
         turn.completion_tokens = ev["usage"]["output_tokens"]
+        turn.cached_tokens = ev["usage"].get("cache_read_input_tokens") or turn.cached_tokens
     return "", kind == "message_stop"
 
 
