@@ -90,3 +90,24 @@ def test_bad_arguments(cuda_ready):
         q4k_gemv(cuda_ready.to_device(np.zeros((1, 256), np.float32)), q, kind="q5_K")
     with pytest.raises(ValueError):
         q4k_rows(q, cuda_ready.to_device(np.zeros(1, np.int32)))
+
+
+@pytest.mark.parametrize("rows,k,rpg", [(8, 256 * 3, None), (6, 512, 3), (4, 256 * 9, None), (5, 256 * 7, None)])
+def test_decode_kernel_equals_the_two_step_kernel(cuda_ready, rows, k, rpg):
+    """A one-token call takes q4k_gemv_deep_kernel (four steps of loads in flight, 8-byte activation loads); it keeps
+    the two-step kernel's lanes and FMA order, so the same bits, for any number of super-blocks (odd counts, tails
+    of 1-7 steps) and for grouped rows; a non-contiguous x takes the two-step kernel."""
+    from kernels.q4k_gemv import WARP, WARPS_PER_BLOCK, q4k_gemv, q4k_gemv_t1_kernel
+    rng = np.random.default_rng(rows * k)
+    q, _ = _q4k(rng, rows, k)
+    groups = 1 if rpg is None else rows // rpg
+    x = cuda_ready.to_device(round_bf16(rng.standard_normal((1, groups * k))))
+    d_q = cuda_ready.to_device(q)
+    want = cuda_ready.device_array((1, rows), np.float32)
+    q4k_gemv_t1_kernel[(rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK, WARP * WARPS_PER_BLOCK](
+        x, d_q.view(np.uint64), rpg or rows, False, want)
+    got = q4k_gemv(x, d_q, quantize=False, out_bf16=False, rows_per_group=rpg).copy_to_host()
+    np.testing.assert_array_equal(got, want.copy_to_host())
+    wide = cuda_ready.to_device(np.repeat(x.copy_to_host(), 2, axis=1))      # a strided [1, K] view: two-step path
+    strided = q4k_gemv(wide[:, ::2], d_q, quantize=False, out_bf16=False, rows_per_group=rpg).copy_to_host()
+    np.testing.assert_array_equal(strided, got)
