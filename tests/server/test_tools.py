@@ -128,7 +128,7 @@ def tool_server(tiny_stack):
     from ds4lib.engine import Engine
     from server import create_app
     base, ck = tiny_stack
-    engine = Engine(base, engram_dir=ck)
+    engine = Engine(base, engram_dir=ck, dspark=False)     # the scripted sampler follows plain decoding's steps
     forced = engine.tokenizer.encode("Let me check." + CALL_TEXT, add_special_tokens=False).ids + [1]
     engine.backend.sample = lambda logits, params, seed, step: forced[min(step, len(forced) - 1)]
     prompts = []
