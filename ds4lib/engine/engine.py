@@ -57,8 +57,9 @@ class SamplingParams:
     """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy.
     `json_format`: the output must be JSON valid under that schema (constrained decoding, constrain.py).
     `draft_k`: drafted tokens verified per speculative round; None lets the scheduler choose from this request's
-    measured costs, 0 decodes plainly. A seeded sampled request with draft_k None drafts the whole block every round:
-    its tokens depend on k (not its distribution), and a wall-clock k would make a seeded run irreproducible."""
+    measured costs, 0 decodes plainly. A seeded sampled request with draft_k None decodes plainly: its tokens would
+    depend on k (their distribution does not), and a k chosen from wall-clock costs would make a seeded run
+    irreproducible; give draft_k to draft a fixed number of tokens per round."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -382,7 +383,9 @@ class Engine:
         generations steps each one block at a time)."""
         self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
-        spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1
+        seeded_sampled = params.temperature > 0 and params.seed is not None and params.draft_k is None
+        spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1 \
+            and not seeded_sampled
         try:
             if progress:
                 B = self.prefill_block
@@ -426,8 +429,6 @@ class Engine:
     def _generate_speculative(self, s, logits, params, seed):
         B = self.cfg.dspark_block_size
         fixed = params.draft_k
-        if fixed is None and params.temperature > 0 and params.seed is not None:
-            fixed = B
         stats = SpecStats(B)
         self.last_spec_stats = stats
         try:

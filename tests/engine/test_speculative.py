@@ -119,6 +119,20 @@ def test_drafts_that_are_right_or_wrong_at_every_position(engine, monkeypatch):
     monkeypatch.undo()
 
 
+def test_seeded_sampled_request_without_draft_k_is_plain_decoding(engine):
+    """A seeded sampled request with draft_k None decodes plainly (reproducible whatever the machine's timings):
+    the same tokens as draft_k=0, and no speculative round; with draft_k given it speculates."""
+    ids = [0] + engine.encode("The court held that")
+    p = SamplingParams(temperature=1.0, top_k=8, max_tokens=8, seed=3)
+    engine.last_spec_stats = None
+    auto = list(engine.generate_ids(ids, p))
+    assert engine.last_spec_stats is None
+    plain = list(engine.generate_ids(ids, SamplingParams(temperature=1.0, top_k=8, max_tokens=8, seed=3, draft_k=0)))
+    assert auto == plain
+    list(engine.generate_ids(ids, SamplingParams(temperature=1.0, top_k=8, max_tokens=8, seed=3, draft_k=2)))
+    assert engine.last_spec_stats is not None and engine.last_spec_stats.rounds > 0
+
+
 def test_scheduler_picks_from_measured_costs():
     s = spec.Scheduler(4)
     assert s.want_draft(4) and s.choose(np.zeros(4), 4) == 4         # warm-up: the longest block first
