@@ -3,7 +3,8 @@ acceptance and decode speed against plain decoding, greedy and sampled, on judgi
 
 For each prompt (the first `--prompt-tokens` tokens of each judging slice's first window, then the chat prompts,
 chat-encoded) and each mode (greedy; temperature 1.0 with seed s), generates `-n` tokens plainly (draft_k 0) and
-speculatively (`--draft-k`, default: the engine's scheduler; a seeded sampled request then drafts the whole block),
+speculatively (`--draft-k`, default: the engine's scheduler for greedy runs and the whole draft block for sampled
+ones, since a seeded sampled request without draft_k decodes plainly),
 and reports tokens per round, acceptance per draft position, and decode tokens/s of both (prefill excluded). Greedy
 runs also check that the two outputs are identical.
 
@@ -47,7 +48,8 @@ def run(engine, prompts, n, temps, seed, draft_k):
         for temp in temps:
             kw = dict(temperature=temp, max_tokens=n, seed=seed if temp > 0 else None)
             plain, t_plain = _timed(engine, ids, SamplingParams(draft_k=0, **kw))
-            spec, t_spec = _timed(engine, ids, SamplingParams(draft_k=draft_k, **kw))
+            k = draft_k if draft_k is not None or temp == 0 else engine.cfg.dspark_block_size
+            spec, t_spec = _timed(engine, ids, SamplingParams(draft_k=k, **kw))
             st = engine.last_spec_stats or SpecStats(B)
             rows.append({"prompt": name, "temperature": temp, "plain_tokens": len(plain), "spec_tokens": len(spec),
                          "identical": plain == spec if temp == 0 else None,
