@@ -429,12 +429,15 @@ class Env:
 
     `kernel_cache_dir`: the root of numba-cuda's on-disk kernel cache (kernels/__init__.py keeps one subdirectory
     per version of the kernel sources under it): DS4_KERNEL_CACHE, else NUMBA_CACHE_DIR, else
-    $XDG_CACHE_HOME/ds4/numba (an absolute XDG_CACHE_HOME only, as the XDG spec asks), else ~/.cache/ds4/numba."""
+    $XDG_CACHE_HOME/ds4/numba (an absolute XDG_CACHE_HOME only, as the XDG spec asks), else ~/.cache/ds4/numba.
+    `cuda_graphs`: the CUDA backend replays decode steps from CUDA graphs (DS4_CUDA_GRAPHS, default on; 0 keeps the
+    same launches eager)."""
 
     require_cuda: bool
     cache_dir: Path
     cudasim: bool
     kernel_cache_dir: Path
+    cuda_graphs: bool = True
 
     @classmethod
     def read(cls) -> "Env":
@@ -447,4 +450,5 @@ class Env:
             cache_dir=Path(os.getenv("DS4_CACHE_DIR", str(root / "cache"))),
             cudasim=os.getenv("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"),
             kernel_cache_dir=Path(explicit).expanduser().absolute() if explicit else user_cache / "ds4" / "numba",
+            cuda_graphs=os.getenv("DS4_CUDA_GRAPHS", "1") not in ("", "0"),
         )

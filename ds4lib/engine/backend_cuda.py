@@ -37,7 +37,6 @@ E experts, F expert width, V vocab, Nc compressed rows.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything co
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from ds4lib.config import Env
 from ds4lib.engine import cuda_graph
 from ds4lib.engine.cuda_weights import CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
@@ -187,7 +187,7 @@ class CudaBackend:
         self.max_chunk = self._pick_chunk(ctx.prefill_block)
         self.n_split = {}
         if graphs is None:
-            graphs = os.environ.get("DS4_CUDA_GRAPHS", "1") not in ("0", "")
+            graphs = Env.read().cuda_graphs
         self.graphs = bool(graphs) and cuda_graph.available()
         self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0}
         self._decode_io()
