@@ -146,6 +146,7 @@ class _Call:
 
 class CudaBackend:
     name = "cuda"
+    simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
     def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None):
         from ds4lib.engine.engine import EngineError

@@ -14,7 +14,9 @@ per array dtype, rank and layout and scalar type, never per length, so a longer 
 
 "Compiled" or "loaded" is read off the cache directory, not guessed from the time: numba-cuda writes a `.nbc` data
 file only after it compiled something; the files written under Env.kernel_cache_dir during the warm-up are counted.
-The CPU backend has nothing to compile; it warms up the same way (cheap) and says so.
+The CPU backend has nothing to compile; it warms up the same way (cheap) and says so. A backend whose `simulated` is
+true (the CUDA backend under the CUDA simulator) compiles nothing either and is not run: a simulated forward takes
+minutes.
 
 Shapes: V vocab.
 """
@@ -98,6 +100,12 @@ def warm_up(engine, *, quiet: bool = False) -> WarmUp:
     """Run the warm-up on `engine`; unless `quiet`, one line on stderr (begun before the work and ended after it,
     since a first run takes a minute)."""
     out = None if quiet else sys.stderr
+    if getattr(engine.backend, "simulated", False):     # the CUDA simulator compiles nothing: a warm-up only costs
+        report = WarmUp(engine.backend.name + " (simulator)", 0.0, None, None, None)
+        if out is not None:
+            out.write(f"ds4: {report.outcome}\n")
+            out.flush()
+        return report
     root = Env.read().kernel_cache_dir if engine.backend.name == "cuda" else None
     if out is not None:
         out.write(f"ds4: warming up the {engine.backend.name} backend ... ")

@@ -95,3 +95,15 @@ def test_a_cache_that_keeps_nothing_is_not_reported_as_loaded(cache_root):
     report = warm_up(_Engine(_Backend("cuda")), quiet=True)
     assert report.compiled == 0 and report.cached == 0
     assert "nothing was written to the cache" in report.message and "loaded" not in report.message
+
+
+def test_a_simulated_backend_is_not_run(capsys):
+    """The CUDA backend under the simulator compiles nothing: warm_up says so and runs no forward (one would take
+    minutes there)."""
+    b = _Backend("cuda")
+    b.simulated = True
+    e = _Engine(b)
+    report = warm_up(e)
+    assert report.compiled is None and report.seconds == 0.0
+    assert "simulator" in capsys.readouterr().err
+    assert not b.calls
