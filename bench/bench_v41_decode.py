@@ -64,7 +64,7 @@ def _args(argv=None):
 
 
 ARGS = _args() if __name__ == "__main__" else _args(["--small"])
-from bench.timing import use_simulator  # noqa: E402
+from bench.timing import eager_time, use_simulator  # noqa: E402
 
 if ARGS.small:
     use_simulator()                                     # before the first numba.cuda import
@@ -99,17 +99,7 @@ def _read4_kernel(buf, out):
 def _event_seconds(run, stream, reps):
     run()                                               # warm (compile)
     stream.synchronize()
-    if SIM:
-        t = time.perf_counter()
-        run()
-        return time.perf_counter() - t
-    start, end = cuda.event(), cuda.event()
-    start.record(stream)
-    for _ in range(reps):
-        run()
-    end.record(stream)
-    end.synchronize()
-    return cuda.event_elapsed_time(start, end) / 1e3 / reps
+    return eager_time(run, stream, reps, simulator=SIM)
 
 
 def measure_roofline(gib, reps=20):
