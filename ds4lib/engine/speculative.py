@@ -1,6 +1,6 @@
-"""Speculative decoding with the DSpark draft stages (SEED §4.4 "Speculative decoding", ARCHITECTURE §4.8.2, E2,
-issue 13): draft a block, verify 1 + k rows through the target in one forward, keep the accepted rows, roll the rest
-back exactly.
+"""Speculative decoding with the DSpark draft stages (docs/design.md §6.2, docs/architecture.md §9; issue 13):
+draft a block, verify 1 + k rows through the target in one forward, keep the accepted rows, roll the rest back
+exactly.
 
 A round, with the target having fed positions < F and `a` the pending token for position F:
   1. propose: the draft stages over [a, noise...] give draft logits and a confidence logit c_j per block position;
