@@ -7,6 +7,7 @@
 # Extra papermill parameters through PM_ARGS, e.g. PM_ARGS="-p windows 8".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+set -a; . scripts/numerics.env; set +a      # the pinned numeric environment (same bits on any AVX2 machine)
 domains=("$@")
 [ ${#domains[@]} -gt 0 ] || domains=(finance code law medicine science)
 tag="$(date -u +%Y%m%d)-$(git rev-parse --short HEAD)"
