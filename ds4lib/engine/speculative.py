@@ -148,9 +148,17 @@ class Scheduler:
 
     All costs are this request's wall clock: c_draft of the draft rounds, c_plain of the plain steps, and the line
     c_v1 + c_tok * rows fitted by least squares to the mean verify time at each row count (a plain step counts as
-    one row). rho = first-position hits / sum of sigmoid(c_1) over the request's rounds. Warm-up: the first round
-    verifies the longest block, then a plain step gives the line its second point. `fixed_k` bypasses all of it
-    (0 = plain decoding). Timing only ever changes k, and k never changes a greedy token."""
+    one row). rho = (first-position hits + 1) / (sum of sigmoid(c_1) over the request's rounds + 1): one pseudo-round
+    that hit keeps a first miss from setting rho to 0 for good. Warm-up: the first round verifies the longest block,
+    then a plain step gives the line its second point. Exploration: once the plain steps since the last round have
+    cost `explore` times a one-draft round, a round is drafted anyway (rho would otherwise never be measured again
+    after the rate turns against drafting); `explore` starts at EXPLORE, doubles after each round whose first draft
+    is rejected and resets on a hit, so exploring costs at most 1 / (1 + EXPLORE) of the time and less and less while
+    drafts keep failing. `fixed_k` bypasses all of it (0 = plain decoding). Timing only ever changes k, and k never
+    changes a greedy token."""
+
+    EXPLORE = 4.0
+    EXPLORE_MAX = 1024.0
 
     def __init__(self, block: int, fixed_k: int | None = None):
         self.block, self.fixed_k = block, fixed_k
@@ -159,27 +167,32 @@ class Scheduler:
         self.hits, self.sigma0 = 0, 0.0
         self.prod_sum = np.zeros(block)      # sum over rounds of prod_{i<=j} sigmoid(c_i), for the pre-draft guess
         self.rounds = 0
+        self.plain_since = 0.0               # seconds of plain steps since the last draft round
+        self.explore = self.EXPLORE
 
     # -------------------------------------------------------------- observations
     def observe_plain(self, seconds: float) -> None:
         self.plain_s.append(seconds)
         self.verify_s.setdefault(1, []).append(seconds)
+        self.plain_since += seconds
 
     def observe_draft(self, seconds: float, conf) -> None:
         self.draft_s.append(seconds)
         self.prod_sum += np.cumprod(_sigmoid(conf))[:self.block]
         self.rounds += 1
+        self.plain_since = 0.0
 
     def observe_verify(self, rows: int, seconds: float, conf, kept: int) -> None:
         self.verify_s.setdefault(rows, []).append(seconds)
         if rows > 1:
             self.sigma0 += float(_sigmoid(conf[0]))
             self.hits += int(kept > 0)
+            self.explore = self.EXPLORE if kept > 0 else min(2.0 * self.explore, self.EXPLORE_MAX)
 
     # -------------------------------------------------------------- model
     @property
     def rho(self) -> float:
-        return self.hits / self.sigma0 if self.sigma0 > 0 else 1.0
+        return (self.hits + 1.0) / (self.sigma0 + 1.0)
 
     def survival(self, conf) -> np.ndarray:
         return np.minimum(self.rho * np.cumprod(_sigmoid(conf)), 1.0)
@@ -218,7 +231,10 @@ class Scheduler:
         c_v1, c_tok = self.line()
         c_plain = float(np.mean(self.plain_s)) if self.plain_s else c_v1 + c_tok
         a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
-        return self._best(a, kmax)[1] > 1.0 / c_plain
+        if self._best(a, kmax)[1] > 1.0 / c_plain:
+            return True
+        round1 = float(np.mean(self.draft_s)) + c_v1 + 2.0 * c_tok      # a one-draft round
+        return self.plain_since >= self.explore * round1
 
     def choose(self, conf, kmax: int) -> int:
         """k in 1..kmax for this round's confidence logits."""

@@ -153,6 +153,32 @@ def test_scheduler_picks_from_measured_costs():
     assert not spec.Scheduler(4, fixed_k=0).want_draft(4)
 
 
+def test_a_first_miss_does_not_end_drafting():
+    """rho keeps a prior pseudo-hit, and plain steps worth `explore` one-draft rounds trigger a round anyway; the
+    interval doubles while first drafts keep failing and resets on a hit."""
+    s = spec.Scheduler(4)
+    s.observe_draft(0.01, np.zeros(4))
+    s.observe_verify(5, 0.05, np.zeros(4), 0)                        # the first draft rejected
+    assert 0 < s.rho < 1
+    s.observe_plain(0.02)
+    c_v1, c_tok = s.line()
+    round1 = 0.01 + c_v1 + 2 * c_tok
+    s.hits, s.sigma0 = 0, 1e6                                         # pretend drafting has failed for long
+    assert not s.want_draft(4)
+    steps = 0
+    while not s.want_draft(4):
+        s.observe_plain(0.02)
+        steps += 1
+    assert s.plain_since >= s.explore * round1 and steps <= s.explore * round1 / 0.02 + 1
+    s.observe_draft(0.01, np.zeros(4))
+    s.observe_verify(2, 0.03, np.zeros(4), 0)                         # the exploring round missed: wait twice as long
+    assert s.plain_since == 0.0 and not s.want_draft(4)
+    explore = s.explore
+    s.observe_draft(0.01, np.zeros(4))
+    s.observe_verify(2, 0.03, np.zeros(4), 1)                         # a hit: back to the first interval
+    assert s.explore == s.EXPLORE < explore
+
+
 def test_draft_k_is_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="draft_k"):
