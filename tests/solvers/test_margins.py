@@ -1,0 +1,179 @@
+"""The ③ post-training margin solve (ds4lib.solvers.margins) on small synthetic rows checked against dense algebra."""
+import numpy as np
+import pytest
+
+import ds4lib.solvers.margins as margins_mod
+from ds4lib.formats.sidecar import dequantize_gains
+from ds4lib.solvers.margins import (jacobi_diagonal, make_problem, matvec, predict, rmatvec, solve_cg,
+                                    solve_margins)
+
+
+def _tiny(seed=0, E=5, K=2, D=32, N=12):
+    """Rows with experts repeated across rows, and one row listing the same expert twice."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)])
+    ids[:4] = [[1, 3]] * 4           # the same pair on several rows
+    ids[5] = [2, 2]                  # one expert twice in a row: its coefficients add up
+    R = rng.normal(0, 1, (N, K, D))
+    kind = np.arange(N) % 3 != 0
+    m = np.where(kind, -rng.uniform(0.2, 1.0, N), rng.uniform(0.1, 1.0, N))
+    return make_problem(ids=ids, R=R, m=m, kind=kind, n_experts=E)
+
+
+def _dense(p):
+    """A [N, E·D] built entry by entry (δ flattened row-major: column e·D + d)."""
+    N, K, D = p.R.shape
+    A = np.zeros((N, p.n_experts * D))
+    for i in range(N):
+        for k in range(K):
+            e = p.ids[i, k]
+            A[i, e * D:(e + 1) * D] += p.R[i, k]
+    return A
+
+
+def _random(seed, E=8, K=2, D=32, nd=30, nc=30):
+    rng = np.random.default_rng(seed)
+    N = nd + nc
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)])
+    kind = np.arange(N) < nd
+    m = np.where(kind, -rng.uniform(0.5, 1.5, N), rng.uniform(0.2, 2.0, N))
+    return make_problem(ids=ids, R=rng.normal(0, 1, (N, K, D)), m=m, kind=kind, n_experts=E)
+
+
+def test_matvec_and_rmatvec_are_adjoint_and_equal_the_dense_matrix(monkeypatch):
+    p = _tiny()
+    A = _dense(p)
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 1, (p.n_experts, 32))
+    v = rng.normal(0, 1, p.R.shape[0])
+    np.testing.assert_allclose(matvec(p, x), A @ x.ravel(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(rmatvec(p, v).ravel(), A.T @ v, rtol=1e-12, atol=1e-12)
+    assert np.isclose(matvec(p, x) @ v, np.vdot(x, rmatvec(p, v)), rtol=1e-12)
+    # chunked over rows (3 rows per chunk here) gives the same values
+    w = rng.uniform(0.5, 2.0, p.R.shape[0])
+    full = matvec(p, x), rmatvec(p, v), jacobi_diagonal(p, w, 0.3)
+    monkeypatch.setattr(margins_mod, "_CHUNK_VALUES", 3 * 2 * 32)
+    for a, b in zip(full, (matvec(p, x), rmatvec(p, v), jacobi_diagonal(p, w, 0.3))):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_cg_equals_the_dense_normal_equations_and_jacobi_diagonal_is_exact():
+    p = _tiny(seed=2)
+    A = _dense(p)
+    rng = np.random.default_rng(3)
+    w = rng.uniform(0.1, 3.0, p.R.shape[0])
+    b = rng.normal(0, 1, p.R.shape[0])
+    lam = 0.05
+    H = A.T @ (w[:, None] * A) + lam * np.eye(A.shape[1])
+    want = np.linalg.solve(H, A.T @ (w * b))
+    np.testing.assert_allclose(jacobi_diagonal(p, w, lam).ravel(), np.diag(H), rtol=1e-12)
+    got, iters, res = solve_cg(p, w, b, lam, tol=1e-12)
+    assert 0 < iters <= 200 and res < 1e-10
+    np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-8 * np.abs(want).max())
+
+
+def test_planted_problem_flips_every_decision_and_keeps_every_constraint():
+    """Rows built around a known δ*: it lifts every decision point to 1.5τ and leaves constraint rows untouched,
+    so the weighted equations are consistent and a small ridge must reach them."""
+    rng = np.random.default_rng(4)
+    E, K, D, nd, nc, tau = 6, 2, 32, 20, 20, 0.2
+    N = nd + nc
+    star = rng.normal(0, 0.1, (E, D))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)])
+    R = rng.normal(0, 1, (N, K, D))
+    kind = np.arange(N) < nd
+    for j in np.nonzero(~kind)[0]:               # constraint rows orthogonal to δ* on their experts
+        s = star[ids[j]]
+        R[j] -= (R[j] * s).sum() / (s * s).sum() * s
+    change = np.einsum("nkd,nkd->n", R, star[ids])
+    R[kind] *= (rng.uniform(1.0, 3.0, nd) / change[kind])[:, None, None]     # δ* lifts each by 1 to 3
+    change = np.einsum("nkd,nkd->n", R, star[ids])
+    m = np.where(kind, 1.5 * tau - change, rng.uniform(0.05, 1.0, N))
+    assert (m[kind] < 0).all() and np.abs(change[~kind]).max() < 1e-12
+    p = make_problem(ids=ids, R=R, m=m, kind=kind, n_experts=E)
+    np.testing.assert_allclose(predict(p, star)[kind], 1.5 * tau)
+
+    sol = solve_margins(p, tau, 1e4, 1e-4, rounds=1)
+    mf = sol.float_margins
+    assert (mf[kind] > tau - 1e-4).all()          # every decision point lifted to τ
+    assert (mf[~kind] > 0).all()
+    assert np.abs(mf[~kind] - m[~kind]).max() < 1e-3
+    loose = solve_margins(p, tau, 1e-4, 1e-4, rounds=1).float_margins
+    assert np.abs(loose[~kind] - m[~kind]).max() > 10 * np.abs(mf[~kind] - m[~kind]).max()
+
+
+def test_lattice_solution_decodes_exactly_and_predictions_use_it():
+    p = _random(5)
+    sol = solve_margins(p, 0.3, 1.0, 8.0, rounds=3)
+    gains = dequantize_gains(sol.blocks)
+    assert sol.delta.dtype == np.float32 and sol.delta.shape == (8, 32)
+    assert np.array_equal(gains, sol.gains)
+    assert np.array_equal(gains - np.float32(1.0), sol.delta)
+    assert np.array_equal(sol.margins, p.m + matvec(p, sol.delta))
+    assert np.array_equal(sol.margins, predict(p, sol.delta))
+    assert sol.flipped == int((sol.margins[p.kind] > 0).sum())
+    assert sol.reached_tau == int((sol.margins[p.kind] >= 0.3).sum()) <= sol.flipped
+    assert sol.kept == int((sol.margins[~p.kind] > 0).sum())
+    assert sol.flipped_share == sol.flipped / 30 and sol.kept_share == sol.kept / 30
+    assert np.abs(sol.delta).max() > 0 and not np.array_equal(sol.float_margins, sol.margins)
+
+
+def test_active_set_recovers_points_the_rounding_lost():
+    """The float solve flips nearly all decision points; the FP4 lattice loses some; boosting the weights of the
+    points still below τ brings them back."""
+    p = _random(0)
+    n_dec, tau, boost = int(p.kind.sum()), 0.3, 4.0
+    one = solve_margins(p, tau, 1.0, 8.0, rounds=1)
+    sol = solve_margins(p, tau, 1.0, 8.0, rounds=4, boost=boost)
+    first = sol.rounds[0]
+    assert (first["flipped"], first["kept"]) == (one.flipped, one.kept)     # round 0 is the plain solve
+    assert first["flipped"] < first["float_flipped"]          # rounding cost flips
+    assert sol.flipped > one.flipped and sol.flipped == n_dec
+    assert sol.round >= 1 and sol.kept >= one.kept - 1
+    below = p.kind & (one.margins < tau)
+    assert sol.rounds[1]["active"] == int(below.sum()) == n_dec - first["reached_tau"]
+    assert (sol.weights[below] >= boost).all() and (sol.weights[~p.kind] == 1.0).all()
+    for seed in (1, 2, 3):                                    # never worse than one round
+        q = _random(seed)
+        assert solve_margins(q, tau, 1.0, 8.0).flipped >= solve_margins(q, tau, 1.0, 8.0, rounds=1).flipped
+
+
+def test_nothing_to_do_leaves_gains_exactly_one():
+    p = _random(6)
+    p.m[p.kind] = 0.5                     # every decision point already above τ: all targets are 0
+    delta, iters, res = solve_cg(p, np.ones(60), np.zeros(60), 1.0)
+    assert iters == 0 and res == 0.0 and not delta.any()
+    sol = solve_margins(p, 0.3, 1.0, 1.0)
+    assert np.array_equal(sol.gains, np.ones((8, 32), np.float32)) and not sol.delta.any()
+    assert np.array_equal(sol.margins, p.m) and len(sol.rounds) == 1
+
+
+def test_bad_input_is_refused_with_the_reason():
+    p = _tiny()
+    ok = dict(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=5)
+    cases = [
+        (dict(ids=p.ids[:, 0]), "ids must be"),
+        (dict(ids=p.ids.astype(float)), "integers"),
+        (dict(R=p.R[:, :1]), "R must be"),
+        (dict(R=p.R[:-1]), "R must be"),
+        (dict(m=p.m[:-1]), "m must be"),
+        (dict(kind=p.kind[:-1]), "kind must be"),
+        (dict(kind=p.kind.astype(float)), "kind must be bool"),
+        (dict(n_experts=3), "out of range"),
+        (dict(ids=np.where(p.ids == 0, -1, p.ids)), "out of range"),
+        (dict(R=np.where(np.arange(12)[:, None, None] == 7, np.nan, p.R)), "R has non-finite.*row 7"),
+        (dict(m=np.where(np.arange(12) == 4, np.inf, p.m)), "m has non-finite.*row 4"),
+        (dict(R=p.R[..., :16]), "multiple of 32"),
+        (dict(R=np.concatenate([p.R, p.R[..., :8]], -1)), "multiple of 32"),
+        (dict(m=np.where(p.kind, p.m, -0.1)), "constraint row 0"),
+        (dict(n_experts=0), "n_experts"),
+    ]
+    for change, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            make_problem(**{**ok, **change})
+    with pytest.raises(ValueError, match="delta must be"):
+        matvec(p, np.zeros((5, 64)))
+    with pytest.raises(ValueError, match="weights must be finite"):
+        solve_cg(p, -np.ones(12), np.zeros(12), 1.0)
+    with pytest.raises(ValueError, match="tau"):
+        solve_margins(p, 0.0, 1.0, 1.0)
