@@ -8,8 +8,8 @@ accumulations and logits); the activation quantise-dequantise of docs/architectu
 `quant_sim=False`.
 
 Observation points: pass `observer(layer, name, value)`; it receives block_in, engram_out,
-attn_out, moe_in, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, index_scores,
-candidates, topk and features. With no observer nothing extra is computed.
+attn_out, moe_in, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, block_post (the FFN
+sub-layer's post-mix [T, S]), index_scores, candidates, topk and features. With no observer nothing extra is computed.
 
 Shapes: T tokens, S streams, D hidden, V vocab.
 """
@@ -183,6 +183,7 @@ class ReferenceModel:
         if observer:
             observer(l, "block_out", h)
             observer(l, "block_pre", f_pre)
+            observer(l, "block_post", f_post)
         return h, f_pre
 
     def _window(self, l, kv, P, state):
