@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "score": "score",
     "eval": "evaluate",
     "sidecar": "sidecar",
+    "posttrain": "posttrain",
 }
 
 
