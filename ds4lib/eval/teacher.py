@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ class Teacher:
         if f.exists():
             return np.load(f).astype(np.float32)
         lg = self.model.logits(toks)
-        tmp = f.with_suffix(".partial.npy")
+        tmp = f.with_name(f"{f.stem}.{os.getpid()}.partial.npy")    # one per process: two reports may fill one cache
         np.save(tmp, lg.astype(np.float16))
-        tmp.rename(f)
+        os.replace(tmp, f)
         return np.load(f).astype(np.float32)

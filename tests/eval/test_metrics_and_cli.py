@@ -94,3 +94,29 @@ def test_eval_cli_on_the_cuda_backend(tmp_path, monkeypatch, capsys):
         got[rec["stack"]["backend"]] = rec["slices"][str(win)]
     assert set(got) == {"cpu", "cuda"} and got["cuda"]["n"] == 8
     assert abs(got["cuda"]["kl_mean"] - got["cpu"]["kl_mean"]) < 0.05 + 0.2 * got["cpu"]["kl_mean"]
+
+
+def test_teacher_cache_is_written_by_rename_and_ignores_other_writers(tiny_stack, tmp_path, monkeypatch):
+    """The teacher's logits cache: an entry is written under a temporary name of this process's own (two reports
+    filling one cache at once must not write one temporary file) and renamed; it equals a fresh computation
+    (float16), and another process's unfinished temporary file beside it neither breaks nor replaces it."""
+    import os
+    import ds4lib.eval.teacher as teacher_mod
+    from ds4lib.eval.teacher import Teacher
+    ckpt, _ = tiny_stack
+    t = Teacher(ckpt, tmp_path)
+    toks = [1, 5, 9, 2]
+    key_files = lambda: sorted(p.name for p in t.cache.iterdir())                               # noqa: E731
+    saved = []
+    real_save = teacher_mod.np.save
+    monkeypatch.setattr(teacher_mod.np, "save", lambda f, a: (saved.append(Path(f).name), real_save(f, a)))
+    first = t.logits(toks)
+    monkeypatch.undo()
+    assert len(saved) == 1 and f".{os.getpid()}." in saved[0] and saved[0] not in key_files()
+    (entry,) = key_files()
+    stranger = t.cache / entry.replace(".npy", f".{os.getpid() + 1}.partial.npy")
+    stranger.write_bytes(b"half a file from another process")
+    again = t.logits(toks)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, t.model.logits(np.asarray(toks)).astype(np.float16).astype(np.float32))
+    assert sorted(key_files()) == sorted([entry, stranger.name])
