@@ -1,6 +1,7 @@
 """Compile every kernel of `kernels/` for sm_90 without a GPU and print one JSON line per kernel.
 
-Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90`.
+Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90 [--shard I/N]`
+(`--shard I/N` compiles every N-th kernel from the I-th, so N children can share the work).
 Each kernel module lists `SIGNATURES` {kernel name: Numba signature}.
 
 `--cache` prints instead, per kernel, what numba-cuda's on-disk cache would do with it, without compiling: whether the
@@ -85,25 +86,37 @@ def _cache_keys():
     return 0
 
 
+def all_kernels():
+    """[(module name, kernel name, signature)] of every kernel listed in a SIGNATURES table, in a fixed order."""
+    import kernels
+    out = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"kernels.{info.name}")
+        out += [(info.name, kname, sig) for kname, sig in getattr(mod, "SIGNATURES", {}).items()]
+    return out
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--count":
         return _count(sys.argv[2])
     if len(sys.argv) == 2 and sys.argv[1] == "--cache":
         return _cache_keys()
+    shard, shards = 0, 1                          # `--shard I/N`: kernels I, I+N, I+2N, ... (parallel children)
+    if len(sys.argv) == 3 and sys.argv[1] == "--shard":
+        shard, shards = (int(v) for v in sys.argv[2].split("/"))
     numba_cuda = _compiler()
-    import kernels
     results = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        mod = importlib.import_module(f"kernels.{info.name}")
-        for kname, sig in getattr(mod, "SIGNATURES", {}).items():
-            fn = getattr(mod, kname)
-            try:
-                ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
-                ok = ".target sm_90" in ptx
-                results.append({"module": info.name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
-                                "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx})
-            except Exception as e:   # noqa: BLE001 - reported to the test
-                results.append({"module": info.name, "kernel": kname, "ok": False, "error": f"{type(e).__name__}: {e}"})
+    for j, (mod_name, kname, sig) in enumerate(all_kernels()):
+        if j % shards != shard:
+            continue
+        fn = getattr(importlib.import_module(f"kernels.{mod_name}"), kname)
+        try:
+            ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
+            ok = ".target sm_90" in ptx
+            results.append({"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
+                            "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx})
+        except Exception as e:   # noqa: BLE001 - reported to the test
+            results.append({"module": mod_name, "kernel": kname, "ok": False, "error": f"{type(e).__name__}: {e}"})
     for r in results:
         print(json.dumps(r))
     return 0 if results and all(r["ok"] for r in results) else 1
