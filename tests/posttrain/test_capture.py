@@ -19,19 +19,9 @@ P, G = len(PROMPT), len(GEN)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """(factory, engine, sidecar gains of the last layer): the micro base with a ② whose gains are far from 1
-    (±40 %) on every layer, so that a wrong account of where ye is taken shows."""
-    from ds4lib.quant.base_file import quantize_checkpoint
-    from ds4lib.synth import write_random_checkpoint
-    root = tmp_path_factory.mktemp("posttrain_micro")
-    ckpt = write_random_checkpoint(root / "ckpt", CFG, seed=0)
-    base = root / "base.gguf"
-    quantize_checkpoint(checkpoint=ckpt, out=base, bits_plan="1", rounds=1, progress=False)
-    rng = np.random.default_rng(1)
-    sc = write_sidecar(root / "sc", CFG, kind="sidecar", gain_deltas={l: rng.uniform(-0.4, 0.4, (E, D))
-                                                                      for l in range(L)},
-                       bias={0: rng.normal(0, 0.1, E)})
+def stack(micro_stack):
+    """(factory, engine, sidecar gains of the last layer) on the shared micro stack (tests/posttrain/conftest.py)."""
+    base, ckpt, sc = micro_stack["base"], micro_stack["ckpt"], micro_stack["sc"]
 
     def factory(posttrain=None, **kw):
         return Engine(base, zchain=sc, posttrain=posttrain, engram_dir=ckpt, tokenizer_path=TOKENIZER, **kw)

@@ -31,22 +31,10 @@ N_WRONG = 5
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """The micro checkpoint (with the tokenizer copied in, so that the engine and the CLI find it), its base and a
-    random ② sidecar (gains ±40 % on every layer, a router bias on layer 0)."""
-    from ds4lib.quant.base_file import quantize_checkpoint
-    from ds4lib.synth import write_random_checkpoint
-    root = tmp_path_factory.mktemp("posttrain_cli")
-    ckpt = write_random_checkpoint(root / "ckpt", CFG, seed=0)
-    shutil.copy(TOKENIZER, ckpt / "tokenizer.json")
-    base = root / "base.gguf"
-    quantize_checkpoint(checkpoint=ckpt, out=base, bits_plan="1", rounds=1, progress=False)
-    rng = np.random.default_rng(1)
-    sc = write_sidecar(root / "sc", CFG, kind="sidecar", gain_deltas={l: rng.uniform(-0.4, 0.4, (E, D))
-                                                                      for l in range(L)},
-                       bias={0: rng.normal(0, 0.1, E)})
-    return {"root": root, "ckpt": ckpt, "base": base, "sc": sc,
-            "engine": Engine(base, zchain=sc, engram_dir=ckpt)}
+def stack(micro_stack):
+    """The shared micro stack (tests/posttrain/conftest.py) with an engine on ① + ②."""
+    return dict(micro_stack, engine=Engine(micro_stack["base"], zchain=micro_stack["sc"],
+                                           engram_dir=micro_stack["ckpt"]))
 
 
 def _ids(eng, prompt, answer):
