@@ -53,11 +53,13 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+from ds4lib.report.summary import to_jsonable
 
 __all__ = ["PosttrainError", "NoDecisionPoints", "Request", "PosttrainReport", "read_requests", "solve_posttrain",
            "TAU", "RHO", "LAM", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
@@ -117,23 +119,7 @@ class PosttrainReport:
         return self.status == "installed"
 
     def as_dict(self) -> dict:
-        return _jsonable(asdict(self))
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+        return to_jsonable(self)
 
 
 # ---------------------------------------------------------------------------------------------------- requests

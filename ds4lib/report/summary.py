@@ -27,7 +27,7 @@ def to_jsonable(obj):
     if isinstance(obj, np.ndarray):
         return to_jsonable(obj.tolist())
     if isinstance(obj, np.generic):
-        return obj.item()
+        return to_jsonable(obj.item())        # a NumPy NaN / inf becomes null like a Python one
     if isinstance(obj, Path):
         return str(obj)
     if isinstance(obj, float) and not np.isfinite(obj):
