@@ -26,7 +26,10 @@ layers). Lane l of a warp owns positions 256b + 8l .. +7 of block b (ds4lib.form
 handles one residue rho = b mod P reads the same 64 activations for every group: those stay in registers (FP8-
 quantised floats), and a warp's work unit is (tile, matrix, rho, GROUPS_PER_UNIT consecutive groups). Units are
 taken from a global atomic counter by persistent warps (the layer's codebook is copied into shared memory once per
-block, BF16, 16 bytes per codeword). Per block a lane looks up 8 codewords and does 8 FMAs each; the row sums
+block, BF16, 16 bytes per codeword). The one-pair-tile (decode) kernel also copies the activation rows of the call
+into shared memory behind the codebook when they fit (two floats per word, one pad word per 32 so the lanes of a warp
+fall on different banks) and fills a unit's registers from there: read straight from global memory, each lane's 64
+floats lie 256 bytes from its neighbour's, and on the H200 80 % of the kernel's global sectors were such excess. Per block a lane looks up 8 codewords and does 8 FMAs each; the row sums
 of the block (1-2 rows for J >= 256, more for small test shapes) are reduced across the warp (shuffles, or shared
 memory when a block spans more than two rows) and written as partial sums per (row, block of the row); a
 finalize kernel adds a row's partials in block order, applies the gains, rounds to BF16 and resets the counter.
@@ -283,6 +286,35 @@ else:
             cbs[i] = cb_g[i]
 
 
+def _x_row_words(cols):
+    """uint64 words per staged activation row: cols/2 words of two floats, plus one pad word per 32 words, so the
+    lanes of a warp, which read words 32 apart, fall on different banks."""
+    return cols // 2 + cols // (2 * WARP)
+
+
+@cuda.jit(device=True, inline=True)
+def _lo_f32(w):
+    return bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF)))
+
+
+@cuda.jit(device=True, inline=True)
+def _hi_f32(w):
+    return bits_f32(np.uint32(w >> np.uint64(32)))
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_x_device(xs, x_off, x_stride, x, x_rows):
+    """Global -> shared copy of the first `x_rows` activation rows (two floats per uint64 word, element 2q in the
+    low bits; word q of row r at x_off + r*x_stride + q + q//32), coalesced; nothing when x_rows == 0."""
+    half = x.shape[1] // 2
+    for w in range(cuda.threadIdx.x, x_rows * half, cuda.blockDim.x):
+        r = w // half
+        q = w % half
+        lo = np.uint64(f32_bits(x[r, 2 * q]))
+        hi = np.uint64(f32_bits(x[r, 2 * q + 1]))
+        xs[x_off + r * x_stride + q + q // WARP] = lo | (hi << np.uint64(32))
+
+
 @cuda.jit(device=True, inline=True)
 def _load_block_device(idx32, plane8, has_plane, e, m, b, n_blocks, lane):
     """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b; zeros past the stream."""
@@ -329,19 +361,24 @@ def _lane_rows_device(rho, lane, J):
     return q0 // J, min(8, J - q0 % J)
 
 
-def _make_vq_kernel(tt, threads):
-    """The persistent VQ GEMV for tiles of up to `tt` pairs and `threads` threads per block."""
+def _make_vq_kernel(tt, threads, stage_x):
+    """The persistent VQ GEMV for tiles of up to `tt` pairs and `threads` threads per block; `stage_x`: the kernel
+    can read the activations from a copy in shared memory (x_rows > 0), else only from global memory."""
     jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(threads, 1), cache=True)
     red_rows = 2 * tt
 
     @jit
     def vq_gemv_kernel(x, x_div, pairs, tiles, n_tiles, cb_g, idx32, plane8, has_plane, mat0, mat_step, n_mats,
-                       n_rows, J, P, G, n_groups, n_blocks, part, counter):
+                       n_rows, J, P, G, n_groups, n_blocks, x_rows, part, counter):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        cbs = cuda.shared.array(0, nb_uint64)                     # [C*2] BF16 codebook words
+        cbs = cuda.shared.array(0, nb_uint64)                     # [C*2] BF16 codebook words, then staged x
         red = cuda.shared.array((WARPS_MAX, red_rows, WARP), np.float32)
         _stage_codebook_device(cbs, cb_g)
+        x_off = cb_g.shape[0]
+        x_stride = x.shape[1] // 2 + x.shape[1] // (2 * WARP)  # _x_row_words
+        if stage_x:
+            _stage_x_device(cbs, x_off, x_stride, x, x_rows)
         cuda.syncthreads()
         n_chunks = (n_groups + GROUPS_PER_UNIT - 1) // GROUPS_PER_UNIT
         total = n_tiles[0] * n_mats * P * n_chunks
@@ -371,8 +408,23 @@ def _make_vq_kernel(tt, threads):
                 xrow = pairs[first + i] // x_div if i < count else 0
                 for k in range(8):
                     jk = j0 + k if k < split else k - split
-                    for h in range(VQ_DIM):
-                        xr[i, 8 * k + h] = x[xrow, VQ_DIM * jk + h] if i < count else np.float32(0.0)
+                    if stage_x and x_rows > 0:                    # warp-uniform: from the staged copy
+                        wb = x_off + xrow * x_stride + 4 * jk + (4 * jk) // WARP
+                        w0 = cbs[wb]
+                        w1 = cbs[wb + 1]
+                        w2 = cbs[wb + 2]
+                        w3 = cbs[wb + 3]
+                        xr[i, 8 * k] = _lo_f32(w0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 1] = _hi_f32(w0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 2] = _lo_f32(w1) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 3] = _hi_f32(w1) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 4] = _lo_f32(w2) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 5] = _hi_f32(w2) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 6] = _lo_f32(w3) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 7] = _hi_f32(w3) if i < count else np.float32(0.0)
+                    else:
+                        for h in range(VQ_DIM):
+                            xr[i, 8 * k + h] = x[xrow, VQ_DIM * jk + h] if i < count else np.float32(0.0)
             rr_min = (BLOCK_INDICES * rho) // J
             rr_max = (BLOCK_INDICES * rho + BLOCK_INDICES - 1) // J
             g0 = chunk * GROUPS_PER_UNIT
@@ -446,8 +498,8 @@ def _make_vq_kernel(tt, threads):
     return vq_gemv_kernel
 
 
-vq_gemv_t1_kernel = _make_vq_kernel(1, THREADS_T1)
-vq_gemv_t2_kernel = _make_vq_kernel(2, THREADS_T2)
+vq_gemv_t1_kernel = _make_vq_kernel(1, THREADS_T1, True)
+vq_gemv_t2_kernel = _make_vq_kernel(2, THREADS_T2, False)
 
 
 @cuda.jit(cache=True)
@@ -502,7 +554,8 @@ def moe_combine_kernel(ye, ids, shared, out):
 
 
 _VQ_SIG = ("void(float32[:, :], int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:, :, :], uint8[:, :, :], "
-           "boolean, int64, int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :, :], int32[:])")
+           "boolean, int64, int64, int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :, :], "
+           "int32[:])")
 SIGNATURES = {
     "vq_codebook_kernel": "void(uint32[:, :], uint64[:, :])",
     "vq_plan_kernel": "void(int32[:, :], int64, int64, int32[:], int32[:, :], int32[:])",
@@ -519,6 +572,12 @@ SIGNATURES = {
 
 
 _SMEM_MAX = {}
+SMEM_LIMIT = 227 * 1024          # dynamic + static shared memory one block may use on sm_90
+
+
+def _static_smem(tt):
+    """Bytes of the GEMV kernel's static shared array (`red`)."""
+    return WARPS_MAX * 2 * tt * WARP * 4
 
 
 def _raise_smem_limit(nbytes):
@@ -644,7 +703,11 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     kernel, threads = (vq_gemv_t1_kernel, THREADS_T1) if tt == 1 else (vq_gemv_t2_kernel, THREADS_T2)
     n_units = n_pairs * n_mats * P * -(-n_groups // GROUPS_PER_UNIT)
     grid = max(1, min(_persistent_blocks(), -(-n_units // (threads // WARP))))
-    smem = n_cw * 16
+    x_rows = (n_pairs - 1) // x_div + 1                  # the activation rows the pairs read
+    x_smem = x_rows * _x_row_words(cols) * 8
+    if tt != 1 or x_smem > SMEM_LIMIT - n_cw * 16 - _static_smem(tt):
+        x_rows, x_smem = 0, 0                              # too many rows to stage: lanes read x from global
+    smem = n_cw * 16 + x_smem
     launch = kernel[grid, threads, stream, smem]
     if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
         # numba caches configured launches (lru_cache on configure): register the callback once per configuration
@@ -652,7 +715,7 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     m0, step = mats[0], (mats[1] - mats[0] if n_mats == 2 else 0)
     launch(x, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook.reshape(n_cw * 2),
            index.view(np.uint32), plane if has_plane else dummy, has_plane, m0, step, n_mats, rows, J, P, G, n_groups,
-           n_blocks, part, counter)
+           n_blocks, x_rows, part, counter)
     n = n_mats * n_pairs * rows
     vq_finalize_kernel[math.ceil(n / THREADS), THREADS, stream](
         part, plan.ids, gains[mats[0]], gains[mats[-1]], scale if has_scale else no_scale, has_scale, J, G, counter,

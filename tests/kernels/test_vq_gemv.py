@@ -86,6 +86,33 @@ def test_long_rows_13bit_decode_with_sidecar(cuda_ready):
     assert_matches("gemv_bf16", got2[0], _want(layer, 1, a, ids[0], scale))
 
 
+@pytest.mark.parametrize("rows, cols, bits", [(3, 2560, 13), (24, 96, 12)])
+def test_decode_reads_staged_and_global_activations_alike(cuda_ready, monkeypatch, rows, cols, bits):
+    """T = 1: the decode kernel reads the activations from a padded copy in shared memory when they fit, else from
+    global memory; both give the same bits (long rows J = 320, and J = 12 where a lane's 8 positions straddle rows)
+    and match the reference."""
+    import kernels.vq_gemv as vq
+    rng = np.random.default_rng(7)
+    n_exp = 3
+    layer = _layer(rng, n_exp, rows, cols, bits)
+    dl = _device_layer(cuda_ready, layer)
+    ids = np.array([[2, 0]], np.int32)
+    plan = vq.vq_plan(cuda_ready.to_device(ids), n_exp)
+    x = cuda_ready.to_device(act_quant_fp8(round_bf16(rng.standard_normal((1, cols)) * 3), 32))
+    a = cuda_ready.to_device(act_quant_fp8(round_bf16(rng.standard_normal((2, cols))), 32))
+    got = {}
+    for limit in (vq.SMEM_LIMIT, 0):                                # 0: nothing fits, lanes read global memory
+        monkeypatch.setattr(vq, "SMEM_LIMIT", limit)
+        got[limit] = (vq.vq_gemv(x, plan, *dl, mats=(0, 2), shape=(rows, cols), x_div=2, quantize=False),
+                      vq.vq_gemv(a, plan, *dl, mats=(1,), shape=(rows, cols), quantize=False))
+    (s13, s2), (g13, g2) = ((u.copy_to_host(), v.copy_to_host()) for u, v in got.values())
+    np.testing.assert_array_equal(s13, g13)
+    np.testing.assert_array_equal(s2, g2)
+    xh = x.copy_to_host()
+    assert_matches("gemv_bf16", s13[1], _want(layer, 2, [xh[0], xh[0]], ids[0]))
+    assert_matches("gemv_bf16", s2[0], _want(layer, 1, a.copy_to_host(), ids[0]))
+
+
 def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
     """J = 12 (rows split inside a lane's 8 positions), T = 3 tokens in two-row tiles; a token's rows equal its T = 1
     result bit for bit; an all-ones sidecar equals none exactly."""
