@@ -15,7 +15,7 @@ OFFICIAL = GOLDEN / "official_v41_tiny"
 
 if os.environ.get("DS4_REQUIRE_CUDA", "0") in ("", "0"):
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-    sys.setswitchinterval(float(os.environ.get('TMP_SI', '5e-3')))  # TMPAB
+    sys.setswitchinterval(1e-4)
 
 
 @pytest.fixture(scope="session")
