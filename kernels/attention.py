@@ -17,7 +17,8 @@ Does not own: the query/KV projections (gemv), RoPE (rope), the grouped output p
 rows_per_group).
 
 Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for prefill chunks):
-1. scores: a block owns 128 rows x 4 heads; the four heads' queries sit in shared memory, each row's key is
+1. scores: a block owns 32 x rows_per_quad rows x 4 heads (rows_per_quad 4, or 2 or 1 when a decode step would
+   leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory, each row's key is
    read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
 2. softmax: one warp per (query, head): max, BF16-rounded weights written in place, float64 denominator.
 3. values: a block owns 4 heads x all Dh dims of a split of the rows; each thread accumulates 4 dims x 4
@@ -31,6 +32,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
 from kernels.scratch import scratch_array as _scratch
@@ -42,8 +44,10 @@ __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", 
 THREADS = 128
 WARP = 32
 HEADS_PER_BLOCK = 4          # heads sharing each key load (scores and values)
-ROWS_PER_QUAD = 4            # rows per quad of lanes in the score kernel
-SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # 128 rows per score block
+ROWS_PER_QUAD = 4            # most rows per quad of lanes in the score kernel (the launcher picks 1, 2 or 4)
+SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score block
+SIM = bool(_cuda_config.ENABLE_CUDASIM)
+SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer rows per quad until it gets there)
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
 DH_MAX = 512
 VALUE_TILE = 128             # rows staged per step of the value kernel
@@ -115,8 +119,9 @@ def _key_row_device(win_idx, cmp_idx, t, r):
 
 
 @cuda.jit(cache=True)
-def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
-    """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x 128 rows per block; -inf for invalid rows."""
+def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, z):
+    """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x (32 * rows_per_quad) rows per block; -inf for invalid
+    rows. rows_per_quad (1, 2 or 4) only changes which quad computes a row, never a row's sum or its order."""
     tid = cuda.threadIdx.x
     quad = tid // 4
     qd = tid % 4
@@ -130,12 +135,15 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
     for k in range(tid, HEADS_PER_BLOCK * dh, THREADS):
         q_sh[k // dh, k % dh] = q[t, h0 + k // dh, k % dh]
     cuda.syncthreads()
-    r0 = cuda.blockIdx.x * SCORE_ROWS + quad * ROWS_PER_QUAD
+    r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
     kidx = cuda.local.array(ROWS_PER_QUAD, np.int64)
     kwin = cuda.local.array(ROWS_PER_QUAD, np.bool_)
     acc = cuda.local.array((ROWS_PER_QUAD, HEADS_PER_BLOCK), np.float32)
     for rr in range(ROWS_PER_QUAD):
-        kidx[rr], kwin[rr] = _key_row_device(win_idx, cmp_idx, t, r0 + rr)
+        kidx[rr] = -1
+        kwin[rr] = False
+        if rr < rows_per_quad:
+            kidx[rr], kwin[rr] = _key_row_device(win_idx, cmp_idx, t, r0 + rr)
         for hh in range(HEADS_PER_BLOCK):
             acc[rr, hh] = np.float32(0.0)
     for w in range(qd, nw, 4):
@@ -154,7 +162,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, z):
             red[rr * HEADS_PER_BLOCK + hh, tid] = acc[rr, hh]
     cuda.syncthreads()
     r = r0 + qd                                       # lane qd of the quad finishes row r0 + qd
-    if r < n_rows:
+    if qd < rows_per_quad and r < n_rows:
         valid = _key_row_device(win_idx, cmp_idx, t, r)[0] >= 0
         base = quad * 4
         for hh in range(HEADS_PER_BLOCK):
@@ -268,7 +276,7 @@ SIGNATURES = {
     "window_write_kernel": "void(float32[:, :], int64[:], uint16[:, :], int64[:])",
     "window_index_kernel": "void(int64[:], int64[:], int32[:, :])",
     "cache_write_kernel": "void(float32[:, :], int64[:], uint16[:, :])",
-    "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, "
+    "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, int64, "
                          "float32[:, :, :])",
     "attn_softmax_kernel": "void(float32[:, :, :], float32[:], float32[:, :])",
     "attn_value_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
@@ -326,8 +334,17 @@ def _value_splits(n_tok, n_heads, n_rows):
     return max(1, min(256 // max(blocks, 1), (n_rows + 31) // 32))
 
 
+def _score_rows_per_quad(n_tok, head_blocks, n_rows):
+    """Rows per quad of the score kernel: 4 (128 rows a block) unless that leaves the grid under SCORE_BLOCKS
+    blocks, as a decode step does (V4.1: 16 head blocks x 640 rows = 80 blocks), then 2 or 1."""
+    for rpq in (4, 2):
+        if n_tok * head_blocks * math.ceil(n_rows / (THREADS // 4 * rpq)) >= SCORE_BLOCKS:
+            return rpq
+    return 1
+
+
 def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=None, n_split=None, scratch=None,
-                     stream=0):
+                     stream=0, rows_per_quad=None):
     """q [T, H, Dh] float32; win_keys [Nw, Dh] uint16 (BF16 bits) with win_idx [T, Kw] int32 rows (-1 invalid);
     cmp_keys [Nc, Dh] uint16 with cmp_idx [T, Kc] int32 (or both None); sink [H] float32 -> out [T, H, Dh].
     `scratch` (a dict kept by the caller) holds the temporaries across calls."""
@@ -360,8 +377,9 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     den = _scratch(scratch, "den", (n_tok, n_heads), np.float32, stream)
     part = _scratch(scratch, "part", (n_tok, split, n_heads, dh), np.float32, stream)
     wk, ck = win_keys.view(np.uint64), cmp_keys.view(np.uint64)
-    grid = (math.ceil(n_rows_z / SCORE_ROWS), hb, n_tok)
-    attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), z)
+    rpq = rows_per_quad or _score_rows_per_quad(n_tok, hb, n_rows_z)
+    grid = (math.ceil(n_rows_z / (THREADS // 4 * rpq)), hb, n_tok)
+    attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), rpq, z)
     attn_softmax_kernel[math.ceil(n_tok * n_heads / (THREADS // WARP)), THREADS, stream](z, sink, den)
     attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, wk, win_idx, ck, cmp_idx, part)
     attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, out)

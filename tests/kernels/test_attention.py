@@ -64,6 +64,23 @@ def test_sparse_attention_matches_ref(cuda_ready, start, T, heads, n_cmp, k, n_s
     assert_matches("sparse_attention", got.copy_to_host(), want)
 
 
+def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
+    """The launcher gives a decode step 1 or 2 rows per quad (more score blocks) and big prefills 4: the same bits."""
+    from kernels.attention import sparse_attention
+    rng = np.random.default_rng(5)
+    ring, ring_pos, kv, P, _, _ = _setup(cuda_ready, rng, 14, 3)
+    buf, win_idx = _kernel_window(cuda_ready, ring, ring_pos, kv, P, 14)
+    cmp = _rows(rng, 9)
+    idx = np.stack([np.sort(rng.choice(9, 5, replace=False)) for _ in range(3)]).astype(np.int32)
+    idx[1, -1] = -1
+    args = (cuda_ready.to_device(round_bf16(rng.standard_normal((3, 4, DH)))), buf, win_idx,
+            cuda_ready.to_device(f32_to_bf16_bits(cmp)), cuda_ready.to_device(idx),
+            cuda_ready.to_device(rng.standard_normal(4).astype(np.float32)), DH ** -0.5)
+    got = [sparse_attention(*args, rows_per_quad=r).copy_to_host() for r in (4, 2, 1)]
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[0], got[2])
+
+
 def test_no_valid_rows_give_zero_and_window_only(cuda_ready):
     from kernels.attention import sparse_attention
     rng = np.random.default_rng(5)
