@@ -1,0 +1,37 @@
+"""Dev probe on the H200 (not a benchmark of record): the q4_K decode GEMV (the launcher's deep kernel) on V4.1
+shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
+
+    ncu --clock-control none -k regex:q4k --launch-skip 2 --launch-count 1 python bench/dev/q4k_probe.py --shape wo_b
+"""
+import argparse
+import math
+import sys
+
+sys.path.insert(0, ".")
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from kernels.q4k_gemv import q4k_gemv  # noqa: E402
+from kernels.synth_fill import synth_fill  # noqa: E402
+
+SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120),
+          "head": (129280, 5120)}
+ap = argparse.ArgumentParser()
+ap.add_argument("--shape", default="wo_b", choices=sorted(SHAPES))
+ap.add_argument("--calls", type=int, default=6)
+a = ap.parse_args()
+N, K = SHAPES[a.shape]
+s = cuda.stream()
+copies = max(1, math.ceil(240e6 / (N * K // 256 * 144)))
+ws = []
+for c in range(copies):
+    w = cuda.device_array((N, K // 256 * 144), np.uint8, stream=s)
+    synth_fill(w, "q4_K", key=100 + c, sigma=K ** -0.5, k=K, stream=s)
+    ws.append(w)
+x = cuda.to_device(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32), stream=s)
+out = cuda.device_array((1, N), np.float32, stream=s)
+scratch = {}
+for i in range(a.calls):
+    q4k_gemv(x, ws[i % copies], quantize=True, out=out, scratch=scratch, stream=s)
+s.synchronize()
+print("ok", a.shape, copies)
