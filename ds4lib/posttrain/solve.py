@@ -62,11 +62,12 @@ import numpy as np
 from ds4lib.report.summary import to_jsonable
 
 __all__ = ["PosttrainError", "NoDecisionPoints", "Request", "PosttrainReport", "read_requests", "solve_posttrain",
-           "TAU", "RHO", "LAM", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
+           "TAU", "RHO", "LAM", "KAPPA", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
 
 TAU = 1.0              # target margin ℓ_a − ℓ_b of a decision point
 RHO = 1.0              # weight of a constraint row (a decision point weighs 1)
-LAM = 1e-3             # ridge on δ
+LAM = 1e-3             # ridge on δ (> 0)
+KAPPA = 0.25           # the margin a constraint row the FP4 rounding pushed down is held at (solvers/margins.py)
 ROUNDS = 4             # FP4 lattice rounds of the active set
 MIN_FLIP = 0.9         # gate: predicted flipped share of the decision points
 MIN_KEPT = 0.997       # gate: predicted kept share of the constraint rows
@@ -447,9 +448,9 @@ def _progress(items, on: bool, what: str):
 
 # ---------------------------------------------------------------------------------------------------- the solve
 def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float = TAU, rho: float = RHO,
-                    lam: float = LAM, rounds: int = ROUNDS, min_flip: float = MIN_FLIP, min_kept: float = MIN_KEPT,
-                    norm: str = "linear", backend: str = "cpu", tokenizer=None, prefill_block: int = 512,
-                    verify: bool = True, progress: bool = False) -> PosttrainReport:
+                    lam: float = LAM, kappa: float = KAPPA, rounds: int = ROUNDS, min_flip: float = MIN_FLIP,
+                    min_kept: float = MIN_KEPT, norm: str = "linear", backend: str = "cpu", tokenizer=None,
+                    prefill_block: int = 512, verify: bool = True, progress: bool = False) -> PosttrainReport:
     """Solve a ③ post-training directory for the ① `base` + ② `zchain` stack from `requests` (a JSON-lines path,
     or an iterable of Request / {"id", "prompt", "answer"} dicts) and write it to `out` if it passes the gates,
     else to `<out parent>/rejected/<out name>-<timestamp>/` (module docstring). `verify` (installed candidates
@@ -461,10 +462,12 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     from ds4lib.solvers.margins import make_problem, solve_margins
     from ds4lib.tokenizer import TextEncoder
 
-    for name, v, lo in (("tau", tau, 0.0), ("rho", rho, 0.0), ("lam", lam, 0.0), ("min_flip", min_flip, 0.0),
-                        ("min_kept", min_kept, 0.0)):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (name == "tau" and v == 0):
-            raise PosttrainError(f"{name} must be a finite number {'> 0' if name == 'tau' else '≥ 0'}, got {v!r}")
+    for name, v in (("tau", tau), ("rho", rho), ("lam", lam), ("kappa", kappa), ("min_flip", min_flip),
+                    ("min_kept", min_kept)):
+        positive = name in ("tau", "lam")
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                or (positive and v == 0)):
+            raise PosttrainError(f"{name} must be a finite number {'> 0' if positive else '≥ 0'}, got {v!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise PosttrainError(f"rounds must be an integer ≥ 1, got {rounds!r}")
     if norm not in NORM_MODES:
@@ -520,7 +523,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
                            n_experts=probs[0].n_experts)
 
     t0 = time.perf_counter()
-    sol = solve_margins(problem, tau, rho, lam, rounds=rounds)
+    sol = solve_margins(problem, tau, rho, lam, kappa=kappa, rounds=rounds)
     solve_seconds = time.perf_counter() - t0
 
     reasons = []
@@ -530,16 +533,17 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
         reasons.append(f"predicted kept share {sol.kept_share:.4f} < min_kept {min_kept:g}")
     passed = not reasons
     params = {"base": str(base), "zchain": str(zchain), "zchain_fnv": engine.sidecar.fingerprint,
-              "requests": source, "tau": float(tau), "rho": float(rho), "lam": float(lam), "rounds": int(rounds),
-              "min_flip": float(min_flip), "min_kept": float(min_kept), "norm": norm, "backend": backend,
-              "layer": int(layer), "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
+              "requests": source, "tau": float(tau), "rho": float(rho), "lam": float(lam), "kappa": float(kappa),
+              "rounds": int(rounds), "min_flip": float(min_flip), "min_kept": float(min_kept), "norm": norm,
+              "backend": backend, "layer": int(layer), "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
     predicted = {"flipped": sol.flipped, "flipped_share": sol.flipped_share, "reached_tau": sol.reached_tau,
-                 "kept": sol.kept, "kept_share": sol.kept_share, "round": sol.round,
+                 "kept": sol.kept, "kept_share": sol.kept_share, "round": sol.round, "held": int(sol.held.sum()),
                  "delta_max_abs": float(np.abs(sol.delta).max()),
                  "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
                  "channels_changed": int(np.count_nonzero(sol.delta))}
     notes = {"purpose": "ds4 posttrain", "tau": float(tau), "rho": float(rho), "lam": float(lam),
-             "rounds": int(rounds), "norm": norm, "requests": len(items), "decision_points": sol.n_decisions,
+             "kappa": float(kappa), "rounds": int(rounds), "norm": norm, "requests": len(items),
+             "decision_points": sol.n_decisions,
              "constraint_rows": sol.n_constraints, "predicted_flipped_share": round(sol.flipped_share, 6),
              "predicted_kept_share": round(sol.kept_share, 6), "sidecar_fnv": engine.sidecar.fingerprint}
 

@@ -12,16 +12,31 @@ Two kinds of rows, with current margin m_i:
     constraint row  (top-1 − top-2, ≥ 0):     keep m_j + r_j·δ > 0   ->  r_j·δ = 0,                 weight ρ
 (a decision point already at or above τ gets b = 0: it is kept where it is, never pulled down to τ).
 
-Objective:  Σ_i w_i (r_i·δ − b_i)² + λ ‖δ‖²,  i.e. the normal equations (AᵀWA + λI) δ = AᵀWb over E·D unknowns,
-solved matrix-free by conjugate gradient with a Jacobi preconditioner (the exact diagonal of AᵀWA + λI, computed
-from R). A·δ is a gather of δ at the rows' experts; Aᵀ·v a bincount scatter back to [E, D]; rows are processed
-in chunks so no temporary grows past a few million values, and no matrix over the E·D unknowns is ever formed.
+Objective:  Σ_i w_i (r_i·δ − b_i)² + λ ‖δ‖²  (λ > 0),  i.e. the normal equations (AᵀWA + λI) δ = AᵀWb over the E·D
+unknowns. A·δ is a gather of δ at the rows' experts; Aᵀ·v a bincount scatter back to [E, D]; rows are processed in
+chunks so no temporary grows past a few million values, and no matrix over the E·D unknowns is ever formed.
+
+Conjugate gradient in row space. The rows are few (N ≪ E·D: the seed's 3,341 rows against 1.97M gains), so the
+solve runs on the N×N system (S A Aᵀ S + λI) y = S b, S = W^½, and returns δ = Aᵀ S y: the same δ, because
+(AᵀWA + λI) AᵀS = AᵀS (S A Aᵀ S + λI). It is still matrix-free (each step one A·δ and one Aᵀ·v, as in the primal)
+and Jacobi-preconditioned, with the exact diagonal w_i ‖r_i‖² + λ (row_diagonal). Why not the primal system with
+its own Jacobi diagonal: AᵀWA + λI is rank N plus λI, so plain CG on it needs about N steps, but dividing by its
+diagonal turns λI into λ·diag⁻¹, thousands of distinct eigenvalues (the diagonal of ds4-tiny's day 1 spans
+1e-3 .. 11.9 because many channels are touched by one weak row), and CG then took 1,760 steps to 1e-8 at ρ = 1 and
+stopped at its 1,000-step cap at ρ = 10 (BENCHMARKS.md, issue 14). In row space the Jacobi diagonal cancels the row
+weights: 81, 83, 87 steps at ρ = 1, 10, 100 on the same rows.
 
 FP4-aware active set: each round solves in float, rounds δ to the stored lattice (FP4 E2M1, one power-of-two
-scale per 32 channels: ds4lib.formats.sidecar.quantize_gains), predicts every row's margin with the lattice
-values, and multiplies by `boost` the weight of each decision point still predicted below τ before the next
-round. The best lattice solution wins: most decision points predicted flipped (margin > 0), ties to fewest
-constraint rows predicted broken (margin no longer > 0), then to the earlier round.
+scale per 32 channels: ds4lib.formats.sidecar.quantize_gains) and predicts every row's margin with the lattice
+values. Rounding moves margins by a noise of its own (on day 1: std 0.07, up to 0.31 on the constraint rows), which
+the float solve cannot see, so two kinds of rows join the active set for the next round:
+    a decision point still predicted below τ: its weight × `boost` (weights raised earlier stay raised);
+    a constraint row pushed down below the floor κ (lattice margin ≤ 0, or < min(κ, m_j)): it becomes an explicit
+    row like a decision point, r_j·δ = max(κ − m_j, 0) with weight max(w_j, 1) × `boost` (once held, it stays
+    held and its weight keeps growing while it is still below). The kept condition is an inequality (margin > 0),
+    not "no change": a row that sits barely above its runner-up is lifted to κ, out of reach of the rounding noise.
+The best lattice solution wins: fewest rows on the wrong side (decision points not flipped, i.e. margin ≤ 0, plus
+constraint rows broken, margin no longer > 0), ties to more decision points flipped, then to the earlier round.
 
 No files, no model objects. Shapes: N rows, K active experts, E experts, D hidden (a multiple of 32),
 G = D/32 blocks.
@@ -34,7 +49,7 @@ import numpy as np
 
 from ds4lib.formats.sidecar import GROUP, dequantize_gains, quantize_gains
 
-__all__ = ["MarginProblem", "MarginSolution", "make_problem", "matvec", "rmatvec", "jacobi_diagonal", "solve_cg",
+__all__ = ["MarginProblem", "MarginSolution", "make_problem", "matvec", "rmatvec", "row_diagonal", "solve_cg",
            "solve_margins", "predict"]
 
 _CHUNK_VALUES = 1 << 22          # rows per chunk = this // (K·D): temporaries of ~32 MB at most
@@ -67,7 +82,8 @@ class MarginSolution:
     n_constraints: int
     round: int                   # the round whose lattice solution was chosen
     weights: np.ndarray          # [N] the row weights of that round's solve
-    rounds: list = field(default_factory=list)   # per round: {round, active, iterations, residual,
+    held: np.ndarray             # [N] bool: constraint rows held at κ in that round's solve
+    rounds: list = field(default_factory=list)   # per round: {round, active, held, iterations, residual,
     #                                              float_flipped, flipped, reached_tau, kept}
 
 
@@ -157,19 +173,17 @@ def rmatvec(p: MarginProblem, v) -> np.ndarray:
     return out.reshape(E, D)
 
 
-def jacobi_diagonal(p: MarginProblem, weights, lam: float) -> np.ndarray:
-    """diag(AᵀWA + λI) -> [E, D]: Σ_i w_i (Σ_{k: e_ik = e} R_i[k, d])² + λ. An expert listed twice in one row
-    has its coefficients summed before squaring (exact for any ids)."""
+def row_diagonal(p: MarginProblem, weights, lam: float) -> np.ndarray:
+    """diag(S A Aᵀ S + λI) -> [N]: w_i ‖r_i‖² + λ, r_i the row over all E·D unknowns (an expert listed twice in
+    one row has its coefficients summed: Σ over k, j with e_ik = e_ij of R_i[k]·R_i[j])."""
     w = _check_weights(p, weights)
-    E, D = p.n_experts, p.R.shape[2]
-    out = np.zeros(E * D)
+    out = np.empty(p.R.shape[0])
     for rows in _chunks(p):
         ids = p.ids[rows]
-        same = ids[:, :, None] == ids[:, None, :]                                      # [n, K, K]
-        first = ~np.tril(same, -1).any(-1)                                             # [n, K] first occurrence
-        S = np.einsum("nkj,njd->nkd", same.astype(np.float64), p.R[rows])              # merged coefficients
-        out += _scatter(p, rows, (w[rows, None] * first)[:, :, None] * S * S)
-    return out.reshape(E, D) + float(lam)
+        same = (ids[:, :, None] == ids[:, None, :]).astype(np.float64)                 # [n, K, K]
+        gram = np.einsum("nkd,njd->nkj", p.R[rows], p.R[rows])                         # [n, K, K]
+        out[rows] = (same * gram).sum((1, 2))
+    return w * out + float(lam)
 
 
 def _check_weights(p: MarginProblem, weights) -> np.ndarray:
@@ -186,46 +200,52 @@ def predict(p: MarginProblem, delta) -> np.ndarray:
     return p.m + matvec(p, delta)
 
 
-def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max_iter: int = 1000, x0=None):
-    """Jacobi-preconditioned CG on (AᵀWA + λI) δ = AᵀWb, from x0 (default 0). Stops when the recursive residual
-    ‖AᵀWb − (AᵀWA + λI)δ‖ / ‖AᵀWb‖ ≤ tol or after max_iter updates. Returns (δ [E, D] float64, iterations, the
-    true relative residual recomputed at the end)."""
+def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max_iter: int = 1000):
+    """Jacobi-preconditioned CG in row space (module docstring): (S A Aᵀ S + λI) y = S b, S = W^½, λ > 0, from
+    y = 0; δ = Aᵀ S y solves (AᵀWA + λI) δ = AᵀWb. Stops when ‖S b − (S A Aᵀ S + λI) y‖ ≤ tol·‖S b‖ or after
+    max_iter updates. Returns (δ [E, D] float64, iterations, the relative residual of the normal equations
+    ‖AᵀWb − (AᵀWA + λI)δ‖ / ‖AᵀWb‖ recomputed at the end)."""
     w = _check_weights(p, weights)
     b = np.asarray(b, np.float64)
     if b.shape != w.shape or not np.isfinite(b).all():
         raise ValueError(f"b must be [N] = [{w.shape[0]}] finite values")
-    if not np.isfinite(lam) or lam < 0:
-        raise ValueError(f"lam must be finite and ≥ 0, got {lam}")
-
-    def op(x):
-        return rmatvec(p, w * matvec(p, x)) + lam * x
-
-    rhs = rmatvec(p, w * b)
+    if not np.isfinite(lam) or lam <= 0:
+        raise ValueError(f"lam must be finite and > 0 (the ridge keeps the row-space system regular when rows are "
+                         f"linearly dependent), got {lam}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 0:
+        raise ValueError(f"max_iter must be an integer ≥ 0, got {max_iter!r}")
+    s = np.sqrt(w)
+    rhs = rmatvec(p, w * b)                                   # AᵀWb: the normal equations' right-hand side
     bnorm = float(np.linalg.norm(rhs))
-    if bnorm == 0.0:
+    if bnorm == 0.0:                                          # then δ = 0 solves them exactly
         return np.zeros_like(rhs), 0, 0.0
-    diag = jacobi_diagonal(p, w, lam)
-    inv = np.where(diag > 0, 1.0 / np.where(diag > 0, diag, 1.0), 1.0)
-    x = np.zeros_like(rhs) if x0 is None else _check_delta(p, x0).copy()
-    r = rhs - op(x) if x0 is not None else rhs.copy()
+
+    def op(y):                                                # (S A Aᵀ S + λI) y
+        return s * matvec(p, rmatvec(p, s * y)) + lam * y
+
+    inv = 1.0 / row_diagonal(p, w, lam)                       # ≥ λ > 0 everywhere
+    y = np.zeros_like(b)
+    r = s * b
+    stop = tol * float(np.linalg.norm(r))
     z = inv * r
     d = z.copy()
     rz = float(np.vdot(r, z))
     it = 0
-    while it < max_iter and np.linalg.norm(r) > tol * bnorm:
+    while it < max_iter and np.linalg.norm(r) > stop:
         q = op(d)
         dq = float(np.vdot(d, q))
-        if dq <= 0.0:                      # a null direction of a singular system (λ = 0): nothing left to gain
+        if dq <= 0.0:                                         # d = 0 to rounding: nothing left to gain
             break
         alpha = rz / dq
-        x += alpha * d
+        y += alpha * d
         r -= alpha * q
         it += 1
         z = inv * r
         rz_new = float(np.vdot(r, z))
         d = z + (rz_new / rz) * d
         rz = rz_new
-    return x, it, float(np.linalg.norm(rhs - op(x)) / bnorm)
+    x = rmatvec(p, s * y)
+    return x, it, float(np.linalg.norm(rhs - rmatvec(p, w * matvec(p, x)) - lam * x) / bnorm)
 
 
 def _counts(p: MarginProblem, margins, tau: float) -> dict:
@@ -234,42 +254,47 @@ def _counts(p: MarginProblem, margins, tau: float) -> dict:
             "kept": int((margins[con] > 0).sum())}
 
 
-def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, rounds: int = 4, boost: float = 4.0,
-                  tol: float = 1e-8, max_iter: int = 1000) -> MarginSolution:
-    """Up to `rounds` float solves, each rounded to the FP4 lattice; between rounds the weight of every decision
-    point predicted below τ (on the lattice) is multiplied by `boost` (weights raised earlier stay raised). Stops
-    early once every decision point reaches τ. Each solve starts from the previous float δ."""
-    if not np.isfinite(tau) or tau <= 0:
-        raise ValueError(f"tau must be a finite target margin > 0, got {tau}")
-    if not np.isfinite(rho) or rho < 0:
-        raise ValueError(f"rho must be finite and ≥ 0, got {rho}")
+def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa: float = 0.25, rounds: int = 4,
+                  boost: float = 4.0, tol: float = 1e-8, max_iter: int = 1000) -> MarginSolution:
+    """Up to `rounds` float solves, each rounded to the FP4 lattice, with the active set of the module docstring
+    between rounds (decision points below τ boosted; constraint rows pushed below κ held at κ, boosted). Stops early
+    once every decision point reaches τ and no constraint row is pushed below κ."""
+    for name, v, ok in (("tau", tau, tau > 0), ("rho", rho, rho >= 0), ("kappa", kappa, kappa >= 0)):
+        if not np.isfinite(v) or not ok:
+            raise ValueError(f"{name} must be finite and {'> 0' if name == 'tau' else '≥ 0'}, got {v}")
     if rounds < 1 or not np.isfinite(boost) or boost < 1:
         raise ValueError(f"need rounds ≥ 1 and boost ≥ 1, got rounds={rounds}, boost={boost}")
-    dec = p.kind
+    dec, con = p.kind, ~p.kind
     w = np.where(dec, 1.0, float(rho))
     b = np.where(dec, np.maximum(tau - p.m, 0.0), 0.0)
-    n_dec, n_con = int(dec.sum()), int((~dec).sum())
-    x, active, history, best = None, 0, [], None
+    held = np.zeros_like(dec)
+    floor = np.minimum(kappa, p.m)
+    n_dec, n_con = int(dec.sum()), int(con.sum())
+    active, history, best = 0, [], None
     for rnd in range(rounds):
-        x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter, x0=x)
+        x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter)
         blocks = quantize_gains(x.astype(np.float32))
         gains = dequantize_gains(blocks)
         delta = gains - np.float32(1.0)
         mq, mf = predict(p, delta), predict(p, x)
         c = _counts(p, mq, tau)
-        history.append({"round": rnd, "active": active, "iterations": it, "residual": res,
-                        "float_flipped": int((mf[dec] > 0).sum()), **c})
-        key = (c["flipped"], c["kept"])            # more kept = fewer constraint rows broken
+        history.append({"round": rnd, "active": active, "held": int(held.sum()), "iterations": it,
+                        "residual": res, "float_flipped": int((mf[dec] > 0).sum()), **c})
+        key = (-(n_dec - c["flipped"] + n_con - c["kept"]), c["flipped"])
         if best is None or key > best[0]:
-            best = (key, rnd, delta, gains, blocks, mq, mf, c, w.copy())
+            best = (key, rnd, delta, gains, blocks, mq, mf, c, w.copy(), held.copy())
         below = dec & (mq < tau)
-        if not below.any():
+        pushed = con & ((mq <= 0) | (mq < floor))
+        if not below.any() and not pushed.any():
             break
         active = int(below.sum())
         w = np.where(below, w * boost, w)
-    _, rnd, delta, gains, blocks, mq, mf, c, wb = best
+        w = np.where(pushed, np.maximum(w, 1.0) * boost, w)
+        held |= pushed
+        b = np.where(held, np.maximum(kappa - p.m, 0.0), b)
+    _, rnd, delta, gains, blocks, mq, mf, c, wb, hb = best
     return MarginSolution(delta=delta, gains=gains, blocks=blocks, margins=mq, float_margins=mf,
                           flipped=c["flipped"], flipped_share=c["flipped"] / n_dec if n_dec else 0.0,
                           reached_tau=c["reached_tau"], kept=c["kept"],
                           kept_share=c["kept"] / n_con if n_con else 1.0, n_decisions=n_dec, n_constraints=n_con,
-                          round=rnd, weights=wb, rounds=history)
+                          round=rnd, weights=wb, held=hb, rounds=history)

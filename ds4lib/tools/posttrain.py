@@ -1,6 +1,6 @@
 """`ds4 posttrain --base FILE --zchain DIR --requests FILE --out DIR [--engram-dir DIR] [--tau T] [--rho R] [--lam L]
-[--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training directory from requests with
-right answers (ds4lib.posttrain.solve: the requests format, decision points, gates, where files go).
+[--kappa K] [--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training directory from
+requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates, where files go).
 
 Exit status: 0 the candidate passed its gates and is installed as --out (a previous --out kept as --out.old);
 1 it failed a gate and was written to <out parent>/rejected/<out name>-<timestamp>/ instead (--out untouched);
@@ -22,7 +22,7 @@ def format_report(rep) -> str:
              f"points, {rep.constraint_rows} constraint rows",
              f"predicted: flipped {p['flipped']}/{rep.decision_points} ({100 * p['flipped_share']:.1f}%), reached τ "
              f"{p['reached_tau']}, kept {p['kept']}/{rep.constraint_rows} ({100 * p['kept_share']:.2f}%) "
-             f"(lattice round {p['round']})",
+             f"(lattice round {p['round']}; {p['held']} constraint rows held at κ)",
              f"solve {rep.solve_seconds:.2f} s, CG iterations per round {rep.cg_iterations}; generation "
              f"{rep.generate_seconds:.1f} s, capture {rep.capture_seconds:.1f} s"]
     r = rep.real
@@ -51,7 +51,8 @@ def _run(args) -> int:
     try:
         rep = solve_posttrain(base=args.base, zchain=args.zchain, requests=args.requests, out=args.out,
                               engram_dir=args.engram_dir, tau=args.tau, rho=args.rho, lam=args.lam,
-                              rounds=args.rounds, min_flip=args.min_flip, min_kept=args.min_kept,
+                              kappa=args.kappa, rounds=args.rounds, min_flip=args.min_flip,
+                              min_kept=args.min_kept,
                               backend="cuda" if args.cuda else "cpu", progress=not args.quiet)
     except (PosttrainError, EngineError, SidecarError, CaptureError) as e:
         print(f"ds4 posttrain: {e}", file=sys.stderr)
@@ -61,7 +62,7 @@ def _run(args) -> int:
 
 
 def register(sub):
-    from ds4lib.posttrain.solve import LAM, MIN_FLIP, MIN_KEPT, RHO, ROUNDS, TAU
+    from ds4lib.posttrain.solve import KAPPA, LAM, MIN_FLIP, MIN_KEPT, RHO, ROUNDS, TAU
     p = sub.add_parser("posttrain", help="solve a ③ post-training file from requests with right answers")
     p.add_argument("--base", required=True, help="the ① base GGUF file")
     p.add_argument("--zchain", required=True, help="the ② sidecar directory the ③ stacks on")
@@ -72,7 +73,10 @@ def register(sub):
     p.add_argument("--tau", type=finite_float(0.0, lo_open=True), default=TAU,
                    help=f"target margin of a decision point (default {TAU:g})")
     p.add_argument("--rho", type=finite_float(0.0), default=RHO, help=f"constraint row weight (default {RHO:g})")
-    p.add_argument("--lam", type=finite_float(0.0), default=LAM, help=f"ridge on the gains (default {LAM:g})")
+    p.add_argument("--lam", type=finite_float(0.0, lo_open=True), default=LAM,
+                   help=f"ridge on the gains, > 0 (default {LAM:g})")
+    p.add_argument("--kappa", type=finite_float(0.0), default=KAPPA,
+                   help=f"margin a constraint row pushed down by the FP4 rounding is held at (default {KAPPA:g})")
     p.add_argument("--rounds", type=int_at_least(1), default=ROUNDS, help=f"FP4 lattice rounds (default {ROUNDS})")
     p.add_argument("--min-flip", type=finite_float(0.0), default=MIN_FLIP,
                    help=f"gate: predicted flipped share of the decision points (default {MIN_FLIP:g})")

@@ -357,6 +357,10 @@ def test_refusals_write_nothing(stack, cases, tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(PosttrainError, match="tau must be a finite number > 0"):
         _run(stack, out, reqs, tau=0.0)
+    with pytest.raises(PosttrainError, match="lam must be a finite number > 0"):
+        _run(stack, out, reqs, lam=0.0)
+    with pytest.raises(PosttrainError, match="kappa must be a finite number ≥ 0"):
+        _run(stack, out, reqs, kappa=-0.5)
     assert not (tmp_path / "o").exists()
 
 
@@ -389,6 +393,9 @@ def test_cli_exit_codes(stack, cases, tmp_path, capsys):
         ds4_main(_argv(stack, reqs, out, "--tau", "0"))
     assert ex.value.code == 2
     assert "--tau" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ex:
+        ds4_main(_argv(stack, reqs, out, "--lam", "0"))
+    assert ex.value.code == 2 and "--lam" in capsys.readouterr().err
 
 
 def test_console_entry_refuses_without_a_traceback(tmp_path):
