@@ -25,7 +25,10 @@ exponent trick (0x4B000000 | q is 2^23 + q), not an int-to-float conversion. Tok
 a time, so a prefill chunk reads each weight row once per TOKENS_WIDE tokens. A decode call (one token) takes
 `q4k_gemv_deep_kernel`: the same lanes, super-blocks and FMA order (so the same bits), with four steps' loads in
 flight per lane and the activations read as 8-byte words (x viewed as uint64); on the H200 it is 1.2-1.45x faster
-than the two-step kernel at V4.1's shapes (BENCHMARKS.md, issue 12).
+than the two-step kernel at V4.1's shapes (BENCHMARKS.md, issue 12). Its instruction count per weight is what bounds
+it (Nsight Compute: ~24 per weight), so it indexes flat arrays with unsigned integers (no wraparound checks or row
+strides per load), converts the f16 header with the hardware, takes nibbles and scale bytes with 32-bit operations,
+and selects the two scale layouts instead of branching on the lane's sub-block.
 
 Shapes: T tokens, N rows, K row length (per group), G groups, NB = K/256 super-blocks (q4_K) or K/32 blocks (Q8_0).
 """
@@ -88,25 +91,27 @@ def _nibble_f32_device(word, shift):
 
 
 @cuda.jit(device=True, inline=True)
-def _scale_byte_device(h0, h1, i):
-    """Byte i (0..11) of the 12 packed scale bytes: bytes 4..7 of header word h0, then bytes 0..7 of h1."""
-    if i < 4:
-        return np.uint32((h0 >> np.uint64(32 + 8 * i)) & np.uint64(0xFF))
-    return np.uint32((h1 >> np.uint64(8 * (i - 4))) & np.uint64(0xFF))
+def _small_f32_device(v):
+    """float32 of a uint32 v < 2^23, exactly (2^23 + v - 2^23): an OR and an FADD instead of a conversion."""
+    return bits_f32(np.uint32(0x4B000000) | v) - MAGIC
 
 
 @cuda.jit(device=True, inline=True)
 def _scale_min_device(h0, h1, j):
-    """(scale, min) 6-bit values of sub-block j (GGML get_scale_min_k4), as float32."""
-    if j < 4:
-        sc = _scale_byte_device(h0, h1, j) & np.uint32(63)
-        m = _scale_byte_device(h0, h1, j + 4) & np.uint32(63)
-    else:
-        sc = (_scale_byte_device(h0, h1, j + 4) & np.uint32(0xF)) | ((_scale_byte_device(h0, h1, j - 4) >> np.uint32(6))
-                                                                     << np.uint32(4))
-        m = (_scale_byte_device(h0, h1, j + 4) >> np.uint32(4)) | ((_scale_byte_device(h0, h1, j) >> np.uint32(6))
-                                                                   << np.uint32(4))
-    return np.float32(sc), np.float32(m)
+    """(scale, min) 6-bit values of sub-block j (GGML get_scale_min_k4), as float32. The 12 scale bytes are bytes
+    4..7 of header word h0, then bytes 0..7 of h1; byte j % 4 of each 4-byte third is taken with 32-bit shifts and
+    both cases (j < 4, j >= 4) are formed and selected, so a warp whose lanes hold different j does not diverge."""
+    s0 = np.uint32(h0 >> np.uint64(32))                  # scale bytes 0..3
+    s1 = np.uint32(h1 & np.uint64(0xFFFFFFFF))           # bytes 4..7
+    s2 = np.uint32(h1 >> np.uint64(32))                  # bytes 8..11
+    sh = np.uint32(8) * np.uint32(j & 3)
+    b0 = (s0 >> sh) & np.uint32(0xFF)                    # byte j % 4
+    b1 = (s1 >> sh) & np.uint32(0xFF)                    # byte 4 + j % 4
+    b2 = (s2 >> sh) & np.uint32(0xFF)                    # byte 8 + j % 4
+    lo = j < 4
+    sc = (b0 & np.uint32(63)) if lo else ((b2 & np.uint32(0xF)) | ((b0 >> np.uint32(6)) << np.uint32(4)))
+    m = (b1 & np.uint32(63)) if lo else ((b2 >> np.uint32(4)) | ((b1 >> np.uint32(6)) << np.uint32(4)))
+    return _small_f32_device(sc), _small_f32_device(m)
 
 
 @cuda.jit(device=True, inline=True)
@@ -126,11 +131,19 @@ if SIM:
         return v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
 else:
     @cuda.jit(device=True, inline=True)
+    def _nibble32_f32_device(w, shift):
+        """float32 of the 4-bit field of uint32 w at bit `shift`, exactly."""
+        return _small_f32_device((w >> np.uint32(shift)) & np.uint32(0xF))
+
+    @cuda.jit(device=True, inline=True)
     def _nibbles8_device(q, shift):
-        """The 4-bit fields at bit 8b + shift (b = 0..7) of uint64 q as 8 float32."""
-        return (_nibble_f32_device(q, shift), _nibble_f32_device(q, 8 + shift), _nibble_f32_device(q, 16 + shift),
-                _nibble_f32_device(q, 24 + shift), _nibble_f32_device(q, 32 + shift), _nibble_f32_device(q, 40 + shift),
-                _nibble_f32_device(q, 48 + shift), _nibble_f32_device(q, 56 + shift))
+        """The 4-bit fields at bit 8b + shift (b = 0..7) of uint64 q as 8 float32 (32-bit halves: no 64-bit shifts)."""
+        lo = np.uint32(q & np.uint64(0xFFFFFFFF))
+        hi = np.uint32(q >> np.uint64(32))
+        return (_nibble32_f32_device(lo, shift), _nibble32_f32_device(lo, 8 + shift),
+                _nibble32_f32_device(lo, 16 + shift), _nibble32_f32_device(lo, 24 + shift),
+                _nibble32_f32_device(hi, shift), _nibble32_f32_device(hi, 8 + shift),
+                _nibble32_f32_device(hi, 16 + shift), _nibble32_f32_device(hi, 24 + shift))
 
 
 @cuda.jit(device=True, inline=True)
@@ -252,38 +265,114 @@ def _q4k_sb_device(h0, h1, q, c, x64, t, k2, acc):
     return _q4k_dot8w_device(q, 4, dd1, dm1, x64, t, k2 + 16, a)
 
 
+if SIM:
+    _f16_header_device = f16_bits_device
+else:
+    from llvmlite import ir as _ir
+    from numba.core import types as _types
+    from numba.core.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _cvt_f32_f16(typingctx, h):
+        """cvt.f32.f16: the hardware conversion of an IEEE half (exact for every finite value)."""
+        sig = _types.float32(_types.uint16)
+
+        def codegen(context, builder, signature, args):
+            fnty = _ir.FunctionType(_ir.FloatType(), [_ir.IntType(16)])
+            return builder.call(_ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h"), args)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def _f16_header_device(h):
+        """f16 bits (low 16 bits of h) -> float32 by the hardware conversion: f16_bits_device's bits for every
+        finite or infinite half; a NaN stays a NaN (its payload bits may differ, and any row it enters is NaN)."""
+        return _cvt_f32_f16(np.uint16(h & np.uint32(0xFFFF)))
+
+
+@cuda.jit(device=True, inline=True)
+def _q4k_factors_hw_device(h0, h1, j):
+    """_q4k_factors_device with the header's two halves converted by the hardware."""
+    lo = np.uint32(h0 & np.uint64(0xFFFFFFFF))
+    sc, m = _scale_min_device(h0, h1, j)
+    return _f16_header_device(lo) * sc, _f16_header_device(lo >> np.uint32(16)) * m
+
+
+@cuda.jit(device=True, inline=True)
+def _q4k_dot8u_device(q, shift, dd, dm, x1, k2, acc):
+    """_q4k_dot8w_device over x as a flat uint64 array with an unsigned index: the same FMAs in the same order,
+    without the signed-index wraparound and row-stride arithmetic per load."""
+    n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles8_device(q, shift)
+    w = x1[k2]
+    x0, x1_ = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    w = x1[k2 + np.uint64(1)]
+    x2, x3 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    w = x1[k2 + np.uint64(2)]
+    x4, x5 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    w = x1[k2 + np.uint64(3)]
+    x6, x7 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    acc = cuda.fma(cuda.fma(dd, n0, -dm), x0, acc)
+    acc = cuda.fma(cuda.fma(dd, n1, -dm), x1_, acc)
+    acc = cuda.fma(cuda.fma(dd, n2, -dm), x2, acc)
+    acc = cuda.fma(cuda.fma(dd, n3, -dm), x3, acc)
+    acc = cuda.fma(cuda.fma(dd, n4, -dm), x4, acc)
+    acc = cuda.fma(cuda.fma(dd, n5, -dm), x5, acc)
+    acc = cuda.fma(cuda.fma(dd, n6, -dm), x6, acc)
+    return cuda.fma(cuda.fma(dd, n7, -dm), x7, acc)
+
+
+@cuda.jit(device=True, inline=True)
+def _q4k_stepu_device(w1, rb, sb, nb, lw):
+    """(h0, h1, q) of super-block sb of the row starting at flat word rb, lane word lw = 2 + 4c + e8; zeros past
+    the row. Unsigned flat indices."""
+    if sb >= nb:
+        return np.uint64(0), np.uint64(0), np.uint64(0)
+    base = rb + np.uint64(Q4K_WORDS) * np.uint64(sb)
+    return w1[base], w1[base + np.uint64(1)], w1[base + lw]
+
+
+@cuda.jit(device=True, inline=True)
+def _q4k_sbu_device(h0, h1, q, c, x1, k2, acc):
+    """The lane's 16 weights of one super-block (sub-blocks 2c and 2c + 1) against x, accumulated in order."""
+    dd0, dm0 = _q4k_factors_hw_device(h0, h1, 2 * c)
+    dd1, dm1 = _q4k_factors_hw_device(h0, h1, 2 * c + 1)
+    a = _q4k_dot8u_device(q, 0, dd0, dm0, x1, k2, acc)
+    return _q4k_dot8u_device(q, 4, dd1, dm1, x1, k2 + np.uint64(16), a)
+
+
 def _make_q4k_deep_kernel(warps):
     """Decode (one token) q4_K GEMV with four super-block steps of loads in flight per lane and 8-byte activation
     loads; per lane the same super-blocks in the same order as q4k_gemv_t1_kernel, so the same bits.
-    x64 [1, G*K/2] (x as uint64), w64 [N, NB*18]."""
+    x1 [G*K/2] (x as flat uint64), w1 [N*NB*18] (the weights as flat uint64 words), n_words = NB*18."""
     @cuda.jit(cache=True)
-    def q4k_gemv_deep_kernel(x64, w64, rows_per_group, out_bf16, out):
+    def q4k_gemv_deep_kernel(x1, w1, n_words, rows_per_group, out_bf16, out):
         red = cuda.shared.array((warps, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
         row = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
-        n_rows, n_words = w64.shape
+        n_rows = out.shape[1]
         if row >= n_rows:
             return
         nb = n_words // Q4K_WORDS
+        rb = np.uint64(row) * np.uint64(n_words)
         xrow0 = (row // rows_per_group) * nb * QK_K
         half = lane // 16
         c = (lane % 16) // 4
         e8 = lane % 4
+        lw = np.uint64(2 + 4 * c + e8)
         acc = np.float32(0.0)
         sb = half
         while sb < nb:
-            a0, b0, q0 = _q4k_step_device(w64, row, sb, nb, c, e8)
-            a1, b1, q1 = _q4k_step_device(w64, row, sb + 2, nb, c, e8)
-            a2, b2, q2 = _q4k_step_device(w64, row, sb + 4, nb, c, e8)
-            a3, b3, q3 = _q4k_step_device(w64, row, sb + 6, nb, c, e8)
-            k2 = (xrow0 + QK_K * sb + 64 * c + 8 * e8) // 2
-            acc = _q4k_sb_device(a0, b0, q0, c, x64, 0, k2, acc)
+            a0, b0, q0 = _q4k_stepu_device(w1, rb, sb, nb, lw)
+            a1, b1, q1 = _q4k_stepu_device(w1, rb, sb + 2, nb, lw)
+            a2, b2, q2 = _q4k_stepu_device(w1, rb, sb + 4, nb, lw)
+            a3, b3, q3 = _q4k_stepu_device(w1, rb, sb + 6, nb, lw)
+            k2 = np.uint64((xrow0 + QK_K * sb + 64 * c + 8 * e8) // 2)
+            acc = _q4k_sbu_device(a0, b0, q0, c, x1, k2, acc)
             if sb + 2 < nb:
-                acc = _q4k_sb_device(a1, b1, q1, c, x64, 0, k2 + QK_K, acc)
+                acc = _q4k_sbu_device(a1, b1, q1, c, x1, k2 + np.uint64(QK_K), acc)
             if sb + 4 < nb:
-                acc = _q4k_sb_device(a2, b2, q2, c, x64, 0, k2 + 2 * QK_K, acc)
+                acc = _q4k_sbu_device(a2, b2, q2, c, x1, k2 + np.uint64(2 * QK_K), acc)
             if sb + 6 < nb:
-                acc = _q4k_sb_device(a3, b3, q3, c, x64, 0, k2 + 3 * QK_K, acc)
+                acc = _q4k_sbu_device(a3, b3, q3, c, x1, k2 + np.uint64(3 * QK_K), acc)
             sb += 8
         v = warp_sum_device(acc, red[cuda.threadIdx.x // WARP])
         if lane == 0:
@@ -383,7 +472,7 @@ SIGNATURES = {
     "q4k_gemv_t4_kernel": _GEMV_SIG,
     "q8_0_gemv_t1_kernel": _Q8_SIG,
     "q8_0_gemv_t4_kernel": _Q8_SIG,
-    "q4k_gemv_deep_kernel": "void(uint64[:, :], uint64[:, :], int64, boolean, float32[:, :])",
+    "q4k_gemv_deep_kernel": "void(uint64[:], uint64[:], int64, int64, boolean, float32[:, :])",
     "q4k_rows_kernel": "void(uint8[:, :], int64[:], float32[:, :])",
     "q8_0_rows_kernel": "void(uint16[:, :], int64[:], float32[:, :])",
 }
@@ -433,8 +522,10 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         x = act_quant_fp8(x, out=_scratch(scratch, "xq", tuple(x.shape), np.float32, stream), stream=stream)
     grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
     if kind == "q4_K" and n_tok == 1 and _contiguous(x):
-        q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](x.view(np.uint64), w.view(np.uint64), rpg,
-                                                                  bool(out_bf16), out)
+        w64 = w.view(np.uint64)
+        q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](
+            x.view(np.uint64).reshape(x.shape[1] // 2), w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg,
+            bool(out_bf16), out)
     elif kind == "q4_K":
         kernel = q4k_gemv_t1_kernel if n_tok == 1 else q4k_gemv_t4_kernel
         kernel[grid, WARP * WARPS_PER_BLOCK, stream](x, w.view(np.uint64), rpg, bool(out_bf16), out)

@@ -2,6 +2,7 @@
 shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
 
     ncu --clock-control none -k regex:q4k --launch-skip 2 --launch-count 1 python bench/dev/q4k_probe.py --shape wo_b
+    python bench/dev/q4k_probe.py --time          # every shape: µs per call, cold, CUDA-graph replay (JSON lines)
 """
 import argparse
 import math
@@ -19,7 +20,39 @@ SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "sh
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="wo_b", choices=sorted(SHAPES))
 ap.add_argument("--calls", type=int, default=6)
+ap.add_argument("--time", action="store_true")
 a = ap.parse_args()
+SHAPES.update({"wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a": (8192, 4096), "shared_w2": (5120, 2304)})
+if a.time:
+    import json
+    from bench.timing import graph_time
+    s = cuda.stream()
+    for name, (N, K) in sorted(SHAPES.items()):
+        rpg = 1024 if name == "wo_a" else None
+        G = 1 if rpg is None else N // rpg
+        nbytes = N * K // 256 * 144
+        copies = max(1, math.ceil(240e6 / nbytes))
+        ws = []
+        for c in range(copies):
+            w = cuda.device_array((N, K // 256 * 144), np.uint8, stream=s)
+            synth_fill(w, "q4_K", key=100 + c, sigma=K ** -0.5, k=K, stream=s)
+            ws.append(w)
+        x = cuda.to_device(np.random.default_rng(0).standard_normal((1, G * K)).astype(np.float32), stream=s)
+        out = cuda.device_array((1, N), np.float32, stream=s)
+        scratch = {}
+        it = [0]
+
+        def call():
+            q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
+                     scratch=scratch, stream=s)
+            it[0] += 1
+        call()
+        s.synchronize()
+        sec = graph_time(call, s, max(copies * 4, 40))
+        print(json.dumps({"name": name, "shape": [N, K], "copies": copies, "us": round(sec * 1e6, 2),
+                          "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
+        del ws
+    sys.exit(0)
 N, K = SHAPES[a.shape]
 s = cuda.stream()
 copies = max(1, math.ceil(240e6 / (N * K // 256 * 144)))
