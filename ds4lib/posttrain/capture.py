@@ -85,7 +85,9 @@ class PositionCapture:
 @dataclass
 class RowMeta:
     """What a caller needs beside the MarginProblem; every array is per row [N] unless noted. Rows: the decision
-    points in the order given, then the constraint rows by ascending position."""
+    points in the order given, then the constraint rows by ascending position; each position gives `rivals`
+    consecutive rows (its a against its strongest other tokens, the strongest first), one group
+    (MarginProblem.group, numbered 0 .. positions − 1 in that order)."""
     layer: int
     positions: np.ndarray      # int64 position decided (sequence index)
     row: np.ndarray            # int64 index into the capture's G positions
@@ -105,6 +107,8 @@ class RowMeta:
     n_experts: int
     cfg: object                # the model config (ds4lib.config.ModelConfig)
     margin_err: float          # max |rebuilt − engine margin| / (|ℓ_a| + |ℓ_b|) over the rows
+    group: np.ndarray = None   # int64 the position's index among the captured positions (= problem.group)
+    rivals: int = 1            # rows per position
 
 
 @dataclass
@@ -248,15 +252,22 @@ def capture_positions(engine, prompt_ids, generated_ids) -> PositionCapture:
                            alpha=alpha, inv=inv, exact=exact)
 
 
-def _other_top(lg, exclude) -> np.ndarray:
-    """argmax of each row of lg [n, V] with column exclude[i] left out (ties to the lower id)."""
+def _other_top(lg, exclude, n: int = 1) -> np.ndarray:
+    """The n highest columns of each row of lg [n_rows, V] with column exclude[i] left out, highest first (ties to
+    the lower id) -> [n_rows, n]."""
     x = lg.copy()
     x[np.arange(len(x)), exclude] = -np.inf
-    return x.argmax(-1)
+    return np.argsort(-x, axis=-1, kind="stable")[:, :n]
+
+
+def _check_rivals(rivals, V: int) -> int:
+    if isinstance(rivals, bool) or not isinstance(rivals, (int, np.integer)) or not 1 <= rivals < V:
+        raise ValueError(f"rivals must be an integer in [1, {V - 1}] (other tokens per position), got {rivals!r}")
+    return int(rivals)
 
 
 def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_eps: float, cfg, constraints=None,
-                      norm: str = "linear", sidecar_fnv=None):
+                      norm: str = "linear", sidecar_fnv=None, rivals: int = 1):
     """The margin rows of a capture (capture_rows without running the engine): (MarginProblem, RowMeta). head [V, D]
     and norm_weight [D] as the engine holds them; cfg the model config."""
     n_experts = cfg.moe_shape(cap.layer)[0]
@@ -264,17 +275,19 @@ def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_e
         raise ValueError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
     P, G = len(cap.prompt_ids), len(cap.generated_ids)
     V = cap.logits.shape[1]
+    M = _check_rivals(rivals, V)
     dpos, da = _check_points(points, P, G, V)
     cpos = _check_constraints(constraints, dpos, P, G)
     drow, crow = dpos - P, cpos - P
     lg = cap.logits
-    db = _other_top(lg[drow], da)
+    db = _other_top(lg[drow], da, M)                                                    # [nd, M]
     ct1 = lg[crow].argmax(-1)
-    ct2 = _other_top(lg[crow], ct1)
-    row = np.concatenate([drow, crow])
-    a = np.concatenate([da, ct1]).astype(np.int64)
-    b = np.concatenate([db, ct2]).astype(np.int64)
-    kind = np.concatenate([np.ones(len(drow), bool), np.zeros(len(crow), bool)])
+    ct2 = _other_top(lg[crow], ct1, M)                                                  # [nc, M]
+    row = np.repeat(np.concatenate([drow, crow]), M)
+    a = np.repeat(np.concatenate([da, ct1]), M).astype(np.int64)
+    b = np.concatenate([db, ct2]).reshape(-1).astype(np.int64)
+    kind = np.repeat(np.arange(len(drow) + len(crow)) < len(drow), M)
+    group = np.repeat(np.arange(len(drow) + len(crow), dtype=np.int64), M)
     la, lb = lg[row, a], lg[row, b]
     m = la.astype(np.float64) - lb.astype(np.float64)
 
@@ -301,11 +314,11 @@ def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_e
         u = c - (inv ** 2 * np.einsum("nd,nd->n", c, z) / D)[:, None] * z
     u = (alpha * inv)[:, None] * u
     R = u[:, None, :] * (cap.weights[row].astype(np.float64)[:, :, None] * cap.ye[row].astype(np.float64))
-    problem = make_problem(ids=cap.ids[row], R=R, m=m, kind=kind, n_experts=n_experts)
+    problem = make_problem(ids=cap.ids[row], R=R, m=m, kind=kind, n_experts=n_experts, group=group)
     meta = RowMeta(layer=cap.layer, positions=P + row, row=row, path=cap.path[row], a=a, b=b, la=la, lb=lb, m=m,
                    kind=kind, alpha=alpha, inv=cap.inv[row], norm=norm, prompt_ids=cap.prompt_ids,
                    generated_ids=cap.generated_ids, sidecar_fnv=sidecar_fnv, n_experts=n_experts, cfg=cfg,
-                   margin_err=margin_err)
+                   margin_err=margin_err, group=group, rivals=M)
     return problem, meta
 
 
@@ -315,13 +328,15 @@ def _check_engine(engine):
                          "stack on (δ is relative to the captured stack)")
 
 
-def capture_rows(engine, prompt_ids, generated_ids, points, *, constraints=None, norm: str = "linear"):
+def capture_rows(engine, prompt_ids, generated_ids, points, *, constraints=None, norm: str = "linear",
+                 rivals: int = 1):
     """Margin rows of the last backbone MoE layer -> (MarginProblem, RowMeta).
 
     points: (position, a) decision points, position in the generated part [P, P+G) (module docstring), a the token
     that should win; b is the highest-logit token other than a, m = ℓ_a − ℓ_b. constraints: None (every other
     generated position) or the positions to keep; their rows have (a, b) = (top-1, top-2), m = top-1 − top-2 ≥ 0.
-    norm: "fixed" (inv held fixed, docs/design.md §4) or "linear" (inv's first-order change included)."""
+    norm: "fixed" (inv held fixed, docs/design.md §4) or "linear" (inv's first-order change included). rivals: rows
+    per position, a against each of its `rivals` strongest other tokens (b above is the first of them)."""
     _check_engine(engine)
     if norm not in NORM_MODES:
         raise ValueError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
@@ -332,11 +347,12 @@ def capture_rows(engine, prompt_ids, generated_ids, points, *, constraints=None,
     points = list(points)
     constraints = None if constraints is None else list(constraints)
     _check_constraints(constraints, _check_points(points, P, G, V)[0], P, G)   # bad input fails before the forward
+    _check_rivals(rivals, V)
     cap = capture_positions(engine, prompt_ids, generated_ids)
     sc = engine.sidecar
     return rows_from_capture(cap, points, head=_global(engine, HEAD), norm_weight=_global(engine, NORM),
                              norm_eps=cfg.norm_eps, constraints=constraints, norm=norm, cfg=cfg,
-                             sidecar_fnv=sc.fingerprint if sc is not None else None)
+                             sidecar_fnv=sc.fingerprint if sc is not None else None, rivals=rivals)
 
 
 # ---------------------------------------------------------------------------------------------------- check

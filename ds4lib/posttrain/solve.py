@@ -25,9 +25,14 @@ request the model already answers right contributes constraint rows on every gen
 keeps its answer. The capture must reproduce the generation (top-1 = the written token on every row); otherwise the
 solve stops.
 
-Solve and gates. All requests' rows are stacked into one MarginProblem of the last backbone MoE layer and solved by
-ds4lib.solvers.margins.solve_margins. A candidate whose predicted flipped share is below `min_flip` or whose kept
-share is below `min_kept` is not installed: it is written, as a complete ③ directory with its report.json, to
+Solve and gates. Each captured position gives `rivals` rows: the right token (decision point) or the written one
+(other positions) against each of its `rivals` strongest other tokens, one group (a pair alone lets a third token
+overtake both: on day 1 of data/posttrain/general, with one row per position, 8 of 29 decision points whose right
+token beat the written one in a real forward were still not the top-1). All requests' rows are stacked into one
+MarginProblem of the last backbone MoE layer and solved by ds4lib.solvers.margins.solve_margins (row-space CG, the
+FP4 active set, rows the rounding pushes below κ held at κ); flipped and kept are counted per position. A
+candidate whose predicted flipped share is below `min_flip` or whose kept share is below `min_kept` is not
+installed: it is written, as a complete ③ directory with its report.json, to
 `<out parent>/rejected/<out name>-<UTC timestamp>/` and never deleted. A candidate that passes is written into
 `<out>.partial`, verified there (below), given its report.json and renamed to `out`; an existing `out` is kept as
 `<out>.old` and the copy older than that is removed only once the new one is in place (the sidecar writer's rule,
@@ -62,11 +67,12 @@ import numpy as np
 from ds4lib.report.summary import to_jsonable
 
 __all__ = ["PosttrainError", "NoDecisionPoints", "Request", "PosttrainReport", "read_requests", "solve_posttrain",
-           "TAU", "RHO", "LAM", "KAPPA", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
+           "format_report", "TAU", "RHO", "LAM", "KAPPA", "RIVALS", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
 
 TAU = 1.0              # target margin ℓ_a − ℓ_b of a decision point
 RHO = 1.0              # weight of a constraint row (a decision point weighs 1)
 LAM = 1e-3             # ridge on δ (> 0)
+RIVALS = 4             # rows per position: a against its strongest other tokens (solvers/margins.py "Groups")
 KAPPA = 0.25           # the margin a constraint row the FP4 rounding pushed down is held at (solvers/margins.py)
 ROUNDS = 4             # FP4 lattice rounds of the active set
 MIN_FLIP = 0.9         # gate: predicted flipped share of the decision points
@@ -113,6 +119,7 @@ class PosttrainReport:
     capture_seconds: float
     verify_seconds: float = 0.0
     real: dict | None = None          # the verification's numbers (None: not verified, i.e. rejected)
+    margins: dict | None = None       # per row [N]: decision (bool), before, predicted (lattice), real (or None)
     requests: list = field(default_factory=list)    # one dict per request
 
     @property
@@ -327,23 +334,31 @@ def _judge(engine, enc, generated, answer) -> _Verdict:
     return _Verdict(j, a=int(a))
 
 
-def _capture(engine, it: _Item, norm: str):
+def _first_rows(meta) -> np.ndarray:
+    """[N] bool: the first row of each position's group (a against its strongest rival)."""
+    g = meta.group
+    return np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, bool)
+
+
+def _capture(engine, it: _Item, norm: str, rivals: int):
     """Rows of one request that is right (constraint rows on every generated position) or wrong (its decision point
-    and constraint rows before it), checked to reproduce the generation."""
+    and constraint rows before it), `rivals` rows per position, checked to reproduce the generation."""
     from ds4lib.posttrain.capture import capture_rows
     P = len(it.prompt_ids)
     if it.j is None:
         gen = it.generated
-        prob, meta = capture_rows(engine, it.prompt_ids, gen, [], norm=norm)
+        prob, meta = capture_rows(engine, it.prompt_ids, gen, [], norm=norm, rivals=rivals)
     else:
         gen = it.generated[:it.j + 1]
-        prob, meta = capture_rows(engine, it.prompt_ids, gen, [(P + it.j, it.a)], norm=norm)
-    # the capture must reproduce the generation: top-1 = the written token on each constraint row; on the decision
-    # row the strongest token other than the right one is the one the model wrote
-    want = np.asarray(gen, np.int64)[meta.row]
-    got = np.where(meta.kind, meta.b, meta.a)
+        prob, meta = capture_rows(engine, it.prompt_ids, gen, [(P + it.j, it.a)], norm=norm, rivals=rivals)
+    # the capture must reproduce the generation: top-1 = the written token on each constraint position; on the
+    # decision point the strongest token other than the right one is the one the model wrote
+    first = _first_rows(meta)
+    want = np.asarray(gen, np.int64)[meta.row[first]]
+    got = np.where(meta.kind, meta.b, meta.a)[first]
     if not np.array_equal(got, want):
-        i = int(np.nonzero(got != want)[0][0])
+        i = int(np.nonzero(first)[0][np.nonzero(got != want)[0][0]])
+        got, want = np.where(meta.kind, meta.b, meta.a), np.asarray(gen, np.int64)[meta.row]
         raise PosttrainError(f"{_label(it.req)}: the capture does not reproduce the generation at position "
                              f"{int(meta.positions[i])} (top token {int(got[i])}, generation wrote {int(want[i])})")
     return prob, meta
@@ -398,7 +413,7 @@ def _corr(x, y) -> float:
 def _verify(engine, judge, items, problem, sol, progress: bool) -> dict:
     """Re-capture every request's rows on `engine` (② + the candidate ③) and generate every request again."""
     from ds4lib.posttrain.capture import capture_positions
-    from ds4lib.solvers.margins import matvec
+    from ds4lib.solvers.margins import group_kinds, matvec
     N = len(problem.m)
     real_m = np.empty(N)
     top1 = np.empty(N, np.int64)
@@ -416,21 +431,24 @@ def _verify(engine, judge, items, problem, sol, progress: bool) -> dict:
         top1[it.rows] = lg.argmax(-1)
     dec = problem.kind
     a = np.concatenate([it.meta.a for it in items if it.meta is not None])
+    first = np.concatenate([_first_rows(it.meta) for it in items if it.meta is not None])
+    above = np.bincount(problem.group, weights=(real_m <= 0).astype(np.float64)) == 0       # [positions]
+    gdec = group_kinds(problem)
     predicted_change = matvec(problem, sol.delta)
     real_change = real_m - problem.m
     err = real_change - predicted_change
     top = float(np.abs(predicted_change).max()) if N else 0.0
-    n_dec, n_con = int(dec.sum()), int((~dec).sum())
-    flipped = int((top1[dec] == a[dec]).sum())
-    kept = int((top1[~dec] == a[~dec]).sum())
+    n_dec, n_con = int(gdec.sum()), int((~gdec).sum())
+    flipped = int((top1[dec & first] == a[dec & first]).sum())      # a is the real top-1 of the position
+    kept = int((top1[~dec & first] == a[~dec & first]).sum())
     right_after = [it for it in items if it.after_j is None]
     broken = [it for it in items if it.j is None and it.after_j is not None]
     return {
         "flipped": flipped, "flipped_share": flipped / n_dec if n_dec else 0.0,
-        "flipped_pair": int((real_m[dec] > 0).sum()),
+        "flipped_pair": int(above[gdec].sum()),        # a above each of its captured rivals
         "reached_tau": None,                      # filled by the caller (needs τ)
         "kept": kept, "kept_share": kept / n_con if n_con else 1.0,
-        "kept_pair": int((real_m[~dec] > 0).sum()),
+        "kept_pair": int(above[~gdec].sum()),
         "corr_change": _corr(predicted_change, real_change), "corr_margin": _corr(sol.margins, real_m),
         "max_abs_err": float(np.abs(err).max()) if N else 0.0,
         "rms_rel_err": float(np.linalg.norm(err) / np.linalg.norm(predicted_change)) if top > 0 else 0.0,
@@ -448,9 +466,10 @@ def _progress(items, on: bool, what: str):
 
 # ---------------------------------------------------------------------------------------------------- the solve
 def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float = TAU, rho: float = RHO,
-                    lam: float = LAM, kappa: float = KAPPA, rounds: int = ROUNDS, min_flip: float = MIN_FLIP,
-                    min_kept: float = MIN_KEPT, norm: str = "linear", backend: str = "cpu", tokenizer=None,
-                    prefill_block: int = 512, verify: bool = True, progress: bool = False) -> PosttrainReport:
+                    lam: float = LAM, kappa: float = KAPPA, rivals: int = RIVALS, rounds: int = ROUNDS,
+                    min_flip: float = MIN_FLIP, min_kept: float = MIN_KEPT, norm: str = "linear",
+                    backend: str = "cpu", tokenizer=None, prefill_block: int = 512, verify: bool = True,
+                    progress: bool = False) -> PosttrainReport:
     """Solve a ③ post-training directory for the ① `base` + ② `zchain` stack from `requests` (a JSON-lines path,
     or an iterable of Request / {"id", "prompt", "answer"} dicts) and write it to `out` if it passes the gates,
     else to `<out parent>/rejected/<out name>-<timestamp>/` (module docstring). `verify` (installed candidates
@@ -459,7 +478,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     from ds4lib.engine import Engine, EngineError
     from ds4lib.formats.sidecar import SidecarError
     from ds4lib.posttrain.capture import NORM_MODES
-    from ds4lib.solvers.margins import make_problem, solve_margins
+    from ds4lib.solvers.margins import group_kinds, make_problem, solve_margins
     from ds4lib.tokenizer import TextEncoder
 
     for name, v in (("tau", tau), ("rho", rho), ("lam", lam), ("kappa", kappa), ("min_flip", min_flip),
@@ -470,6 +489,8 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
             raise PosttrainError(f"{name} must be a finite number {'> 0' if positive else '≥ 0'}, got {v!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise PosttrainError(f"rounds must be an integer ≥ 1, got {rounds!r}")
+    if isinstance(rivals, bool) or not isinstance(rivals, int) or rivals < 1:
+        raise PosttrainError(f"rivals must be an integer ≥ 1, got {rivals!r}")
     if norm not in NORM_MODES:
         raise PosttrainError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
     base, zchain, out = Path(base), Path(zchain), Path(out)
@@ -507,20 +528,21 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
                                f"{skipped[0].skip}); nothing written")
 
     t0 = time.perf_counter()
-    probs, n = [], 0
+    probs, groups, n = [], [], 0
     for it in _progress(items, progress, "capture"):
         if it.skip:
             it.rows = slice(n, n)
             continue
-        prob, it.meta = _capture(engine, it, norm)
+        prob, it.meta = _capture(engine, it, norm, rivals)
         it.rows = slice(n, n + len(prob.m))
+        groups.append(prob.group + (groups[-1].max() + 1 if groups else 0))     # positions numbered across requests
         n += len(prob.m)
         probs.append(prob)
     capture_seconds = time.perf_counter() - t0
     layer = wrong[0].meta.layer
     problem = make_problem(ids=np.concatenate([p.ids for p in probs]), R=np.concatenate([p.R for p in probs]),
                            m=np.concatenate([p.m for p in probs]), kind=np.concatenate([p.kind for p in probs]),
-                           n_experts=probs[0].n_experts)
+                           n_experts=probs[0].n_experts, group=np.concatenate(groups))
 
     t0 = time.perf_counter()
     sol = solve_margins(problem, tau, rho, lam, kappa=kappa, rounds=rounds)
@@ -534,15 +556,17 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     passed = not reasons
     params = {"base": str(base), "zchain": str(zchain), "zchain_fnv": engine.sidecar.fingerprint,
               "requests": source, "tau": float(tau), "rho": float(rho), "lam": float(lam), "kappa": float(kappa),
-              "rounds": int(rounds), "min_flip": float(min_flip), "min_kept": float(min_kept), "norm": norm,
-              "backend": backend, "layer": int(layer), "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
+              "rivals": int(rivals), "rounds": int(rounds), "min_flip": float(min_flip),
+              "min_kept": float(min_kept), "norm": norm, "backend": backend, "layer": int(layer),
+              "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
     predicted = {"flipped": sol.flipped, "flipped_share": sol.flipped_share, "reached_tau": sol.reached_tau,
-                 "kept": sol.kept, "kept_share": sol.kept_share, "round": sol.round, "held": int(sol.held.sum()),
+                 "kept": sol.kept, "kept_share": sol.kept_share, "round": sol.round, "rows": len(problem.m),
+                 "held": int(sol.held.sum()),
                  "delta_max_abs": float(np.abs(sol.delta).max()),
                  "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
                  "channels_changed": int(np.count_nonzero(sol.delta))}
     notes = {"purpose": "ds4 posttrain", "tau": float(tau), "rho": float(rho), "lam": float(lam),
-             "kappa": float(kappa), "rounds": int(rounds), "norm": norm, "requests": len(items),
+             "kappa": float(kappa), "rivals": int(rivals), "rounds": int(rounds), "norm": norm, "requests": len(items),
              "decision_points": sol.n_decisions,
              "constraint_rows": sol.n_constraints, "predicted_flipped_share": round(sol.flipped_share, 6),
              "predicted_kept_share": round(sol.kept_share, 6), "sidecar_fnv": engine.sidecar.fingerprint}
@@ -575,6 +599,8 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
             rep.verify_seconds = time.perf_counter() - t0
             rep.real = {k: v for k, v in real.items() if k not in ("margins", "top1")}
         rep.requests = _request_rows(engine, items, sol, real)
+        rep.margins = {"decision": problem.kind, "group": problem.group, "before": problem.m, "predicted": sol.margins,
+                       "real": None if real is None else real["margins"]}
         _write_report(tmp, rep)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)    # nothing half-written stays behind; `out` was not touched
@@ -593,7 +619,8 @@ def _request_rows(engine, items, sol, real) -> list:
         r = {"id": it.req.id, "line": it.req.line, "prompt_tokens": len(it.prompt_ids),
              "answer_tokens": len(it.answer_ids), "generated_tokens": len(it.generated),
              "status": "right" if it.j is None else "skipped" if it.skip else "wrong",
-             "right_before": it.j is None, "rows": it.rows.stop - it.rows.start}
+             "right_before": it.j is None, "rows": it.rows.stop - it.rows.start,
+             "positions": 0 if it.meta is None else int(_first_rows(it.meta).sum())}
         if it.skip:
             r.update(divergence=it.j, skip=it.skip)
         elif it.j is not None:
@@ -608,9 +635,38 @@ def _request_rows(engine, items, sol, real) -> list:
         if real is not None:
             r.update(right_after=it.after_j is None, divergence_after=it.after_j)
         if real is not None and it.meta is not None:
-            con = ~it.meta.kind
+            con = ~it.meta.kind & _first_rows(it.meta)       # one row per position
             ok = real["top1"][it.rows] == it.meta.a          # the right token is the real top-1 of the row
             bad = it.meta.positions[~ok] - len(it.prompt_ids)
             r.update(kept=int(ok[con].sum()), first_wrong_row=int(bad.min()) if len(bad) else None)
         rows.append(r)
     return rows
+
+
+def format_report(rep: PosttrainReport) -> str:
+    """The lines `ds4 posttrain` prints (and the notebook shows) for a report."""
+    p, g = rep.predicted, rep.gate
+    skipped = f", {rep.skipped} skipped" if rep.skipped else ""
+    lines = [f"requests {rep.n_requests} ({rep.right_before} already right{skipped}): {rep.decision_points} decision "
+             f"points, {rep.constraint_rows} other positions; {p['rows']} rows ({rep.params['rivals']} per position)",
+             f"predicted: flipped {p['flipped']}/{rep.decision_points} ({100 * p['flipped_share']:.1f}%), reached τ "
+             f"{p['reached_tau']}, kept {p['kept']}/{rep.constraint_rows} ({100 * p['kept_share']:.2f}%) "
+             f"(lattice round {p['round']}; {p['held']} constraint rows held at κ)",
+             f"solve {rep.solve_seconds:.2f} s, CG iterations per round {rep.cg_iterations}; generation "
+             f"{rep.generate_seconds:.1f} s, capture {rep.capture_seconds:.1f} s"]
+    r = rep.real
+    if r is not None:
+        corr = "n/a" if r["corr_change"] is None else f"{r['corr_change']:.4f}"
+        lines.append(f"real: flipped {r['flipped']}/{rep.decision_points} ({100 * r['flipped_share']:.1f}%; "
+                     f"{r['flipped_pair']} beat their runner-up), kept {r['kept']}/{rep.constraint_rows} "
+                     f"({100 * r['kept_share']:.2f}%; {r['kept_pair']} above their runner-up), answers right "
+                     f"{r['answers_right']}/{rep.n_requests}, corr(predicted, real margin change) {corr} "
+                     f"(verify {rep.verify_seconds:.1f} s)")
+        if r["answers_broken"]:
+            lines.append(f"answers right before and wrong now: {r['answers_broken']}")
+    if rep.installed:
+        old = f"; the previous copy is {rep.previous}" if rep.previous else ""
+        lines.append(f"installed {rep.out} (fingerprint {rep.fingerprint}, stacks on sidecar {rep.base_fnv}){old}")
+    else:
+        lines.append(f"REJECTED ({'; '.join(g['reasons'])}): written to {rep.out}, {rep.requested_out} untouched")
+    return "\n".join(lines)

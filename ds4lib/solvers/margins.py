@@ -12,6 +12,13 @@ Two kinds of rows, with current margin m_i:
     constraint row  (top-1 − top-2, ≥ 0):     keep m_j + r_j·δ > 0   ->  r_j·δ = 0,                 weight ρ
 (a decision point already at or above τ gets b = 0: it is kept where it is, never pulled down to τ).
 
+Groups. One position can give several rows: the right (or top-1) token a against each of its strongest rivals, since
+a pair's margin says nothing about a third token overtaking both (on ds4-tiny's day 1, with one row per position, 8
+of 25 decision points whose right token beat the written one in a real forward were overtaken by a third token).
+`group` [N] names the position of each row; a decision point counts as flipped (reached τ) when every row of its
+group is > 0 (≥ τ), a constraint position as kept when every row of its group is > 0. The counts and shares are
+per group; the equations and the active set stay per row.
+
 Objective:  Σ_i w_i (r_i·δ − b_i)² + λ ‖δ‖²  (λ > 0),  i.e. the normal equations (AᵀWA + λI) δ = AᵀWb over the E·D
 unknowns. A·δ is a gather of δ at the rows' experts; Aᵀ·v a bincount scatter back to [E, D]; rows are processed in
 chunks so no temporary grows past a few million values, and no matrix over the E·D unknowns is ever formed.
@@ -49,8 +56,8 @@ import numpy as np
 
 from ds4lib.formats.sidecar import GROUP, dequantize_gains, quantize_gains
 
-__all__ = ["MarginProblem", "MarginSolution", "make_problem", "matvec", "rmatvec", "row_diagonal", "solve_cg",
-           "solve_margins", "predict"]
+__all__ = ["MarginProblem", "MarginSolution", "make_problem", "group_kinds", "matvec", "rmatvec", "row_diagonal",
+           "solve_cg", "solve_margins", "predict"]
 
 _CHUNK_VALUES = 1 << 22          # rows per chunk = this // (K·D): temporaries of ~32 MB at most
 
@@ -58,12 +65,14 @@ _CHUNK_VALUES = 1 << 22          # rows per chunk = this // (K·D): temporaries 
 @dataclass
 class MarginProblem:
     """One layer's rows, float64: ids [N, K] routed experts, R [N, K, D] margin coefficients, m [N] current
-    margins, kind [N] bool (True = decision point, False = constraint row)."""
+    margins, kind [N] bool (True = decision point, False = constraint row), group [N] int64 the position each row
+    belongs to, numbered 0 .. groups − 1 in order of first appearance."""
     ids: np.ndarray
     R: np.ndarray
     m: np.ndarray
     kind: np.ndarray
     n_experts: int
+    group: np.ndarray = None
 
 
 @dataclass
@@ -73,13 +82,13 @@ class MarginSolution:
     blocks: np.ndarray           # uint8 [E, G, 17] the stored form of δ (sidecar.write_layer_files)
     margins: np.ndarray          # [N] predicted margins with the lattice δ
     float_margins: np.ndarray    # [N] predicted margins with the same round's float δ
-    flipped: int                 # decision points with predicted margin > 0
+    flipped: int                 # decision points (groups) with every predicted margin > 0
     flipped_share: float         # flipped / decision points (0 when there are none)
-    reached_tau: int             # decision points with predicted margin ≥ τ
-    kept: int                    # constraint rows with predicted margin > 0
-    kept_share: float            # kept / constraint rows (1 when there are none)
-    n_decisions: int
-    n_constraints: int
+    reached_tau: int             # decision points with every predicted margin ≥ τ
+    kept: int                    # constraint positions (groups) with every predicted margin > 0
+    kept_share: float            # kept / constraint positions (1 when there are none)
+    n_decisions: int             # decision groups
+    n_constraints: int           # constraint groups
     round: int                   # the round whose lattice solution was chosen
     weights: np.ndarray          # [N] the row weights of that round's solve
     held: np.ndarray             # [N] bool: constraint rows held at κ in that round's solve
@@ -87,9 +96,11 @@ class MarginSolution:
     #                                              float_flipped, flipped, reached_tau, kept}
 
 
-def make_problem(*, ids, R, m, kind, n_experts: int) -> MarginProblem:
+def make_problem(*, ids, R, m, kind, n_experts: int, group=None) -> MarginProblem:
     """Validate and convert. ids [N, K] integers in [0, E); R [N, K, D] finite, D a positive multiple of 32;
-    m [N] finite (constraint rows ≥ 0); kind [N] bool. Raises ValueError naming what is wrong."""
+    m [N] finite (constraint rows ≥ 0); kind [N] bool; group [N] integer labels (None: one group per row; the
+    rows of a group must share their kind), renumbered 0 .. groups − 1 by first appearance. Raises ValueError
+    naming what is wrong."""
     ids, R, m, kind = np.asarray(ids), np.asarray(R), np.asarray(m), np.asarray(kind)
     if isinstance(n_experts, (bool, np.bool_)) or not isinstance(n_experts, (int, np.integer)) or n_experts < 1:
         raise ValueError(f"n_experts must be a positive integer, got {n_experts!r}")
@@ -128,7 +139,37 @@ def make_problem(*, ids, R, m, kind, n_experts: int) -> MarginProblem:
     if (m[~kind] < 0).any():
         i = int(np.nonzero(~kind & (m < 0))[0][0])
         raise ValueError(f"constraint row {i} has margin {m[i]} < 0 (top-1 − top-2 cannot be negative)")
-    return MarginProblem(ids=ids, R=R, m=m, kind=kind, n_experts=E)
+    return MarginProblem(ids=ids, R=R, m=m, kind=kind, n_experts=E, group=_groups(group, kind))
+
+
+def _groups(group, kind) -> np.ndarray:
+    N = len(kind)
+    if group is None:
+        return np.arange(N, dtype=np.int64)
+    group = np.asarray(group)
+    if group.shape != (N,) or (N and not np.issubdtype(group.dtype, np.integer)):
+        raise ValueError(f"group must be [N] = [{N}] integers, got shape {list(group.shape)}, dtype {group.dtype}")
+    _, first, inverse = np.unique(group, return_index=True, return_inverse=True)
+    order = np.argsort(np.argsort(first, kind="stable"), kind="stable")         # label -> rank of first row
+    out = order[inverse].astype(np.int64)
+    mixed = np.nonzero(kind != kind[first[inverse]])[0]
+    if len(mixed):
+        raise ValueError(f"group {group[mixed[0]]} mixes decision and constraint rows (row {int(mixed[0])})")
+    return out
+
+
+def _all_by_group(p: MarginProblem, ok) -> np.ndarray:
+    """[groups] bool: every row of the group satisfies ok [N]."""
+    n = int(p.group.max()) + 1 if len(p.group) else 0
+    return np.bincount(p.group, weights=(~np.asarray(ok, bool)).astype(np.float64), minlength=n) == 0
+
+
+def group_kinds(p: MarginProblem) -> np.ndarray:
+    """[groups] bool: True for a decision point's group."""
+    n = int(p.group.max()) + 1 if len(p.group) else 0
+    out = np.zeros(n, bool)
+    out[p.group] = p.kind
+    return out
 
 
 def _chunks(p: MarginProblem):
@@ -249,9 +290,9 @@ def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max
 
 
 def _counts(p: MarginProblem, margins, tau: float) -> dict:
-    dec, con = p.kind, ~p.kind
-    return {"flipped": int((margins[dec] > 0).sum()), "reached_tau": int((margins[dec] >= tau).sum()),
-            "kept": int((margins[con] > 0).sum())}
+    dec = group_kinds(p)
+    above, at_tau = _all_by_group(p, margins > 0), _all_by_group(p, margins >= tau)
+    return {"flipped": int(above[dec].sum()), "reached_tau": int(at_tau[dec].sum()), "kept": int(above[~dec].sum())}
 
 
 def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa: float = 0.25, rounds: int = 4,
@@ -269,7 +310,8 @@ def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa
     b = np.where(dec, np.maximum(tau - p.m, 0.0), 0.0)
     held = np.zeros_like(dec)
     floor = np.minimum(kappa, p.m)
-    n_dec, n_con = int(dec.sum()), int(con.sum())
+    gk = group_kinds(p)
+    n_dec, n_con = int(gk.sum()), int((~gk).sum())
     active, history, best = 0, [], None
     for rnd in range(rounds):
         x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter)

@@ -1,6 +1,6 @@
 """`ds4 posttrain --base FILE --zchain DIR --requests FILE --out DIR [--engram-dir DIR] [--tau T] [--rho R] [--lam L]
-[--kappa K] [--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training directory from
-requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates, where files go).
+[--kappa K] [--rivals M] [--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training
+directory from requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates, where files go).
 
 Exit status: 0 the candidate passed its gates and is installed as --out (a previous --out kept as --out.old);
 1 it failed a gate and was written to <out parent>/rejected/<out name>-<timestamp>/ instead (--out untouched);
@@ -12,46 +12,18 @@ import sys
 
 from ds4lib.tools.argtypes import finite_float, int_at_least
 
-__all__ = ["register", "format_report", "main"]
-
-
-def format_report(rep) -> str:
-    p, g = rep.predicted, rep.gate
-    skipped = f", {rep.skipped} skipped" if rep.skipped else ""
-    lines = [f"requests {rep.n_requests} ({rep.right_before} already right{skipped}): {rep.decision_points} decision "
-             f"points, {rep.constraint_rows} constraint rows",
-             f"predicted: flipped {p['flipped']}/{rep.decision_points} ({100 * p['flipped_share']:.1f}%), reached τ "
-             f"{p['reached_tau']}, kept {p['kept']}/{rep.constraint_rows} ({100 * p['kept_share']:.2f}%) "
-             f"(lattice round {p['round']}; {p['held']} constraint rows held at κ)",
-             f"solve {rep.solve_seconds:.2f} s, CG iterations per round {rep.cg_iterations}; generation "
-             f"{rep.generate_seconds:.1f} s, capture {rep.capture_seconds:.1f} s"]
-    r = rep.real
-    if r is not None:
-        corr = "n/a" if r["corr_change"] is None else f"{r['corr_change']:.4f}"
-        lines.append(f"real: flipped {r['flipped']}/{rep.decision_points} ({100 * r['flipped_share']:.1f}%; "
-                     f"{r['flipped_pair']} beat their runner-up), kept {r['kept']}/{rep.constraint_rows} "
-                     f"({100 * r['kept_share']:.2f}%; {r['kept_pair']} above their runner-up), answers right "
-                     f"{r['answers_right']}/{rep.n_requests}, corr(predicted, real margin change) {corr} "
-                     f"(verify {rep.verify_seconds:.1f} s)")
-        if r["answers_broken"]:
-            lines.append(f"answers right before and wrong now: {r['answers_broken']}")
-    if rep.installed:
-        old = f"; the previous copy is {rep.previous}" if rep.previous else ""
-        lines.append(f"installed {rep.out} (fingerprint {rep.fingerprint}, stacks on sidecar {rep.base_fnv}){old}")
-    else:
-        lines.append(f"REJECTED ({'; '.join(g['reasons'])}): written to {rep.out}, {rep.requested_out} untouched")
-    return "\n".join(lines)
+__all__ = ["register", "main"]
 
 
 def _run(args) -> int:
     from ds4lib.engine import EngineError
     from ds4lib.formats.sidecar import SidecarError
     from ds4lib.posttrain.capture import CaptureError
-    from ds4lib.posttrain.solve import PosttrainError, solve_posttrain
+    from ds4lib.posttrain.solve import PosttrainError, format_report, solve_posttrain
     try:
         rep = solve_posttrain(base=args.base, zchain=args.zchain, requests=args.requests, out=args.out,
                               engram_dir=args.engram_dir, tau=args.tau, rho=args.rho, lam=args.lam,
-                              kappa=args.kappa, rounds=args.rounds, min_flip=args.min_flip,
+                              kappa=args.kappa, rivals=args.rivals, rounds=args.rounds, min_flip=args.min_flip,
                               min_kept=args.min_kept,
                               backend="cuda" if args.cuda else "cpu", progress=not args.quiet)
     except (PosttrainError, EngineError, SidecarError, CaptureError) as e:
@@ -62,7 +34,7 @@ def _run(args) -> int:
 
 
 def register(sub):
-    from ds4lib.posttrain.solve import KAPPA, LAM, MIN_FLIP, MIN_KEPT, RHO, ROUNDS, TAU
+    from ds4lib.posttrain.solve import KAPPA, LAM, MIN_FLIP, MIN_KEPT, RHO, RIVALS, ROUNDS, TAU
     p = sub.add_parser("posttrain", help="solve a ③ post-training file from requests with right answers")
     p.add_argument("--base", required=True, help="the ① base GGUF file")
     p.add_argument("--zchain", required=True, help="the ② sidecar directory the ③ stacks on")
@@ -77,6 +49,9 @@ def register(sub):
                    help=f"ridge on the gains, > 0 (default {LAM:g})")
     p.add_argument("--kappa", type=finite_float(0.0), default=KAPPA,
                    help=f"margin a constraint row pushed down by the FP4 rounding is held at (default {KAPPA:g})")
+    p.add_argument("--rivals", type=int_at_least(1), default=RIVALS,
+                   help=f"rows per position: the right (or top) token against its M strongest others "
+                        f"(default {RIVALS})")
     p.add_argument("--rounds", type=int_at_least(1), default=ROUNDS, help=f"FP4 lattice rounds (default {ROUNDS})")
     p.add_argument("--min-flip", type=finite_float(0.0), default=MIN_FLIP,
                    help=f"gate: predicted flipped share of the decision points (default {MIN_FLIP:g})")

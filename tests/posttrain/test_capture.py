@@ -83,6 +83,34 @@ def test_rows_pairs_and_margins(stack, cap):
     assert smeta.kind.tolist() == [True, False, False]
 
 
+def test_rival_rows_pair_each_position_with_its_strongest_others(stack, cap):
+    """rivals=M: M consecutive rows per position, a against its M strongest other tokens (strongest first, ties to
+    the lower id), one group per position; the first row of each group is the rivals=1 row, bit for bit."""
+    eng, M = stack[1], 3
+    pts = _points(cap)
+    one, m1 = capture_rows(eng, PROMPT, GEN, pts)
+    prob, meta = capture_rows(eng, PROMPT, GEN, pts, rivals=M)
+    assert prob.R.shape == (G * M, CFG.n_activated_experts, D) and meta.rivals == M
+    np.testing.assert_array_equal(meta.group, np.repeat(np.arange(G), M))
+    np.testing.assert_array_equal(prob.group, meta.group)
+    first = np.arange(G) * M
+    for name in ("positions", "a", "b", "kind", "m"):
+        np.testing.assert_array_equal(getattr(meta, name)[first], getattr(m1, name))
+    np.testing.assert_array_equal(prob.R[first], one.R)
+    lg = cap.logits[meta.row]
+    for g in range(G):
+        i = slice(g * M, (g + 1) * M)
+        x = lg[g * M].astype(np.float64)
+        x[meta.a[g * M]] = -np.inf
+        np.testing.assert_array_equal(meta.b[i], np.argsort(-x, kind="stable")[:M])
+        assert (np.diff(prob.m[i]) >= 0).all()                      # weaker rivals: larger margins
+    np.testing.assert_array_equal(prob.m, lg[np.arange(G * M), meta.a].astype(np.float64)
+                                  - lg[np.arange(G * M), meta.b])
+    for bad in (0, V, True, 1.5):
+        with pytest.raises(ValueError, match="rivals must be an integer"):
+            capture_rows(eng, PROMPT, GEN, pts, rivals=bad)
+
+
 # Agreement with a real forward, δ uniform in ±0.25 on the FP4 lattice (gains 0.75..1.25), three δ seeds. The real
 # change differs from A·δ by (1) BF16 roundings the linear model cannot see (each expert output, the MoE sum, the
 # mHC post-mix and collapse, the normed vector before the head): an absolute floor of about 0.013 in margin on this

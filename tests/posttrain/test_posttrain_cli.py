@@ -119,7 +119,7 @@ def test_end_to_end_writes_a_loadable_posttrain_directory(stack, cases, solved):
           f"CG {rep.cg_iterations}; solve {rep.solve_seconds:.2f} s")
     for x in rep.requests:
         print("  ", {k: x.get(k) for k in ("id", "divergence", "margin", "predicted_margin", "real_margin", "flipped",
-                                           "rows", "kept", "first_wrong_row", "divergence_after")})
+                                           "positions", "kept", "first_wrong_row", "divergence_after")})
     assert rep.status == "installed" and rep.installed and rep.out == out and rep.previous is None
     assert sorted(p.name for p in out.iterdir()) == ["base.fnv", f"gr_L{L - 1:02d}.bin", "manifest.json",
                                                      "report.json"]
@@ -145,13 +145,15 @@ def test_end_to_end_writes_a_loadable_posttrain_directory(stack, cases, solved):
     for rid, (j, a, b, (p, g)) in expect.items():
         r = rows[rid]
         assert (r["divergence"], r["right_token"], r["written_token"]) == (j, a, b)
-        assert r["position"] == r["prompt_tokens"] + j and r["rows"] == j + 1 and r["margin"] < 0
+        assert r["position"] == r["prompt_tokens"] + j and r["positions"] == j + 1 and r["margin"] < 0
+        assert r["rows"] == r["positions"] * rep.params["rivals"]         # a against each of its strongest rivals
         # the decision row is the one generation computed: the prompt's prefill, then one-token decode steps
         lg = eng.logits(p + g, split=len(p))[-1]
         assert r["margin"] == float(lg[a]) - float(lg[b])
     right = rows[reqs[-1]["id"]]
-    assert right["right_before"] and "divergence" not in right and right["rows"] == right["answer_tokens"]
-    assert rep.constraint_rows == sum(r["rows"] for r in rep.requests) - n_wrong
+    assert right["right_before"] and "divergence" not in right and right["positions"] == right["answer_tokens"]
+    assert rep.constraint_rows == sum(r["positions"] for r in rep.requests) - n_wrong
+    assert rep.predicted["rows"] == sum(r["rows"] for r in rep.requests)
     p = rep.predicted
     assert p["flipped_share"] == p["flipped"] / n_wrong and p["kept_share"] == p["kept"] / rep.constraint_rows
     assert p["reached_tau"] <= p["flipped"] <= n_wrong and p["kept"] <= rep.constraint_rows
@@ -172,7 +174,7 @@ def test_end_to_end_writes_a_loadable_posttrain_directory(stack, cases, solved):
         if x["first_wrong_row"] is not None:
             assert x["divergence_after"] == x["first_wrong_row"], x
         else:
-            assert x["divergence_after"] is None or x["divergence_after"] > x.get("divergence", x["rows"]), x
+            assert x["divergence_after"] is None or x["divergence_after"] > x.get("divergence", x["positions"]), x
     assert r["corr_change"] > 0.95          # the linear prediction of the margin changes against the real forward
 
 

@@ -199,6 +199,31 @@ def test_kept_active_set_holds_rows_the_rounding_would_break(seed):
     assert np.abs(sol.float_margins[free] - p.m[free]).max() < 0.05
 
 
+def test_groups_count_a_position_only_when_all_its_rows_hold():
+    """Several rows per position (a against each rival): a decision point is flipped only when every row of its
+    group is above 0, a constraint position kept only when every row is; shares are per group."""
+    p = _random(7)
+    N = len(p.m)
+    group = np.arange(N) // 3                                  # three rows per position; 30 + 30 rows -> 10 + 10
+    q = make_problem(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=p.n_experts, group=group)
+    sol = solve_margins(q, 0.3, 1.0, 8.0, rounds=1)
+    above = (sol.margins > 0).reshape(-1, 3).all(1)
+    dec = q.kind[::3]
+    assert sol.n_decisions == 10 and sol.n_constraints == 10
+    assert sol.flipped == int(above[dec].sum()) and sol.kept == int(above[~dec].sum())
+    assert sol.flipped_share == sol.flipped / 10 and sol.kept_share == sol.kept / 10
+    flat = solve_margins(p, 0.3, 1.0, 8.0, rounds=1)           # the same rows, one group each: the same δ
+    assert np.array_equal(flat.margins, sol.margins)
+    assert flat.flipped == int((sol.margins[q.kind] > 0).sum()) >= sol.flipped
+    # labels are renumbered by first appearance; a group must not mix kinds
+    r = make_problem(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=p.n_experts, group=100 - group)
+    np.testing.assert_array_equal(r.group, group)
+    with pytest.raises(ValueError, match="mixes decision and constraint rows"):
+        make_problem(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=p.n_experts, group=(np.arange(N) + 1) // 3)
+    with pytest.raises(ValueError, match="group must be"):
+        make_problem(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=p.n_experts, group=group[:-1])
+
+
 def test_nothing_to_do_leaves_gains_exactly_one():
     p = _random(6)
     p.m[p.kind] = 0.5                     # every decision point already above τ: all targets are 0
