@@ -316,13 +316,15 @@ def _stage_x_device(xs, x_off, x_stride, x, x_rows):
 
 
 @cuda.jit(device=True, inline=True)
-def _load_block_device(idx32, plane8, has_plane, e, m, b, n_blocks, lane):
-    """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b; zeros past the stream."""
+def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
+    """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b of the matrix whose stream
+    starts at word ib of the flat index words and byte pb of the flat plane bytes; zeros past the stream. Unsigned
+    flat indices: no wraparound checks or strides per load."""
     if b >= n_blocks:
         return np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
-    w = WORDS_PER_BLOCK * b + lane
-    pl = np.uint32(plane8[e, m, PLANE_BLOCK_BYTES * b + lane]) if has_plane else np.uint32(0)
-    return idx32[e, m, w], idx32[e, m, w + 32], idx32[e, m, w + 64], pl
+    w = ib + np.uint64(WORDS_PER_BLOCK * b + lane)
+    pl = np.uint32(pl1[pb + np.uint64(PLANE_BLOCK_BYTES * b + lane)]) if has_plane else np.uint32(0)
+    return idx1[w], idx1[w + np.uint64(32)], idx1[w + np.uint64(64)], pl
 
 
 @cuda.jit(device=True, inline=True)
@@ -368,8 +370,8 @@ def _make_vq_kernel(tt, threads, stage_x):
     red_rows = 2 * tt
 
     @jit
-    def vq_gemv_kernel(x, x_div, pairs, tiles, n_tiles, cb_g, idx32, plane8, has_plane, mat0, mat_step, n_mats,
-                       n_rows, J, P, G, n_groups, n_blocks, x_rows, part, counter):
+    def vq_gemv_kernel(x, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len, has_plane, mat0,
+                       mat_step, n_mats, n_rows, J, P, G, n_groups, n_blocks, x_rows, part, counter):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         cbs = cuda.shared.array(0, nb_uint64)                     # [C*2] BF16 codebook words, then staged x
@@ -402,6 +404,8 @@ def _make_vq_kernel(tt, threads, stage_x):
             first = tiles[tile, 1]
             count = tiles[tile, 2]
             m = mat0 + mat_step * msel
+            ib = np.uint64(3 * e + m) * np.uint64(idx_words)     # the matrix's first index word, plane byte
+            pb = np.uint64(3 * e + m) * np.uint64(plane_len)
             rr_lo, split = _lane_rows_device(rho, lane, J)
             j0 = (BLOCK_INDICES * rho + 8 * lane) % J
             for i in range(tt):                                   # the lane's 64 activations per pair
@@ -429,16 +433,16 @@ def _make_vq_kernel(tt, threads, stage_x):
             rr_max = (BLOCK_INDICES * rho + BLOCK_INDICES - 1) // J
             g0 = chunk * GROUPS_PER_UNIT
             ng = min(GROUPS_PER_UNIT, n_groups - g0)
-            na = _load_block_device(idx32, plane8, has_plane, e, m, g0 * P + rho, n_blocks, lane)
-            nb = _load_block_device(idx32, plane8, has_plane, e, m, (g0 + 1) * P + rho if ng > 1 else n_blocks,
+            na = _load_block_device(idx1, pl1, has_plane, ib, pb, g0 * P + rho, n_blocks, lane)
+            nb = _load_block_device(idx1, pl1, has_plane, ib, pb, (g0 + 1) * P + rho if ng > 1 else n_blocks,
                                     n_blocks, lane)
-            nc = _load_block_device(idx32, plane8, has_plane, e, m, (g0 + 2) * P + rho if ng > 2 else n_blocks,
+            nc = _load_block_device(idx1, pl1, has_plane, ib, pb, (g0 + 2) * P + rho if ng > 2 else n_blocks,
                                     n_blocks, lane)
             for gi in range(ng):
                 cur = na
                 na = nb
                 nb = nc
-                nc = _load_block_device(idx32, plane8, has_plane, e, m,
+                nc = _load_block_device(idx1, pl1, has_plane, ib, pb,
                                         (g0 + gi + PREFETCH) * P + rho if gi + PREFETCH < ng else n_blocks,
                                         n_blocks, lane)
                 g = g0 + gi
@@ -553,7 +557,7 @@ def moe_combine_kernel(ye, ids, shared, out):
     out[t, d] = round_bf16_device(y + shared[t, d])
 
 
-_VQ_SIG = ("void(float32[:, :], int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:, :, :], uint8[:, :, :], "
+_VQ_SIG = ("void(float32[:, :], int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:], uint8[:], int64, int64, "
            "boolean, int64, int64, int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :, :], "
            "int32[:])")
 SIGNATURES = {
@@ -697,7 +701,7 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     J, P, G, n_groups, n_blocks, slots = _geometry(rows, cols)
     part = _scratch(scratch, "part", (n_mats, n_pairs, rows, slots), np.float32, stream)
     counter = _scratch(scratch, "counter", (1,), np.int32, stream, zero=True)
-    dummy = _scratch(scratch, "no_plane", (1, 1, 1), np.uint8, stream)
+    dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)
     tt = plan.tile_rows
     kernel, threads = (vq_gemv_t1_kernel, THREADS_T1) if tt == 1 else (vq_gemv_t2_kernel, THREADS_T2)
@@ -713,9 +717,12 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         # numba caches configured launches (lru_cache on configure): register the callback once per configuration
         launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
     m0, step = mats[0], (mats[1] - mats[0] if n_mats == 2 else 0)
+    idx_words = index.shape[2] // 4
+    plane_len = plane.shape[2] if has_plane else 0
     launch(x, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook.reshape(n_cw * 2),
-           index.view(np.uint32), plane if has_plane else dummy, has_plane, m0, step, n_mats, rows, J, P, G, n_groups,
-           n_blocks, x_rows, part, counter)
+           index.view(np.uint32).reshape(n_exp * 3 * idx_words), plane.reshape(n_exp * 3 * plane_len) if has_plane
+           else dummy, idx_words, plane_len, has_plane, m0, step, n_mats, rows, J, P, G, n_groups, n_blocks, x_rows,
+           part, counter)
     n = n_mats * n_pairs * rows
     vq_finalize_kernel[math.ceil(n / THREADS), THREADS, stream](
         part, plan.ids, gains[mats[0]], gains[mats[-1]], scale if has_scale else no_scale, has_scale, J, G, counter,
