@@ -13,6 +13,7 @@ import pytest
 from ds4lib.engine import Engine, SamplingParams, Session
 from ds4lib.engine import speculative as spec
 from ds4lib.engine.prefix_cache import state_arrays
+from ds4lib.ref import dspark as dsp
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_BASE = ROOT / "models" / "ds4-tiny-base.gguf"
@@ -190,12 +191,16 @@ class _Memo:
     """Caches the model's forward, draft stages and context appends per state history: every state carries a key
     naming the calls that built it from the prompt's state (copies keep it), so the gate's 2,000 seeds, which revisit
     few distinct (state, inputs) pairs, pay each distinct call once; a hit leaves the state exactly as the call would.
-    Rollbacks run for real and extend the key. Test-only speed-up; every call still goes through the engine's code."""
+    Rollbacks run for real and extend the key. The draft's FP32 products (ref.dspark's linear_f32: the head over the
+    collapsed state, the Markov head over a drafted token's embedding, the confidence head) are cached per weight and
+    input bytes: the drafted tokens depend on the seed, but the products only on which of a few tokens and states
+    they see. Test-only speed-up; every call still goes through the engine's code."""
 
     def __init__(self, engine):
         self.backend, self.model, self.cache = engine.backend, engine.backend.model, {}
         self.forward, self.hidden, self.append = self.model.forward, self.model.dspark_hidden, self.model.dspark_append
         self.rollback = self.backend.rollback
+        self.linear_f32 = dsp.linear_f32
 
     @staticmethod
     def _key(state, *inputs):
@@ -238,6 +243,14 @@ class _Memo:
         monkeypatch.setattr(m, "dspark_append", append)
         monkeypatch.setattr(m, "dspark_hidden", hidden)
         monkeypatch.setattr(self.backend, "rollback", rollback)
+
+        def linear_f32(x, w):
+            x = np.asarray(x)
+            key = ("linear_f32", id(w), x.dtype.str, x.shape, x.tobytes())
+            if key not in self.cache:
+                self.cache[key] = (w, self.linear_f32(x, w))       # w kept, so that its id is never reused
+            return self.cache[key][1].copy()
+        monkeypatch.setattr(dsp, "linear_f32", linear_f32)
 
 
 N_SEEDS = 2000

@@ -1,20 +1,23 @@
 """Compile every kernel of `kernels/` for sm_90 without a GPU and print one JSON line per kernel.
 
-Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90 [--shard I/N]`
-(`--shard I/N` compiles every N-th kernel from the I-th, so N children can share the work).
-Each kernel module lists `SIGNATURES` {kernel name: Numba signature}.
+Run in its own process (the simulator cannot compile PTX): `python -m tests.kernels.compile_sm90` compiles them all;
+with `--serve` it reads "module:kernel" lines on stdin instead and answers each with its JSON line (PTX included), so
+that `compile_all(workers)` can keep N children busy from one queue. Each kernel module lists `SIGNATURES`
+{kernel name: Numba signature}.
 
 `--cache` prints instead, per kernel, what numba-cuda's on-disk cache would do with it, without compiling: whether the
 dispatcher has the cache (`cache=True`), its cache directory, the index file it shares with the other kernels of the
 same function (a factory's kernels share one) and a hash of the index key a lookup of its signature uses.
 
-`ptx_counts(["module:kernel", ...], [pattern, ...])` (for tests) compiles the named kernels the same way in a child
-process and returns {"module:kernel": {pattern: occurrences in its PTX, ..., "sm90": bool}}.
+`ptx_counts(["module:kernel", ...], [pattern, ...])` (for tests) returns {"module:kernel": {pattern: occurrences in its
+PTX, ..., "sm90": bool}}: from the PTX that `compile_all` made earlier in the same test session when it has them (the
+same compile_ptx call on the same sources), else compiled the same way in a child process.
 """
 import importlib
 import json
 import os
 import pkgutil
+import selectors
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +38,25 @@ def _compiler():
     return numba.cuda
 
 
+PTX_OF_SESSION = {}     # "module:kernel" -> sm_90 PTX, filled by compile_all(); read by ptx_counts (one process)
+
+
+def _child_env():
+    return {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+
+
+def _counts(ptx, patterns):
+    out = {pat: ptx.count(pat) for pat in patterns}
+    out["sm90"] = ".target sm_90" in ptx
+    return out
+
+
 def ptx_counts(targets, patterns):
-    """Occurrences of each pattern in the sm_90 PTX of each "module:kernel" (compiled in a child process)."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    """Occurrences of each pattern in the sm_90 PTX of each "module:kernel" (compile_all's PTX of this session when
+    it has them all, else compiled in a child process)."""
+    if all(t in PTX_OF_SESSION for t in targets):
+        return {t: _counts(PTX_OF_SESSION[t], patterns) for t in targets}
+    env = _child_env()
     cmd = [sys.executable, "-m", "tests.kernels.compile_sm90", "--count", json.dumps([list(targets), list(patterns)])]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
@@ -52,9 +71,8 @@ def _count(spec):
     for t in targets:
         mod_name, kname = t.split(":")
         mod = importlib.import_module(f"kernels.{mod_name}")
-        ptx, _ = cuda.compile_ptx(getattr(mod, kname).py_func, mod.SIGNATURES[kname], cc=(9, 0))
-        out[t] = {pat: ptx.count(pat) for pat in patterns}
-        out[t]["sm90"] = ".target sm_90" in ptx
+        ptx, _ = cuda.compile_ptx(getattr(mod, kname).py_func, mod.SIGNATURES[kname], cc=(9, 0), fastmath=False)
+        out[t] = _counts(ptx, patterns)
     print(json.dumps(out))
     return 0
 
@@ -96,27 +114,105 @@ def all_kernels():
     return out
 
 
+def _compile_one(numba_cuda, mod_name, kname, sig, with_ptx=False):
+    fn = getattr(importlib.import_module(f"kernels.{mod_name}"), kname)
+    try:
+        ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
+        ok = ".target sm_90" in ptx
+        row = {"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
+               "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx}
+        if with_ptx:
+            row["ptx"] = ptx
+        return row
+    except Exception as e:   # noqa: BLE001 - reported to the test
+        return {"module": mod_name, "kernel": kname, "ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _serve():
+    """Compile the "module:kernel" of each stdin line; answer each with one JSON line, PTX included."""
+    numba_cuda = _compiler()
+    sigs = {f"{m}:{k}": sig for m, k, sig in all_kernels()}
+    for line in sys.stdin:
+        name = line.strip()
+        mod_name, kname = name.split(":")
+        print(json.dumps(_compile_one(numba_cuda, mod_name, kname, sigs[name], with_ptx=True)), flush=True)
+    return 0
+
+
+def _heaviest_first(kernels):
+    """Queue order for compile_all: modules with the most `inline=True` device functions first (numba inlines
+    those at its IR level, which is most of the compile time: q4k_gemv's decode kernels take ~20-80 s each on the
+    dev box, most kernels ~1 s), so that the longest compiles start early and the children finish together."""
+    def inlined(mod_name):
+        return (ROOT / "kernels" / f"{mod_name}.py").read_text().count("inline=True")
+    return sorted(kernels, key=lambda mks: -inlined(mks[0]))         # stable: SIGNATURES order within a module
+
+
+def compile_all(workers=2, timeout=1200):
+    """Every kernel of every SIGNATURES table compiled for sm_90 by `workers` child processes (`--serve`) fed one
+    kernel at a time from one queue: [one JSON row per kernel]. Rows that compiled also fill PTX_OF_SESSION."""
+    import tempfile
+    import time
+    queue = [f"{m}:{k}" for m, k, _ in _heaviest_first(all_kernels())]
+    errs = [tempfile.TemporaryFile("w+") for _ in range(workers)]      # a file, not a pipe: warnings never block
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.kernels.compile_sm90", "--serve"], cwd=ROOT,
+                              env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                              text=True, bufsize=1) for err in errs]
+    sel = selectors.DefaultSelector()
+    rows, busy, deadline = [], 0, time.monotonic() + timeout
+    try:
+        for p in procs:
+            if queue:
+                p.stdin.write(queue.pop(0) + "\n")
+                p.stdin.flush()
+                busy += 1
+                sel.register(p.stdout, selectors.EVENT_READ, p)
+            else:
+                p.stdin.close()
+        while busy:
+            events = sel.select(timeout=max(1.0, deadline - time.monotonic()))
+            if not events or time.monotonic() > deadline:
+                raise TimeoutError(f"compile_all: {busy} children still compiling after {timeout} s")
+            for key, _ in events:
+                p, line = key.data, key.fileobj.readline()
+                while line and not line.startswith("{"):      # anything else a library prints on stdout
+                    line = key.fileobj.readline()
+                if not line:                                  # the child died: its stderr goes to the test
+                    err = errs[procs.index(p)]
+                    err.seek(0)
+                    raise RuntimeError(f"a compile child exited early:\n{err.read()[-3000:]}")
+                rows.append(json.loads(line))
+                busy -= 1
+                if queue:
+                    p.stdin.write(queue.pop(0) + "\n")
+                    p.stdin.flush()
+                    busy += 1
+                else:
+                    sel.unregister(p.stdout)
+                    p.stdin.close()
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p, err in zip(procs, errs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            err.close()
+    for r in rows:
+        if r["ok"]:
+            PTX_OF_SESSION[f"{r['module']}:{r['kernel']}"] = r["ptx"]
+    return rows, [p.returncode for p in procs]
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--count":
         return _count(sys.argv[2])
     if len(sys.argv) == 2 and sys.argv[1] == "--cache":
         return _cache_keys()
-    shard, shards = 0, 1                          # `--shard I/N`: kernels I, I+N, I+2N, ... (parallel children)
-    if len(sys.argv) == 3 and sys.argv[1] == "--shard":
-        shard, shards = (int(v) for v in sys.argv[2].split("/"))
+    if len(sys.argv) == 2 and sys.argv[1] == "--serve":
+        return _serve()
     numba_cuda = _compiler()
-    results = []
-    for j, (mod_name, kname, sig) in enumerate(all_kernels()):
-        if j % shards != shard:
-            continue
-        fn = getattr(importlib.import_module(f"kernels.{mod_name}"), kname)
-        try:
-            ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
-            ok = ".target sm_90" in ptx
-            results.append({"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
-                            "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx})
-        except Exception as e:   # noqa: BLE001 - reported to the test
-            results.append({"module": mod_name, "kernel": kname, "ok": False, "error": f"{type(e).__name__}: {e}"})
+    results = [_compile_one(numba_cuda, *mks) for mks in all_kernels()]
     for r in results:
         print(json.dumps(r))
     return 0 if results and all(r["ok"] for r in results) else 1

@@ -3,10 +3,14 @@
 Each call publishes the lane's value in a per-block table keyed by thread id, waits at a block barrier,
 reads the source lane, and waits again. Semantics therefore need every live thread of the block to
 reach the call, which holds for the warp-synchronous kernels of this project.
+
+install() also fixes two costs and a race of the simulator itself: blocks run on a reused pool of threads, one
+simulated thread at a time, handing a baton on at each barrier (block_scheduler_with_baton: numba starts an OS thread
+per simulated thread and polls them all in a busy loop, so a launch paid ~0.3 ms per thread and a barrier cost many
+GIL hand-offs), and shared arrays are allocated under a lock (lock_simulator_shared_arrays).
 """
 import sys
 import threading
-import traceback
 
 import numpy as np
 
@@ -121,7 +125,8 @@ def lock_simulator_shared_arrays():
         if shape == 0:
             count = self._dynshared_size // dtype.itemsize
             return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
-        caller = traceback.extract_stack(sys._getframe())[-2][0:2]      # allocations are keyed by call site
+        f = sys._getframe(1)                       # allocations are keyed by call site (file, line), as numba's
+        caller = (f.f_code.co_filename, f.f_lineno)     # traceback.extract_stack(...)[-2][0:2], without the walk
         with lock:
             res = self._allocations.get(caller)
             if res is None:
@@ -133,6 +138,123 @@ def lock_simulator_shared_arrays():
     kernelapi.FakeCUDAShared._ds4_locked = True
 
 
+class _SimThread(threading.Thread):
+    """A worker of `_POOL` that runs one simulated CUDA thread of a block at a time, with the attributes numba's
+    simulator reads from `threading.current_thread()` (threadIdx, blockIdx, thread_id, syncthreads, ...)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.baton = threading.Lock()
+        self.baton.acquire()
+        self.job = None
+
+    def assign(self, manager, target, index, block_idx, thread_idx):
+        from numba.cuda.simulator.kernelapi import Dim3
+        self._manager, self.job, self.index = manager, target, index
+        self.blockIdx, self.threadIdx = Dim3(*block_idx), Dim3(*thread_idx)
+        bd = manager._block_dim
+        self.thread_id = self.threadIdx.x + bd[0] * (self.threadIdx.y + bd[1] * self.threadIdx.z)
+        self.done = self.arrived = False
+        self.exception = None
+
+    def run(self):
+        while True:
+            self.baton.acquire()                     # the block hands this thread the baton to start
+            m = self._manager
+            if m.failed is None:
+                try:
+                    self.job()
+                except BaseException as e:       # the simulator's message: the thread and block ids first
+                    msg = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}" + (f": {e}" if str(e) else "")
+                    try:
+                        exc = type(e)(msg)
+                    except Exception:            # an exception type that does not take one message
+                        exc = e
+                    self.exception = (exc, sys.exc_info()[2])
+                    if m.failed is None:
+                        m.failed = self.exception
+            self.done = True
+            m.pass_baton(self)
+
+    def syncthreads(self):
+        m = self._manager
+        if m.failed is not None:
+            raise RuntimeError("abort flag set on syncthreads call")
+        self.arrived = True
+        m.pass_baton(self)
+        self.baton.acquire()
+        if m.failed is not None:
+            raise RuntimeError("abort flag set on syncthreads clear")
+
+
+_POOL = []          # worker threads, reused by every block of every launch (launches never overlap: the simulator
+                    # asserts one kernel context at a time)
+
+
+def block_scheduler_with_baton():
+    """Replace the simulator's block scheduler (numba-cuda 0.30.4 `BlockManager`). It starts an OS thread per
+    simulated thread and block, and its launching thread polls all of them in a busy loop to see whether all have
+    reached `syncthreads`, competing with them for the GIL. Here a pool of worker threads is reused, and one
+    simulated thread runs at a time, handing a baton to the next when it reaches a barrier or returns: one thread
+    switch per step. The semantics are the simulator's: a barrier waits for the threads that are still running (a
+    thread that has returned no longer counts), and an exception in one thread aborts the block's other threads at
+    their next barrier and is raised by the launch. Threads run in thread-id order between barriers (neither the
+    hardware nor the original simulator promise an order; a kernel that depends on one is wrong on both).
+    Installed by install()."""
+    from numba.cuda.simulator import kernel
+    if getattr(kernel.BlockManager, "_ds4_baton", False):
+        return
+    for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
+        setattr(_SimThread, name, getattr(kernel.BlockThread, name))
+
+    class BlockManager(kernel.BlockManager):
+        _ds4_baton = True
+
+        def pass_baton(self, me):
+            """Wake the next running thread after `me` that has not reached the barrier; when every running
+            thread has, open the barrier and go on from the first; when none runs, the block is done."""
+            n = len(self.threads)
+            for k in range(1, n + 1):
+                t = self.threads[(me.index + k) % n]
+                if not t.done and not t.arrived:
+                    break
+            else:
+                live = [t for t in self.threads if not t.done]
+                if not live:
+                    self.finished.release()
+                    return
+                for t in live:
+                    t.arrived = False
+                t = live[0]
+            t.baton.release()                        # t may be me, alone at the barrier: it goes on at once
+
+        def run(self, grid_point, *args):
+            def target():
+                self._f(*args)
+
+            points = list(np.ndindex(*self._block_dim))
+            while len(_POOL) < len(points):
+                w = _SimThread()
+                w.start()
+                _POOL.append(w)
+            self.failed = None
+            self.finished = threading.Lock()
+            self.finished.acquire()
+            self.threads = _POOL[:len(points)]
+            for i, (t, p) in enumerate(zip(self.threads, points)):
+                t.assign(self, target, i, grid_point, p)
+            self.threads[0].baton.release()
+            try:
+                self.finished.acquire()
+            except BaseException:                    # interrupted (Ctrl-C): these workers may be mid-block
+                del _POOL[:len(points)]
+                raise
+            if self.failed is not None:
+                raise self.failed[0].with_traceback(self.failed[1])
+
+    kernel.BlockManager = BlockManager
+
+
 def install():
     global _installed
     if _installed:
@@ -142,4 +264,5 @@ def install():
                  "any_sync", "syncwarp", "activemask"):
         setattr(kernelapi.FakeCUDAModule, name, staticmethod(globals()[name]))
     lock_simulator_shared_arrays()
+    block_scheduler_with_baton()
     _installed = True
