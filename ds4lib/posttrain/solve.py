@@ -43,7 +43,10 @@ Verification (real numbers, not the linear prediction). The engine is reopened w
 rows are captured again (capture_positions, the same (a, b) pairs as in check_rows): real margin changes against the
 predicted ones (correlation), real flipped (a is now the top-1 of its row) and kept (a constraint row's top-1 is
 unchanged), and every request is generated again: how many answers are now right, which were right and no longer
-are, and where each now first diverges.
+are, and where each now first diverges. The gates then apply to the real flipped and kept shares as well: a
+candidate that passes on the prediction but not in the real forward goes to `rejected/` with its real numbers (on
+day 2 of data/posttrain/general the prediction said 30/30 flipped, the real forward 22/30). With verify=False only
+the predicted numbers are gated.
 
 Refusals raise PosttrainError (a ValueError) naming what is wrong: missing files, a bad requests line, a --zchain
 that is not a complete sidecar of this base, an `out` that exists and is not a ③ directory of this model, requests
@@ -595,12 +598,23 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
             if checked.posttrain is None or checked.posttrain.fingerprint != rep.fingerprint:
                 raise PosttrainError(f"{tmp}: the engine did not mount the candidate")
             real = _verify(checked, judge, items, problem, sol, progress)
-            real["reached_tau"] = int((real["margins"][problem.kind] >= tau).sum())
+            low = np.bincount(problem.group, weights=(real["margins"] < tau).astype(np.float64)) > 0
+            real["reached_tau"] = int((~low)[group_kinds(problem)].sum())
             rep.verify_seconds = time.perf_counter() - t0
             rep.real = {k: v for k, v in real.items() if k not in ("margins", "top1")}
+            # the gates hold for the real numbers too: a candidate the linear prediction passes but a real forward
+            # does not is rejected as well (never installed)
+            for name, gate in (("flipped", min_flip), ("kept", min_kept)):
+                if real[f"{name}_share"] < gate:
+                    reasons.append(f"real {name} share {real[f'{name}_share']:.4f} < min_"
+                                   f"{'flip' if name == 'flipped' else 'kept'} {gate:g}")
+            if reasons:
+                passed = False
+                rep.status, rep.gate["passed"], rep.previous = "rejected", False, None
+                rep.out = _rejected_dir(out)
         rep.requests = _request_rows(engine, items, sol, real)
-        rep.margins = {"decision": problem.kind, "group": problem.group, "before": problem.m, "predicted": sol.margins,
-                       "real": None if real is None else real["margins"]}
+        rep.margins = {"decision": problem.kind, "group": problem.group, "before": problem.m,
+                       "predicted": sol.margins, "real": None if real is None else real["margins"]}
         _write_report(tmp, rep)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)    # nothing half-written stays behind; `out` was not touched
@@ -608,6 +622,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     if passed:
         _install(tmp, out)
     else:
+        rep.out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, rep.out)
     return rep
 

@@ -8,7 +8,7 @@ import pytest
 
 from ds4lib.formats.sidecar import read_sidecar
 from tests.posttrain.conftest import micro_stack  # noqa: F401  (the shared micro stack fixture)
-from tests.posttrain.test_posttrain_cli import cases, stack  # noqa: F401  (its engine and requests)
+from tests.posttrain.test_posttrain_cli import MIN_KEPT, cases, stack  # noqa: F401  (its engine and requests)
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "posttrain.ipynb"
 
@@ -44,7 +44,7 @@ def test_notebook_runs_on_the_micro_stack(stack, cases, tmp_path):  # noqa: F811
                                cwd=str(NB.parents[1]),
                                parameters={"base": str(stack["base"]), "sidecars": str(stack["sc"].parent),
                                            "domain": stack["sc"].name, "day": 1, "days_dir": str(days),
-                                           "heldout_days": [5], "out": str(out), "min_kept": 0.9,
+                                           "heldout_days": [5], "out": str(out), "min_kept": MIN_KEPT,
                                            "engram_dir": str(stack["ckpt"]), "examples": 2,
                                            "summary_json": str(summary)})
     res = json.loads(summary.read_text())["results"]

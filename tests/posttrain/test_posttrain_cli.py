@@ -28,6 +28,7 @@ PROMPTS = ["V5JP", "O9R2", "GLR,", ".L?:", "UHA=", "E:S:", "W8Q.", "8F2C", "VDWS
            "W,V", "7;8", "1+1?", "QB=W", "N?J6"]
 SPLIT = 2                      # the right answer leaves the greedy output at this index of the generated part
 N_WRONG = 5
+MIN_KEPT = 0.8                 # the micro stack keeps 13 of its 15 other positions in a real forward (predicted 14)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def _write_jsonl(path, rows):
 
 def _run(stack, out, requests, **kw):
     args = dict(base=stack["base"], zchain=stack["sc"], requests=requests, out=out, engram_dir=stack["ckpt"],
-                min_kept=0.9) | kw
+                min_kept=MIN_KEPT) | kw
     return solve_posttrain(**args)
 
 
@@ -179,6 +180,23 @@ def test_end_to_end_writes_a_loadable_posttrain_directory(stack, cases, solved):
 
 
 # ---------------------------------------------------------------------------------------------------- (2)
+def test_a_candidate_the_real_forward_fails_is_rejected(stack, cases, solved, tmp_path):
+    """The gates hold for the verified numbers too: with min_kept between the real and the predicted kept share the
+    candidate passes on the prediction, fails in the real forward, and goes to rejected/ with both."""
+    rep0, _ = solved
+    real, pred = rep0.real["kept_share"], rep0.predicted["kept_share"]
+    assert real < pred, "the micro stack's real forward keeps as many positions as predicted: pick another case"
+    out = tmp_path / "pt"
+    reqs = _write_jsonl(tmp_path / "requests.jsonl", cases[0])
+    rep = _run(stack, out, reqs, min_kept=(real + pred) / 2)
+    assert rep.status == "rejected" and not rep.installed and not out.exists() and rep.previous is None
+    assert rep.out.parent == tmp_path / "rejected" and (rep.out / "report.json").exists()
+    assert rep.gate["reasons"] == [f"real kept share {real:.4f} < min_kept {(real + pred) / 2:g}"]
+    assert rep.real is not None and rep.real["kept_share"] == real and rep.predicted["kept_share"] == pred
+    assert json.loads((rep.out / "report.json").read_text())["status"] == "rejected"
+    assert read_sidecar(rep.out, CFG, expect_kind="posttrain").fingerprint == rep.fingerprint
+
+
 def test_gate_failure_goes_to_rejected_and_leaves_out_untouched(stack, cases, solved, tmp_path):
     _, installed = solved
     out = tmp_path / "pt"
@@ -375,7 +393,7 @@ def _argv(stack, requests, out, *extra):
 def test_cli_exit_codes(stack, cases, tmp_path, capsys):
     reqs = _write_jsonl(tmp_path / "r.jsonl", cases[0])
     out = tmp_path / "pt"
-    assert ds4_main(_argv(stack, reqs, out, "--min-kept", "0.9", "--rounds", "2")) == 0
+    assert ds4_main(_argv(stack, reqs, out, "--min-kept", str(MIN_KEPT), "--rounds", "2")) == 0
     text = capsys.readouterr().out
     assert f"installed {out}" in text and "decision points" in text and "real: flipped" in text
     rep = json.loads((out / "report.json").read_text())
