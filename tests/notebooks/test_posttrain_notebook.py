@@ -27,7 +27,8 @@ def test_notebook_is_thin():
     for k in ("domain", "day", "tau", "rho", "lam", "kappa"):
         assert k in params, k
     # the parameters are the entry point's: the solve cell passes each of them on by name
-    assert all(f"{k}={k}" in code[2].source for k in ("tau", "rho", "lam", "kappa", "rounds", "min_flip", "min_kept"))
+    assert all(f"{k}={k}" in code[2].source for k in ("tau", "rho", "lam", "kappa", "rivals", "rounds", "min_flip",
+                                                     "min_kept"))
 
 
 @pytest.mark.slow
