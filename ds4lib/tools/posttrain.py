@@ -1,6 +1,7 @@
 """`ds4 posttrain --base FILE --zchain DIR --requests FILE --out DIR [--engram-dir DIR] [--tau T] [--rho R] [--lam L]
 [--kappa K] [--rivals M] [--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training
-directory from requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates, where files go).
+directory from requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates,
+where files go).
 
 Exit status: 0 the candidate passed its gates and is installed as --out (a previous --out kept as --out.old);
 1 it failed a gate and was written to <out parent>/rejected/<out name>-<timestamp>/ instead (--out untouched);

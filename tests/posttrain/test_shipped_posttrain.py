@@ -3,7 +3,8 @@ on day 1 of data/posttrain/general): it reads as a ③ of the shipped ① base, 
 ② sidecar, mounts with it through the engine and `ds4 --posttrain`, and is refused on any other sidecar or alone.
 
 Not checked here: re-solving it bit for bit. That needs the whole day's generation, capture and verification again
-(3–6 minutes on the 2-core CI box; two such runs, `ds4 posttrain` and the notebook, wrote the same bytes), far over the one minute a shipped-file test may take."""
+(3–6 minutes on the 2-core CI box; two such runs, `ds4 posttrain` and the notebook, wrote the same bytes), far over
+the one minute a shipped-file test may take."""
 from __future__ import annotations
 
 import json
