@@ -59,7 +59,7 @@ from ds4lib.formats.vq import (EXPERT_MATRICES, KNOWN_FORMAT_VERSIONS, PAYLOAD_A
 from ds4lib.inventory import tensor_inventory
 
 __all__ = ["BaseFileError", "BaseFile", "VQLayer", "PlannedTensor", "GGUFStreamWriter", "tensor_format",
-           "base_file_layout", "header_bytes", "file_bytes", "ALIGNMENT"]
+           "base_file_layout", "header_bytes", "file_bytes", "data_offsets", "ALIGNMENT"]
 
 ALIGNMENT = PAYLOAD_ALIGN
 _PREFIX = re.compile(r"^(layers|mtp)\.\d+\.")
@@ -181,6 +181,15 @@ def header_bytes(layout, kv) -> bytes:
 
 def file_bytes(layout, header_len: int) -> int:
     return header_len + sum(_pad(t.nbytes) for t in layout)
+
+
+def data_offsets(layout, header_len: int) -> dict:
+    """{tensor name: (file offset of its data, its byte count)} of a file written in layout order."""
+    out, off = {}, header_len
+    for t in layout:
+        out[t.name] = (off, t.nbytes)
+        off += _pad(t.nbytes)
+    return out
 
 
 class GGUFStreamWriter:

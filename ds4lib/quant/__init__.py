@@ -11,7 +11,8 @@ import importlib
 
 _EXPORTS = {
     "DEFAULT_ROUNDS": "base_file", "QuantReport": "base_file", "file_sha256": "base_file",
-    "layer_rows": "base_file", "quantize_checkpoint": "base_file",
+    "layer_rows": "base_file", "quantize_checkpoint": "base_file", "verify_base": "base_file",
+    "VerifyReport": "base_file",
     "DEVICES": "cuda_backend", "make_backend": "cuda_backend", "CudaLloyd": "cuda_backend",
     "bitwidth_curve": "measure", "default_layers": "measure", "file_errors": "measure",
     "shared_vs_per_expert": "measure",

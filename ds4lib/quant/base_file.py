@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VT
 from ds4lib.config import ModelConfig
 from ds4lib.formats import names as N
 from ds4lib.formats.checkpoint import CheckpointReader
-from ds4lib.formats.gguf import GGUFStreamWriter, base_file_layout, header_bytes
+from ds4lib.formats.gguf import BaseFile, GGUFStreamWriter, base_file_layout, data_offsets, header_bytes
 from ds4lib.formats.q4k import quantize_q4k, quantize_q8_0
 from ds4lib.formats.vq import (EXPERT_MATRICES, FORMAT_VERSION, INDEX_LAYOUT, VQ_DIM, VQ_MAGIC, encode_codebook,
                                pack_indices)
@@ -35,7 +35,8 @@ from ds4lib.quant.plan import parse_bits_plan, size_table
 from ds4lib.quant.vq_layer import assign_layer, collect_layer
 from ds4lib.solvers.vq import DEFAULT_ROUNDS, POOL_PER_CODEWORD, train_codebook
 
-__all__ = ["DEFAULT_ROUNDS", "QUANTIZER_ID", "QuantReport", "quantize_checkpoint", "file_sha256", "layer_rows"]
+__all__ = ["DEFAULT_ROUNDS", "QUANTIZER_ID", "QuantReport", "VerifyReport", "quantize_checkpoint", "verify_base",
+           "file_sha256", "layer_rows"]
 
 QUANTIZER_ID = "ds4 quantize (vq8 shared per-layer codebooks, q4_K) v1"
 
@@ -140,6 +141,30 @@ def _write_vq_layer(writer, reader, layer, bits, rounds, backend, tick):
     return stats
 
 
+def _stream_tensors(writer, reader, layout, plan, rounds, backend, tick, bar, stats, vq_layers):
+    """Every tensor of the layout, in order, into `writer`; the VQ tensors only of `vq_layers` (None: all), the
+    statistics of the layers written (rows of the others stay 0)."""
+    for t in layout:
+        if t.kind == "vq_codebook":
+            if vq_layers is not None and t.layer not in vq_layers:
+                continue
+            bar.set_postfix_str(f"layer {t.layer} ({plan.bits[t.layer]}-bit VQ)")
+            stats[t.layer] = _write_vq_layer(writer, reader, t.layer, plan.bits[t.layer], rounds, backend, tick)
+        elif t.kind.startswith("vq_"):
+            continue                              # written by _write_vq_layer
+        elif t.kind == "stats":
+            writer.write(t.name, stats)
+            tick()
+        elif t.kind == "stored":
+            writer.write(t.name, reader.raw(t.source))
+            tick()
+        else:
+            w = reader.weight(t.source)
+            q = {"q4_K": quantize_q4k, "q8_0": quantize_q8_0}.get(t.kind)
+            writer.write(t.name, q(w) if q else w.astype(np.float16))
+            tick()
+
+
 def quantize_checkpoint(*, checkpoint, out, bits_plan="auto", rounds: int = DEFAULT_ROUNDS, device: str = "cpu",
                         progress: bool = True) -> QuantReport:
     """Quantize the checkpoint directory `checkpoint` into the base file `out` (see module docstring)."""
@@ -163,24 +188,7 @@ def quantize_checkpoint(*, checkpoint, out, bits_plan="auto", rounds: int = DEFA
     writer = GGUFStreamWriter(out, layout, kv)
     stats = np.zeros((cfg.n_all_layers, 3, 2), dtype=np.float64)
     try:
-        for t in layout:
-            if t.kind == "vq_codebook":
-                bar.set_postfix_str(f"layer {t.layer} ({plan.bits[t.layer]}-bit VQ)")
-                stats[t.layer] = _write_vq_layer(writer, reader, t.layer, plan.bits[t.layer],
-                                                    rounds, backend, tick)
-            elif t.kind.startswith("vq_"):
-                continue                              # written by _write_vq_layer
-            elif t.kind == "stats":
-                writer.write(t.name, stats)
-                tick()
-            elif t.kind == "stored":
-                writer.write(t.name, reader.raw(t.source))
-                tick()
-            else:
-                w = reader.weight(t.source)
-                q = {"q4_K": quantize_q4k, "q8_0": quantize_q8_0}.get(t.kind)
-                writer.write(t.name, q(w) if q else w.astype(np.float16))
-                tick()
+        _stream_tensors(writer, reader, layout, plan, rounds, backend, tick, bar, stats, vq_layers=None)
         writer.close()
     except BaseException:
         writer.abort()
@@ -191,3 +199,108 @@ def quantize_checkpoint(*, checkpoint, out, bits_plan="auto", rounds: int = DEFA
     return QuantReport(path=str(out), sha256=file_sha256(out), bits=plan.bits, bits_plan=plan.spec, rounds=rounds,
                        device=device, stats=stats, size_table=table, source_hash=source_hash,
                        seconds=time.perf_counter() - t0, config=cfg)
+
+
+@dataclass
+class VerifyReport:
+    """`verify_base`'s result: `ok` when the header and every checked tensor equal the rebuild byte for byte."""
+    path: str
+    header_ok: bool
+    size_ok: bool
+    vq_layers: list
+    checked: list
+    mismatched: list
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.header_ok and self.size_ok and not self.mismatched and bool(self.checked)
+
+
+class _CompareWriter:
+    """Stands in for GGUFStreamWriter: each tensor streamed to it is compared with the same tensor's bytes in an
+    existing file (located by name through the layout), nothing is written. `rows`: {tensor name: (row indices,
+    bytes per row)} compares only those rows of a tensor (the statistics of the layers rebuilt)."""
+
+    def __init__(self, path, layout, header, rows):
+        self.data = np.memmap(path, dtype=np.uint8, mode="r")
+        self.offsets = data_offsets(layout, len(header))
+        end = max((o + n for o, n in self.offsets.values()), default=len(header))
+        self.size_ok = len(self.data) >= end
+        self.header_ok = len(self.data) >= len(header) and bytes(self.data[:len(header)]) == header
+        self.rows, self.checked, self.mismatched = rows, [], []
+        self._cur = None
+
+    def begin(self, name):
+        self._cur = [name, bytearray()]
+
+    def write_bytes(self, array):
+        self._cur[1] += memoryview(np.ascontiguousarray(array)).cast("B")
+
+    def end(self):
+        name, got = self._cur
+        off, n = self.offsets[name]
+        have = bytes(self.data[off:off + n]) if self.size_ok else b""
+        got = bytes(got)
+        if name in self.rows:
+            rows, width = self.rows[name]
+            same = len(got) == n and all(got[r * width:(r + 1) * width] == have[r * width:(r + 1) * width]
+                                         for r in rows)
+        else:
+            same = got == have
+        self.checked.append(name)
+        if not same:
+            self.mismatched.append(name)
+        self._cur = None
+
+    def write(self, name, array):
+        self.begin(name)
+        self.write_bytes(array)
+        self.end()
+
+
+def verify_base(*, checkpoint, base, vq_layers=None, device: str = "cpu", progress: bool = False) -> VerifyReport:
+    """Rebuild the base file `base` from `checkpoint` with the bit plan and Lloyd rounds stored in it and compare,
+    byte for byte, its header and every tensor; the routed-expert tensors (the costly part: Lloyd per layer) only of
+    `vq_layers` (None: every layer), and the statistics rows of those layers. Each layer's VQ tensors depend only on
+    that layer's weights (module docstring), so a subset checks exactly what a full rebuild would for those layers.
+    Nothing is written."""
+    from tqdm.auto import tqdm
+    t0 = time.perf_counter()
+    shipped = BaseFile.open(base)
+    try:
+        bits = list(shipped.bits)
+        rounds = int(shipped.metadata[N.KEY_VQ_ROUNDS])
+        spec = str(shipped.metadata[N.KEY_VQ_BITS_PLAN])
+    finally:
+        shipped.close()
+    reader = CheckpointReader.open(checkpoint)
+    cfg = reader.cfg
+    if len(bits) != cfg.n_all_layers:
+        reader.close()
+        raise ValueError(f"{base}: {len(bits)} VQ layers, the checkpoint has {cfg.n_all_layers}")
+    layers = sorted(range(cfg.n_all_layers) if vq_layers is None else {int(v) for v in vq_layers})
+    if not layers or layers[0] < 0 or layers[-1] >= cfg.n_all_layers:
+        reader.close()
+        raise ValueError(f"vq_layers must lie in 0..{cfg.n_all_layers - 1}, got {vq_layers}")
+    plan = parse_bits_plan(spec, cfg)                     # the spec as stored, so the metadata is the same
+    if list(plan.bits) != bits:
+        reader.close()
+        raise ValueError(f"{base}: bit plan {spec!r} gives {list(plan.bits)} for this checkpoint, the file has {bits}")
+    backend = make_backend(device)
+    layout = base_file_layout(cfg, plan.bits)
+    kv, _ = _with_size_table(cfg, layout, _metadata(cfg, plan, rounds, reader.content_hash()), plan.bits)
+    stats_name = next(t.name for t in layout if t.kind == "stats")
+    writer = _CompareWriter(base, layout, header_bytes(layout, kv), {stats_name: (layers, 3 * 2 * 8)})
+    n_vq = sum(2 * 3 * cfg.moe_shape(l)[0] + rounds for l in layers)
+    bar = tqdm(total=n_vq + sum(1 for t in layout if not t.kind.startswith("vq_")), unit="step",
+               desc="ds4 quantize --verify", disable=not progress)
+    stats = np.zeros((cfg.n_all_layers, 3, 2), dtype=np.float64)
+    try:
+        _stream_tensors(writer, reader, layout, plan, rounds, backend, lambda n=1: bar.update(n), bar, stats,
+                        vq_layers=set(layers))
+    finally:
+        bar.close()
+        reader.close()
+    return VerifyReport(path=str(base), header_ok=writer.header_ok, size_ok=writer.size_ok, vq_layers=layers,
+                        checked=writer.checked, mismatched=writer.mismatched, seconds=time.perf_counter() - t0)
