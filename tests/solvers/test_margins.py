@@ -161,10 +161,15 @@ def test_cg_converges_on_an_ill_conditioned_system(seed):
     w = np.where(p.kind, 1.0, 1e3)
     b = np.where(p.kind, 1.0 - p.m, 0.0)
     lam = 1e-4
-    want = np.linalg.solve(A.T @ (w[:, None] * A) + lam * np.eye(A.shape[1]), A.T @ (w * b))
+    M = A.T @ (w[:, None] * A) + lam * np.eye(A.shape[1])
+    rhs = A.T @ (w * b)
+    want = np.linalg.solve(M, rhs)
     got, iters, res = solve_cg(p, w, b, lam, max_iter=1000)
     assert iters <= 2 * N and res < 1e-6
-    np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    # the normal equations hold to 1e-6, and the solution is the dense one up to what their conditioning allows
+    # (the dense solve's own error differs between BLAS builds and thread counts at the 1e-6 level)
+    assert np.linalg.norm(M @ got.ravel() - rhs) <= 1e-6 * np.linalg.norm(rhs)
+    np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def _tight(seed, E=6, K=2, D=64, nd=12, nc=48):
