@@ -38,7 +38,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels.bf16 import bits_f32, f16_bits_device, round_bf16_device
+from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
 from kernels.gemv import act_quant_fp8
 from kernels.scratch import scratch_array as _scratch
 
@@ -221,50 +221,6 @@ def _make_q4k_kernel(tt):
     return q4k_gemv_kernel
 
 
-@cuda.jit(device=True, inline=True)
-def _x2_device(x64, t, k2):
-    """Two float32 activations x[t, 2*k2], x[t, 2*k2 + 1] from one 8-byte load of x viewed as uint64."""
-    w = x64[t, k2]
-    return bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
-
-
-@cuda.jit(device=True, inline=True)
-def _q4k_dot8w_device(q, shift, dd, dm, x64, t, k2, acc):
-    """_q4k_dot8_device with the 8 activations read as four 8-byte words (x64 = x as uint64, k2 = k0 / 2); the
-    same FMAs in the same order."""
-    n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles8_device(q, shift)
-    x0, x1 = _x2_device(x64, t, k2)
-    x2, x3 = _x2_device(x64, t, k2 + 1)
-    x4, x5 = _x2_device(x64, t, k2 + 2)
-    x6, x7 = _x2_device(x64, t, k2 + 3)
-    acc = cuda.fma(cuda.fma(dd, n0, -dm), x0, acc)
-    acc = cuda.fma(cuda.fma(dd, n1, -dm), x1, acc)
-    acc = cuda.fma(cuda.fma(dd, n2, -dm), x2, acc)
-    acc = cuda.fma(cuda.fma(dd, n3, -dm), x3, acc)
-    acc = cuda.fma(cuda.fma(dd, n4, -dm), x4, acc)
-    acc = cuda.fma(cuda.fma(dd, n5, -dm), x5, acc)
-    acc = cuda.fma(cuda.fma(dd, n6, -dm), x6, acc)
-    return cuda.fma(cuda.fma(dd, n7, -dm), x7, acc)
-
-
-@cuda.jit(device=True, inline=True)
-def _q4k_step_device(w64, row, sb, nb, c, e8):
-    """(h0, h1, q) of super-block sb of the row for lane chunk (c, e8); zeros past the row."""
-    if sb >= nb:
-        return np.uint64(0), np.uint64(0), np.uint64(0)
-    base = Q4K_WORDS * sb
-    return w64[row, base], w64[row, base + 1], w64[row, base + 2 + 4 * c + e8]
-
-
-@cuda.jit(device=True, inline=True)
-def _q4k_sb_device(h0, h1, q, c, x64, t, k2, acc):
-    """The lane's 16 weights of one super-block (sub-blocks 2c and 2c + 1) against x, accumulated in order."""
-    dd0, dm0 = _q4k_factors_device(h0, h1, 2 * c)
-    dd1, dm1 = _q4k_factors_device(h0, h1, 2 * c + 1)
-    a = _q4k_dot8w_device(q, 0, dd0, dm0, x64, t, k2, acc)
-    return _q4k_dot8w_device(q, 4, dd1, dm1, x64, t, k2 + 16, a)
-
-
 if SIM:
     _f16_header_device = f16_bits_device
 else:
@@ -299,17 +255,18 @@ def _q4k_factors_hw_device(h0, h1, j):
 
 @cuda.jit(device=True, inline=True)
 def _q4k_dot8u_device(q, shift, dd, dm, x1, k2, acc):
-    """_q4k_dot8w_device over x as a flat uint64 array with an unsigned index: the same FMAs in the same order,
-    without the signed-index wraparound and row-stride arithmetic per load."""
+    """acc + sum over the 8 bytes b of q of w_b * x_b, w_b = fl(dd * nibble_b - dm), FMAs in byte order (as
+    _q4k_dot8_device), with the 8 activations read as four 8-byte words of x as a flat uint64 array (k2 = k0 / 2)
+    with an unsigned index: no signed-index wraparound or row-stride arithmetic per load."""
     n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles8_device(q, shift)
     w = x1[k2]
-    x0, x1_ = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    x0, x1_ = f32x2_device(w, 0), f32x2_device(w, 1)
     w = x1[k2 + np.uint64(1)]
-    x2, x3 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    x2, x3 = f32x2_device(w, 0), f32x2_device(w, 1)
     w = x1[k2 + np.uint64(2)]
-    x4, x5 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    x4, x5 = f32x2_device(w, 0), f32x2_device(w, 1)
     w = x1[k2 + np.uint64(3)]
-    x6, x7 = bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF))), bits_f32(np.uint32(w >> np.uint64(32)))
+    x6, x7 = f32x2_device(w, 0), f32x2_device(w, 1)
     acc = cuda.fma(cuda.fma(dd, n0, -dm), x0, acc)
     acc = cuda.fma(cuda.fma(dd, n1, -dm), x1_, acc)
     acc = cuda.fma(cuda.fma(dd, n2, -dm), x2, acc)

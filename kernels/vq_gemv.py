@@ -48,7 +48,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, round_bf16_device
+from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
 from kernels.engram import e4m3_decode_device
 from kernels.gemv import act_quant_fp8
 from kernels.q4k_gemv import warp_sum_device
@@ -293,16 +293,6 @@ def _x_row_words(cols):
 
 
 @cuda.jit(device=True, inline=True)
-def _lo_f32(w):
-    return bits_f32(np.uint32(w & np.uint64(0xFFFFFFFF)))
-
-
-@cuda.jit(device=True, inline=True)
-def _hi_f32(w):
-    return bits_f32(np.uint32(w >> np.uint64(32)))
-
-
-@cuda.jit(device=True, inline=True)
 def _stage_x_device(xs, x_off, x_stride, x, x_rows):
     """Global -> shared copy of the first `x_rows` activation rows (two floats per uint64 word, element 2q in the
     low bits; word q of row r at x_off + r*x_stride + q + q//32), coalesced; nothing when x_rows == 0."""
@@ -418,14 +408,14 @@ def _make_vq_kernel(tt, threads, stage_x):
                         w1 = cbs[wb + 1]
                         w2 = cbs[wb + 2]
                         w3 = cbs[wb + 3]
-                        xr[i, 8 * k] = _lo_f32(w0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 1] = _hi_f32(w0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 2] = _lo_f32(w1) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 3] = _hi_f32(w1) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 4] = _lo_f32(w2) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 5] = _hi_f32(w2) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 6] = _lo_f32(w3) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 7] = _hi_f32(w3) if i < count else np.float32(0.0)
+                        xr[i, 8 * k] = f32x2_device(w0, 0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 1] = f32x2_device(w0, 1) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 2] = f32x2_device(w1, 0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 3] = f32x2_device(w1, 1) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 4] = f32x2_device(w2, 0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 5] = f32x2_device(w2, 1) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 6] = f32x2_device(w3, 0) if i < count else np.float32(0.0)
+                        xr[i, 8 * k + 7] = f32x2_device(w3, 1) if i < count else np.float32(0.0)
                     else:
                         for h in range(VQ_DIM):
                             xr[i, 8 * k + h] = x[xrow, VQ_DIM * jk + h] if i < count else np.float32(0.0)
