@@ -7,6 +7,7 @@ import nbformat
 import pytest
 
 from ds4lib.formats.sidecar import read_sidecar
+from tests.notebooks.thin import thin_code_cells
 from tests.posttrain.conftest import micro_stack  # noqa: F401  (the shared micro stack fixture)
 from tests.posttrain.test_posttrain_cli import MIN_KEPT, cases, stack  # noqa: F401  (its engine and requests)
 
@@ -14,13 +15,7 @@ NB = Path(__file__).resolve().parents[2] / "notebooks" / "posttrain.ipynb"
 
 
 def test_notebook_is_thin():
-    nb = nbformat.read(NB, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert nb.cells[0].cell_type == "markdown" and "parameters" in code[0].metadata.get("tags", [])
-    assert all(not c.outputs and c.execution_count is None for c in code), "commit the notebook with outputs stripped"
-    for c in code:
-        for line in c.source.splitlines():
-            assert not line.lstrip().startswith(("def ", "class ", "for ", "while ")), line
+    code = thin_code_cells(NB)
     assert "save_summary" in code[-1].source
     params = {}
     exec(code[0].source, {}, params)              # literals only

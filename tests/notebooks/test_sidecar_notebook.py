@@ -7,18 +7,13 @@ import numpy as np
 import pytest
 
 from ds4lib.formats.sidecar import read_sidecar
+from tests.notebooks.thin import thin_code_cells
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "sidecar.ipynb"
 
 
 def test_notebook_is_thin():
-    nb = nbformat.read(NB, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert nb.cells[0].cell_type == "markdown" and "parameters" in code[0].metadata.get("tags", [])
-    assert all(not c.outputs for c in code), "commit the notebook with outputs stripped"
-    for c in code:
-        for line in c.source.splitlines():
-            assert not line.lstrip().startswith(("def ", "class ", "for ", "while ")), line
+    code = thin_code_cells(NB)
     assert "save_summary" in code[-1].source
 
 
