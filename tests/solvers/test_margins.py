@@ -31,12 +31,13 @@ def _dense(p):
     return A
 
 
-def _random(seed, E=8, K=2, D=32, nd=30, nc=30):
+def _random(seed, E=8, K=2, D=32, nd=30, nc=30, behind=(0.5, 1.5), ahead=(0.2, 2.0)):
+    """nd decision points `behind` (a uniform range) their runner-up and nc constraint rows `ahead` of theirs."""
     rng = np.random.default_rng(seed)
     N = nd + nc
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)])
     kind = np.arange(N) < nd
-    m = np.where(kind, -rng.uniform(0.5, 1.5, N), rng.uniform(0.2, 2.0, N))
+    m = np.where(kind, -rng.uniform(*behind, N), rng.uniform(*ahead, N))
     return make_problem(ids=ids, R=rng.normal(0, 1, (N, K, D)), m=m, kind=kind, n_experts=E)
 
 
@@ -172,14 +173,9 @@ def test_cg_converges_on_an_ill_conditioned_system(seed):
     np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-def _tight(seed, E=6, K=2, D=64, nd=12, nc=48):
+def _tight(seed):
     """Constraint rows barely above their runner-up (margins 0.01 .. 0.05) on the experts the decision points need."""
-    rng = np.random.default_rng(seed)
-    N = nd + nc
-    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)])
-    kind = np.arange(N) < nd
-    m = np.where(kind, -rng.uniform(1.0, 3.0, N), rng.uniform(0.01, 0.05, N))
-    return make_problem(ids=ids, R=rng.normal(0, 1, (N, K, D)), m=m, kind=kind, n_experts=E)
+    return _random(seed, E=6, K=2, D=64, nd=12, nc=48, behind=(1.0, 3.0), ahead=(0.01, 0.05))
 
 
 @pytest.mark.parametrize("seed", [0, 3])
