@@ -22,7 +22,10 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
 2. softmax: one warp per (query, head): max, BF16-rounded weights written in place, float64 denominator.
 3. values: a block owns 4 heads x all Dh dims of a split of the rows; each thread accumulates 4 dims x 4
-   heads while streaming key words; weights come from shared memory. Splits give decode enough blocks.
+   heads while streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a
+   V4.1 decode step's value kernel latency-bound: 14.6 us); weights come from shared memory. Rows are summed in
+   chunks of VALUE_CHUNK and the chunk sums in order; decode splits one chunk per block (enough blocks),
+   prefill keeps one split: the same bits.
 4. combine: sums the splits in a fixed order, divides, rounds to BF16.
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
@@ -51,6 +54,8 @@ SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
 DH_MAX = 512
 VALUE_TILE = 128             # rows staged per step of the value kernel
+VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
+VALUE_GROUP = 8              # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0)
 NEG_BIG = np.float32(-1e30)  # the row max of a query with no valid row (the reference's value)
 NEG_INF = np.float32(-np.inf)
 
@@ -206,9 +211,21 @@ def attn_softmax_kernel(z, sink, den):
         den[t, h] = np.float32(s) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 
 
+@cuda.jit(device=True, inline=True)
+def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
+    """Key word `col` of a row (8 bytes, 4 BF16): row kr of the window buffer or of the compressed cache; row 0
+    of it when kr < 0 (a load that is never used, so that the loads of a group go out together)."""
+    r = max(kr, 0)
+    return win_keys[r, col] if from_win else cmp_keys[r, col]
+
+
 @cuda.jit(cache=True)
 def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
-    """part[t, s, h, :] = sum over rows of split s of bf16 weight z[t, h, r] * key(r); one thread per 4 dims."""
+    """part[t, s, h, :] = sum over rows of split s of bf16 weight z[t, h, r] * key(r); one thread per 4 dims.
+    A split is whole chunks of VALUE_CHUNK rows (the last chunk may be short); each chunk is summed from zero in
+    row order and the chunk sums are added in order, so the result does not depend on how many chunks a split
+    holds as long as the splits are 1 or one per chunk (the launcher's choices). Rows go in groups of
+    VALUE_GROUP with the group's key loads issued before its arithmetic."""
     tid = cuda.threadIdx.x
     s = cuda.blockIdx.x
     h0 = cuda.blockIdx.y * HEADS_PER_BLOCK
@@ -216,16 +233,20 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
     n_split = part.shape[1]
     nw = part.shape[3] // 4
     n_rows = z.shape[2]
-    per = (n_rows + n_split - 1) // n_split
+    per = ((n_rows + n_split - 1) // n_split + VALUE_CHUNK - 1) // VALUE_CHUNK * VALUE_CHUNK
     r_lo = s * per
     r_hi = min(n_rows, r_lo + per)
     e_sh = cuda.shared.array((HEADS_PER_BLOCK, VALUE_TILE), np.float32)
     k_sh = cuda.shared.array(VALUE_TILE, np.int64)
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
     acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
+    tot = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
+    kr = cuda.local.array(VALUE_GROUP, np.int64)
+    words = cuda.local.array(VALUE_GROUP, np.uint64)
     for hh in range(HEADS_PER_BLOCK):
         for i in range(4):
             acc[hh, i] = np.float32(0.0)
+            tot[hh, i] = np.float32(0.0)
     for base in range(r_lo, r_hi, VALUE_TILE):
         n = min(VALUE_TILE, r_hi - base)
         for k in range(tid, n, THREADS):
@@ -234,25 +255,34 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
             e_sh[k // n, k % n] = z[t, h0 + k // n, base + k % n]
         cuda.syncthreads()
         if tid < nw:
-            for k in range(n):
-                kr = k_sh[k]
-                if kr >= 0:
-                    word = win_keys[kr, tid] if w_sh[k] else cmp_keys[kr, tid]
-                    v0 = bf16x4_device(word, 0)
-                    v1 = bf16x4_device(word, 1)
-                    v2 = bf16x4_device(word, 2)
-                    v3 = bf16x4_device(word, 3)
-                    for hh in range(HEADS_PER_BLOCK):
-                        e = e_sh[hh, k]
-                        acc[hh, 0] += e * v0
-                        acc[hh, 1] += e * v1
-                        acc[hh, 2] += e * v2
-                        acc[hh, 3] += e * v3
+            for k0 in range(0, n, VALUE_GROUP):
+                for g in range(VALUE_GROUP):
+                    k = min(k0 + g, n - 1)
+                    kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
+                    words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
+                for g in range(VALUE_GROUP):
+                    if kr[g] >= 0:
+                        word = words[g]
+                        v0 = bf16x4_device(word, 0)
+                        v1 = bf16x4_device(word, 1)
+                        v2 = bf16x4_device(word, 2)
+                        v3 = bf16x4_device(word, 3)
+                        for hh in range(HEADS_PER_BLOCK):
+                            e = e_sh[hh, k0 + g]
+                            acc[hh, 0] += e * v0
+                            acc[hh, 1] += e * v1
+                            acc[hh, 2] += e * v2
+                            acc[hh, 3] += e * v3
+                if (k0 + VALUE_GROUP) % VALUE_CHUNK == 0 or k0 + VALUE_GROUP >= n:   # a chunk ends (tiles are
+                    for hh in range(HEADS_PER_BLOCK):                                  # whole chunks but the last)
+                        for i in range(4):
+                            tot[hh, i] += acc[hh, i]
+                            acc[hh, i] = np.float32(0.0)
         cuda.syncthreads()
     if tid < nw:
         for hh in range(HEADS_PER_BLOCK):
             for i in range(4):
-                part[t, s, h0 + hh, 4 * tid + i] = acc[hh, i]
+                part[t, s, h0 + hh, 4 * tid + i] = tot[hh, i]
 
 
 @cuda.jit(cache=True)
@@ -329,9 +359,11 @@ def cache_write(src, rows, dst, stream=0):
 
 
 def _value_splits(n_tok, n_heads, n_rows):
-    """Row splits so that a decode step still fills the GPU (~256 blocks), at least 32 rows per split."""
+    """Row splits of the value kernel: one per VALUE_CHUNK rows when one split per (token, head block) would
+    leave the GPU under ~256 blocks (decode: V4.1 has 16 head blocks), else 1. Either way a row's chunk sums
+    are added in the same order, so prefill and decode give the same bits."""
     blocks = n_tok * (n_heads // HEADS_PER_BLOCK)
-    return max(1, min(256 // max(blocks, 1), (n_rows + 31) // 32))
+    return 1 if blocks >= 256 else max(1, math.ceil(n_rows / VALUE_CHUNK))
 
 
 def _score_rows_per_quad(n_tok, head_blocks, n_rows):

@@ -15,9 +15,12 @@ Numerics: every product of a BF16 weight and a BF16 or quantised activation is e
 sums differ from the reference's exact (float64) block sums only in rounding order, so outputs agree to
 ~1e-7 relative before the BF16 rounding (tests/kernels/tolerances.py).
 
-Speed: one warp per output row, each lane issuing UNROLL independent 8-byte weight loads (4 BF16 or 2 FP32)
-per step, so a warp streams 1 KiB of a row per step with all loads coalesced; x is small and stays in L1.
-Tokens are processed TOKENS_WIDE at a time, so a prefill chunk reads each weight row once from DRAM.
+Speed: each lane issues UNROLL independent 8-byte weight loads (4 BF16 or 2 FP32) per step, so a warp streams
+1 KiB of a row per step with all loads coalesced; x is small and stays in L1. A matrix with few rows (the
+router's 384) would leave the GPU nearly idle with one warp per row (17 us for 3.9 MB on the H200), so
+`split_for` gives each row up to BLOCK_WARPS warps that take alternate steps and meet in shared memory; the split
+depends only on the weight's shape, so prefill and decode add in the same order. Tokens are processed
+TOKENS_WIDE at a time, so a prefill chunk reads each weight row once from DRAM.
 
 Shapes: T tokens, K input features per group, N output rows, G groups (N = G * rows_per_group).
 """
@@ -29,11 +32,12 @@ from numba import cuda
 from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 
 __all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel",
-           "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
+           "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
            "e4m3_round_device", "e2m1_round_device", "pow2_ceil_device", "SIGNATURES"]
 
 WARP = 32
-WARPS_PER_BLOCK = 4          # one row per warp
+BLOCK_WARPS = 8              # warps per block: 8 // split rows
+SPLIT_WARPS = 4096           # a matrix with fewer rows splits each row's K over up to BLOCK_WARPS warps
 UNROLL = 4                   # independent 8-byte weight loads per lane per step
 TOKENS_WIDE = 4              # tokens per pass of the batched kernel
 THREADS_ACT = 128
@@ -61,22 +65,26 @@ def _dot_f32_device(w, x64, t, j, xw0):
 
 
 def _make_gemv_kernel(tt, dot, per_word):
-    """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`."""
+    """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`. `split`
+    warps share a row: warp s of the row takes the steps s, s + split, ... (a step = UNROLL words per lane), the
+    warps' shuffle-tree sums meet in shared memory and are added in warp order."""
     @cuda.jit(cache=True)
-    def gemv_kernel(x64, w64, rows_per_group, out_bf16, out):
+    def gemv_kernel(x64, w64, rows_per_group, split, out_bf16, out):
+        red = cuda.shared.array((BLOCK_WARPS, TOKENS_WIDE), np.float32)
         lane = cuda.threadIdx.x % WARP
-        row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
+        wib = cuda.threadIdx.x // WARP                   # warp in block
+        row = cuda.blockIdx.x * (BLOCK_WARPS // split) + wib // split
+        part = wib % split
         n_rows, nw = w64.shape
         n_tok = x64.shape[0]
-        if row >= n_rows:
-            return                                   # warp-uniform: a warp owns one row
+        live = row < n_rows                              # warp-uniform; every warp reaches the barriers
         xw0 = (row // rows_per_group) * nw * per_word // 2     # first x word (2 floats) of the row's group
         acc = cuda.local.array(tt, np.float32)
         for t0 in range(0, n_tok, tt):
             for i in range(tt):
                 acc[i] = np.float32(0.0)
-            j = lane
-            while j + WARP * (UNROLL - 1) < nw:
+            j = lane + WARP * UNROLL * part
+            while live and j + WARP * (UNROLL - 1) < nw:
                 w0 = w64[row, j]
                 w1 = w64[row, j + WARP]
                 w2 = w64[row, j + 2 * WARP]
@@ -86,23 +94,44 @@ def _make_gemv_kernel(tt, dot, per_word):
                         acc[i] += (dot(w0, x64, t0 + i, j, xw0) + dot(w1, x64, t0 + i, j + WARP, xw0)
                                    + dot(w2, x64, t0 + i, j + 2 * WARP, xw0)
                                    + dot(w3, x64, t0 + i, j + 3 * WARP, xw0))
-                j += WARP * UNROLL
-            while j < nw:
+                j += WARP * UNROLL * split
+            while live and j < nw:                       # a lane's part of the last, partial step, word by word
                 w0 = w64[row, j]
                 for i in range(tt):
                     if t0 + i < n_tok:
                         acc[i] += dot(w0, x64, t0 + i, j, xw0)
                 j += WARP
             for i in range(tt):
-                if t0 + i < n_tok:                   # block-uniform: every warp has the same tokens
+                if t0 + i < n_tok:                       # block-uniform: every warp has the same tokens
                     v = acc[i]
                     off = WARP // 2
                     while off > 0:
                         v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
                         off //= 2
                     if lane == 0:
+                        red[wib, i] = v
+            if split > 1:
+                cuda.syncthreads()
+            if live and part == 0 and lane == 0:
+                for i in range(tt):
+                    if t0 + i < n_tok:
+                        v = red[wib, i]
+                        for p in range(1, split):
+                            v += red[wib + p, i]
                         out[t0 + i, row] = round_bf16_device(v) if out_bf16 else v
+            if split > 1:
+                cuda.syncthreads()                       # red is read before the next pass overwrites it
     return gemv_kernel
+
+
+def split_for(n_rows, n_words):
+    """Warps per row for a weight of n_rows rows of n_words 8-byte words: a power of two up to BLOCK_WARPS that
+    keeps at most SPLIT_WARPS warps and gives every warp at least one step (WARP * UNROLL words). Shape-only,
+    so prefill and decode of a matrix add in the same order."""
+    split = 1
+    while split * 2 <= BLOCK_WARPS and n_rows * split * 2 <= SPLIT_WARPS and n_words >= split * 2 * WARP * UNROLL:
+        split *= 2
+    return split
 
 
 gemv_t1_kernel = _make_gemv_kernel(1, _dot_bf16_device, 4)
@@ -220,10 +249,10 @@ def act_quant_fp4_e4m3_kernel(x, out):
 
 
 SIGNATURES = {
-    "gemv_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
-    "gemv_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
-    "gemv_f32w_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
-    "gemv_f32w_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, boolean, float32[:, :])",
+    "gemv_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, int64, boolean, float32[:, :])",
+    "gemv_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, int64, boolean, float32[:, :])",
+    "gemv_f32w_t1_kernel": "void(uint64[:, :], uint64[:, ::1], int64, int64, boolean, float32[:, :])",
+    "gemv_f32w_t4_kernel": "void(uint64[:, :], uint64[:, ::1], int64, int64, boolean, float32[:, :])",
     "act_quant_fp8_kernel": "void(float32[::1], float32[::1])",
     "act_quant_fp4_pow2_kernel": "void(float32[::1], float32[::1])",
     "act_quant_fp4_e4m3_kernel": "void(float32[::1], float32[::1])",
@@ -257,8 +286,11 @@ def gemv(x, w, *, out_bf16=True, rows_per_group=None, out=None, stream=0):
         kernel = gemv_t1_kernel if x.shape[0] == 1 else gemv_t4_kernel
     else:
         kernel = gemv_f32w_t1_kernel if x.shape[0] == 1 else gemv_f32w_t4_kernel
-    grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
-    kernel[grid, WARP * WARPS_PER_BLOCK, stream](x.view(np.uint64), w.view(np.uint64), rpg, bool(out_bf16), out)
+    w64 = w.view(np.uint64)
+    split = split_for(n_rows, w64.shape[1])
+    rows_per_block = BLOCK_WARPS // split
+    grid = (n_rows + rows_per_block - 1) // rows_per_block
+    kernel[grid, WARP * BLOCK_WARPS, stream](x.view(np.uint64), w64, rpg, split, bool(out_bf16), out)
     return out
 
 

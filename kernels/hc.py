@@ -4,11 +4,13 @@ Owns: the mixes of one sub-layer (weightless RMS of the flattened S*D state, the
 projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and the expand hc_post.
 
 - `hc_mixes`: two kernels. The first streams fn (FP32, 1.97 MB per sub-layer in V4.1) once: each block owns
-  a slice of the S*D columns, accumulates the 24 dot products and the sum of squares in float64 (exact
-  products, so the result is the reference's exact dot rounded once, up to float64 rounding), and reduces
-  them through shared memory into per-slice partials. The second reduces the partials in a fixed order
-  (deterministic) with one warp per token and runs the mixes and the 20 Sinkhorn iterations with one lane
-  per comb entry; row and column sums are gathered and added in the reference's order.
+  COLS_PER_BLOCK of the S*D columns (V4.1: 160 blocks, a column per thread), accumulates the 24 dot products
+  and the sum of squares in float64 (exact products, so the result is the reference's exact dot rounded once,
+  up to float64 rounding), and reduces them through shared memory into per-slice partials in a fixed order
+  (two barriers). The second, one block per token, sums the partials in a fixed order (FIN_PARTS threads per
+  mix with loads in flight: a lane adding 160 partials one dependent load at a time took 13 us on the H200)
+  and its first warp runs the mixes and the 20 Sinkhorn iterations with one lane per comb entry; row and
+  column sums are gathered and added in the reference's order.
 - `hc_pre`: out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]), the four exact products summed in float64.
 - `hc_post`: out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread owns a
   column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state).
@@ -32,34 +34,47 @@ N_MIX = (2 + HC) * HC         # 24 mixes: pre, post, comb
 N_ACC = N_MIX + 1             # the mixes and the sum of squares
 THREADS = 128
 WARP = 32
-COLS_PER_BLOCK = 256          # S*D columns per partial block (V4.1: 80 blocks)
+COLS_PER_BLOCK = 128          # S*D columns per partial block (V4.1: 160 blocks, one column per thread)
+FIN_PARTS = 8                 # threads summing one mix's partials in the finishing kernel
+FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
 
 
 @cuda.jit(cache=True)
 def hc_mix_partial_kernel(h2, fn, cols, partial):
     """partial[t, b, m] = sum over block b's columns k of fn[m, k] h2[t, k] (m < 24), partial[t, b, 24] the
-    sum of squares; float64."""
+    sum of squares; float64. Each thread keeps its columns' 25 sums; they meet in shared memory, where thread
+    (m, q) adds the 32 values of quarter q of row m in lane order, then thread m the four quarters: two
+    barriers, a fixed order."""
     tid = cuda.threadIdx.x
     b = cuda.blockIdx.x
     n_tok, n_cols = h2.shape
     k0 = b * cols
     k1 = min(k0 + cols, n_cols)
     sh = cuda.shared.array((N_ACC, THREADS), np.float64)
+    quarter = cuda.shared.array((N_ACC, 4), np.float64)
     acc = cuda.local.array(N_ACC, np.float64)
     for t in range(n_tok):
-        for m in range(N_MIX + 1):
+        for m in range(N_ACC):
             acc[m] = 0.0
         for k in range(k0 + tid, k1, THREADS):
             hv = np.float64(h2[t, k])
             acc[N_MIX] += hv * hv
             for m in range(N_MIX):
                 acc[m] += np.float64(fn[m, k]) * hv
-        for m in range(N_MIX + 1):
+        for m in range(N_ACC):
             sh[m, tid] = acc[m]
-        block_sum_rows_f64_device(sh, N_MIX + 1)
-        if tid <= N_MIX:
-            partial[t, b, tid] = sh[tid, 0]
-        cuda.syncthreads()                       # sh[*, 0] is read before the next token overwrites it
+        cuda.syncthreads()
+        if tid < 4 * N_ACC:
+            r = tid // 4
+            q0 = (tid % 4) * (THREADS // 4)
+            s = 0.0
+            for i in range(THREADS // 4):
+                s += sh[r, q0 + i]
+            quarter[r, tid % 4] = s
+        cuda.syncthreads()
+        if tid < N_ACC:
+            partial[t, b, tid] = ((quarter[tid, 0] + quarter[tid, 1]) + quarter[tid, 2]) + quarter[tid, 3]
+        # the next token's first barrier orders these reads of `quarter` before its overwrites
 
 
 @cuda.jit(device=True, inline=True)
@@ -78,14 +93,37 @@ def _gather_sum_device(c, src0, stride):
 
 @cuda.jit(cache=True)
 def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
-    """One warp per token: lanes 0-3 pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j)."""
+    """One block per token. The partials are summed by FIN_PARTS threads per mix (part p adds blocks p,
+    p + FIN_PARTS, ... in order, four loads in flight), then the parts in order; then the first warp finishes:
+    lanes 0-3 pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j)."""
     t = cuda.blockIdx.x
-    lane = cuda.threadIdx.x
+    tid = cuda.threadIdx.x
     n_blk = partial.shape[1]
+    parts = cuda.shared.array((N_ACC, FIN_PARTS), np.float64)
+    if tid < N_ACC * FIN_PARTS:
+        m_ = tid // FIN_PARTS
+        p = tid % FIN_PARTS
+        s = 0.0
+        b = p
+        while b + 3 * FIN_PARTS < n_blk:
+            v0 = partial[t, b, m_]
+            v1 = partial[t, b + FIN_PARTS, m_]
+            v2 = partial[t, b + 2 * FIN_PARTS, m_]
+            v3 = partial[t, b + 3 * FIN_PARTS, m_]
+            s = (((s + v0) + v1) + v2) + v3
+            b += 4 * FIN_PARTS
+        while b < n_blk:
+            s += partial[t, b, m_]
+            b += FIN_PARTS
+        parts[m_, p] = s
+    cuda.syncthreads()
+    if tid >= WARP:
+        return                                   # warp-uniform: the first warp finishes alone
+    lane = tid
     acc = 0.0
     if lane <= N_MIX:
-        for b in range(n_blk):
-            acc += partial[t, b, lane]
+        for p in range(FIN_PARTS):
+            acc += parts[lane, p]
     ssq = cuda.shfl_sync(0xFFFFFFFF, acc, N_MIX)
     var = np.float32(ssq / n_cols)
     rs = np.float32(1.0) / np.float32(math.sqrt(var + norm_eps))
@@ -181,7 +219,7 @@ def hc_mixes(h, fn, base, scale, *, norm_eps, hc_eps, iters, out=None, scratch=N
     n_blk = (HC * d + COLS_PER_BLOCK - 1) // COLS_PER_BLOCK
     partial = _scratch(scratch, "partial", (n_tok, n_blk, N_ACC), np.float64, stream)
     hc_mix_partial_kernel[n_blk, THREADS, stream](h.reshape((n_tok, HC * d)), fn, COLS_PER_BLOCK, partial)
-    hc_mix_finish_kernel[n_tok, WARP, stream](partial, base, scale, HC * d, np.float32(norm_eps),
+    hc_mix_finish_kernel[n_tok, FIN_THREADS, stream](partial, base, scale, HC * d, np.float32(norm_eps),
                                               np.float32(hc_eps), int(iters), *out)
     return out
 

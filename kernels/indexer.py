@@ -4,9 +4,9 @@ docs/architecture.md §6.3–§6.5, errata N1 and N2 in §1.2).
 Owns:
 - `index_scores`: score[t, s] = bf16(sum_h bf16(relu(bf16(q[t, h] . K[s])) * w[t, h])), the head sum in FP32 in
   head order, w = bf16(weights_proj(x) * scale); -inf where s >= (pos_t + 1) // ratio or where the candidate
-  mask (per block of `cand_block` positions) is off. A thread owns two key rows; the queries of all heads
-  sit in shared memory as float pairs (one 8-byte load feeds two FMAs per row), keys are read once as
-  8-byte words of BF16. With FP4-simulated q and keys every product and partial sum is exact in FP32, so
+  mask (per block of `cand_block` positions) is off. A warp owns a key row at a time and its lane h head h
+  (a thread owning two rows for all heads put a 1k-context decode step's 256 rows in one block: 49 us on the
+  H200); the queries of all heads sit in shared memory as float pairs, keys are read as 8-byte words of BF16. With FP4-simulated q and keys every product and partial sum is exact in FP32, so
   the scores are bit-exact.
 - `select_topk`: the k best per row by (score descending, lower index first), returned in ascending index
   order, entries >= the row's reach replaced by -1, -1 padded: a two-pass radix select on the 16-bit
@@ -39,9 +39,9 @@ THREADS = 128
 WARP = 32
 NI_MAX = 32
 DI_MAX = 128
-SCORE_ROWS = 2 * THREADS            # rows per index-score block (two per thread)
+SCORE_ROWS_PER_WARP = 4             # key rows per warp of the index-score kernel
+SCORE_ROWS = SCORE_ROWS_PER_WARP * (THREADS // WARP)     # rows per index-score block
 DI_PAIRS = DI_MAX // 2
-HEAD_GROUP = 8                      # heads accumulated together (registers)
 CHUNK = 4096                        # scores per selection block (launch parameter `chunk` overrides)
 BINS = 256
 WARPS = THREADS // WARP
@@ -54,64 +54,67 @@ ST_HI, ST_ABOVE, ST_THETA, ST_NEED = 0, 1, 2, 3
 # ------------------------------------------------------------------------------------------ index scores
 @cuda.jit(cache=True)
 def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block, use_cand, out):
-    """out[t, s] for s in a block of 256 rows: thread rows s0 + tid and s0 + 128 + tid. Heads go in groups of
-    HEAD_GROUP so the accumulators stay in registers; a group re-reads the rows' keys from L1."""
+    """out[t, s]: one warp per key row at a time (SCORE_ROWS_PER_WARP rows each), lane h computing head h's dot
+    product (the row's key words are one broadcast load for the warp, the queries sit in shared memory as
+    [pair, head] so the lanes read consecutive words); the heads' rounded terms are added in head order by
+    lane 0 through shared memory."""
     tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
     t = cuda.blockIdx.y
     n_heads, di = q.shape[1], q.shape[2]
     n_rows = keys.shape[0]
-    q_sh = cuda.shared.array((NI_MAX, DI_PAIRS), np.uint64)
+    n_words = di // 4
+    q_sh = cuda.shared.array((DI_PAIRS, NI_MAX), np.uint64)
     w_sh = cuda.shared.array(NI_MAX, np.float32)
+    v_sh = cuda.shared.array((WARPS, NI_MAX), np.float32)
     for k in range(tid, NI_MAX * (di // 2), THREADS):           # heads past n_heads are zero: they add +0
-        h = k // (di // 2)
-        c = k % (di // 2)
+        c = k // NI_MAX
+        h = k % NI_MAX
         v = np.uint64(0)
         if h < n_heads:
             v = np.uint64(f32_bits(q[t, h, 2 * c])) | (np.uint64(f32_bits(q[t, h, 2 * c + 1])) << np.uint64(32))
-        q_sh[h, c] = v
+        q_sh[c, h] = v
     if tid < NI_MAX:
         w_sh[tid] = round_bf16_device(mul_rn_device(wts[t, tid], wscale)) if tid < n_heads else np.float32(0.0)
     cuda.syncthreads()
-    sa = cuda.blockIdx.x * SCORE_ROWS + tid
-    sb = sa + THREADS
-    ra = min(sa, n_rows - 1)                      # clamped rows load valid memory; results are dropped
-    rb = min(sb, n_rows - 1)
-    acc_a = cuda.local.array(HEAD_GROUP, np.float32)
-    acc_b = cuda.local.array(HEAD_GROUP, np.float32)
-    ka = cuda.local.array(16, np.float32)
-    kb = cuda.local.array(16, np.float32)
-    tot_a = np.float32(0.0)
-    tot_b = np.float32(0.0)
-    for h0 in range(0, n_heads, HEAD_GROUP):
-        for hh in range(HEAD_GROUP):
-            acc_a[hh] = np.float32(0.0)
-            acc_b[hh] = np.float32(0.0)
-        for c in range(0, di // 4, 4):             # 16 dims per step: 4 words per row
-            for u in range(4):
-                wa = keys[ra, c + u]
-                wb = keys[rb, c + u]
-                for i in range(4):
-                    ka[4 * u + i] = bf16x4_device(wa, i)
-                    kb[4 * u + i] = bf16x4_device(wb, i)
-            for hh in range(HEAD_GROUP):
-                for p in range(8):
-                    qp = q_sh[h0 + hh, 2 * c + p]
-                    q0 = f32x2_device(qp, 0)
-                    q1 = f32x2_device(qp, 1)
-                    acc_a[hh] += q0 * ka[2 * p] + q1 * ka[2 * p + 1]
-                    acc_b[hh] += q0 * kb[2 * p] + q1 * kb[2 * p + 1]
-        for hh in range(HEAD_GROUP):               # head sum in head order, as the reference
-            w = w_sh[h0 + hh]
-            tot_a += round_bf16_device(max(round_bf16_device(acc_a[hh]), np.float32(0.0)) * w)
-            tot_b += round_bf16_device(max(round_bf16_device(acc_b[hh]), np.float32(0.0)) * w)
+    w = w_sh[lane]
     lim = (positions[t] + 1) // ratio
-    for rr in range(2):
-        s = sa if rr == 0 else sb
-        if s < n_rows:
-            v = round_bf16_device(tot_a if rr == 0 else tot_b)
+    r0 = (cuda.blockIdx.x * WARPS + warp) * SCORE_ROWS_PER_WARP
+    for rr in range(SCORE_ROWS_PER_WARP):
+        s = r0 + rr
+        if s >= n_rows:
+            break                                   # warp-uniform
+        acc = np.float32(0.0)
+        for c0 in range(0, n_words, 4):             # four key words (16 dims) in flight; n_words % 4 == 0
+            k0 = keys[s, c0]
+            k1 = keys[s, c0 + 1]
+            k2 = keys[s, c0 + 2]
+            k3 = keys[s, c0 + 3]
+            acc = _dot_word_device(k0, q_sh, 2 * c0, lane, acc)
+            acc = _dot_word_device(k1, q_sh, 2 * c0 + 2, lane, acc)
+            acc = _dot_word_device(k2, q_sh, 2 * c0 + 4, lane, acc)
+            acc = _dot_word_device(k3, q_sh, 2 * c0 + 6, lane, acc)
+        v_sh[warp, lane] = round_bf16_device(max(round_bf16_device(acc), np.float32(0.0)) * w)
+        cuda.syncwarp(0xFFFFFFFF)
+        if lane == 0:
+            tot = np.float32(0.0)
+            for h in range(NI_MAX):                 # head sum in head order, as the reference
+                tot += v_sh[warp, h]
+            v = round_bf16_device(tot)
             if s >= lim or (use_cand and cand[t, s // cand_block] == 0):
                 v = NEG_INF
             out[t, s] = v
+        cuda.syncwarp(0xFFFFFFFF)                  # v_sh is read before the next row overwrites it
+
+
+@cuda.jit(device=True, inline=True)
+def _dot_word_device(word, q_sh, p, lane, acc):
+    """acc + the lane's head's query pairs p, p + 1 against the 4 BF16 of a key word (products exact)."""
+    qa = q_sh[p, lane]
+    qb = q_sh[p + 1, lane]
+    acc += f32x2_device(qa, 0) * bf16x4_device(word, 0) + f32x2_device(qa, 1) * bf16x4_device(word, 1)
+    return acc + (f32x2_device(qb, 0) * bf16x4_device(word, 2) + f32x2_device(qb, 1) * bf16x4_device(word, 3))
 
 
 # --------------------------------------------------------------------------------------------- selection

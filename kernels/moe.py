@@ -1,9 +1,11 @@
 """MoE router and the clamped SwiGLU step on the device (ds4lib.ref.moe.route, expert_ffn; docs/architecture.md §7).
 
 Owns:
-- `route`: logits = x W_gate^T (FP32 GEMV of the BF16 gate, kernels.gemv), then one warp per token:
-  s = sqrt(softplus(logits / gate_temp)) for every expert, selection score s + bias (+ a sidecar delta), the
-  top-k by (selection score descending, lower expert id first), weights = s at the chosen ids divided by
+- `route`: logits = x W_gate^T (FP32 GEMV of the BF16 gate, kernels.gemv), then one block per token: its
+  threads compute s = sqrt(softplus(logits / gate_temp)) for every expert and the selection score s + bias
+  (+ a sidecar delta) into shared memory (all of a thread's loads issued before its arithmetic: one warp
+  scoring 384 experts one dependent load after another took 15.6 us on the H200), then its first warp takes
+  the top-k by (selection score descending, lower expert id first), weights = s at the chosen ids divided by
   (their sum + 1e-20) (sum in selection order) times route_scale. Each lane holds E/32 experts; the k
   rounds are warp arg-max reductions.
 - `swiglu`: a = silu(min(g, limit)) * clamp(u, -limit, limit) (* routing weight of the row), BF16 — the
@@ -26,6 +28,8 @@ __all__ = ["route", "swiglu", "route_topk_kernel", "swiglu_kernel", "SIGNATURES"
 WARP = 32
 THREADS = 128
 E_PER_LANE = 16               # experts per lane: E <= 512
+E_MAX = WARP * E_PER_LANE
+E_PER_BLOCK_THREAD = E_MAX // THREADS     # experts scored per thread of a routing block
 K_MAX = 16
 NEG_INF = np.float32(-np.inf)
 
@@ -39,12 +43,38 @@ def _better_device(v, e, v2, e2):
 @cuda.jit(cache=True)
 def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                       weights):
-    """One warp per token: scores [T, E], ids [T, K] int32, weights [T, K]."""
-    lane = cuda.threadIdx.x % WARP
-    t = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
+    """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]. The block's threads score
+    the experts (thread i: experts i, i + THREADS, ..., their loads issued before any arithmetic) into shared
+    memory; then the first warp takes the top-k, each lane holding experts lane + 32 j."""
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.x
     n_tok, n_exp = logits.shape
-    if t >= n_tok:
-        return                                     # warp-uniform
+    sh_sel = cuda.shared.array(E_MAX, np.float32)
+    sh_raw = cuda.shared.array(E_MAX, np.float32)
+    xs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
+    bs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
+    ds = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
+    for i in range(E_PER_BLOCK_THREAD):          # loads first: in bounds whatever e, so none waits on another
+        ec = min(tid + THREADS * i, n_exp - 1)
+        xs[i] = logits[t, ec]
+        bs[i] = bias[ec]
+        ds[i] = delta[ec]
+    for i in range(E_PER_BLOCK_THREAD):
+        e = tid + THREADS * i
+        if e < n_exp:
+            x = xs[i] / gate_temp
+            sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
+            sc = np.float32(math.sqrt(sp))
+            scores[t, e] = sc
+            v = sc + bs[i]
+            if has_delta:
+                v = v + ds[i]
+            sh_sel[e] = v
+            sh_raw[e] = sc
+    cuda.syncthreads()
+    if tid >= WARP:
+        return                                     # warp-uniform: the first warp selects
+    lane = tid
     sel = cuda.local.array(E_PER_LANE, np.float32)
     raw = cuda.local.array(E_PER_LANE, np.float32)
     for j in range(E_PER_LANE):
@@ -52,15 +82,8 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
         sel[j] = NEG_INF
         raw[j] = np.float32(0.0)
         if e < n_exp:
-            x = logits[t, e] / gate_temp
-            sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
-            s = np.float32(math.sqrt(sp))
-            scores[t, e] = s
-            v = s + bias[e]
-            if has_delta:
-                v = v + delta[e]
-            sel[j] = v
-            raw[j] = s
+            sel[j] = sh_sel[e]
+            raw[j] = sh_raw[e]
     taken = np.uint32(0)
     got_id = cuda.local.array(K_MAX, np.int32)
     got_w = cuda.local.array(K_MAX, np.float32)
@@ -149,8 +172,7 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
                   stream=stream)
     has_delta = bias_delta is not None
     delta = bias_delta if has_delta else gate_bias
-    warps = THREADS // WARP
-    route_topk_kernel[(n_tok + warps - 1) // warps, THREADS, stream](
+    route_topk_kernel[n_tok, THREADS, stream](
         logits, gate_bias, delta, has_delta, np.float32(gate_temp), int(top_k), np.float32(route_scale),
         bool(normalise), *out)
     return out

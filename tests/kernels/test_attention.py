@@ -62,6 +62,13 @@ def test_sparse_attention_matches_ref(cuda_ready, start, T, heads, n_cmp, k, n_s
                            cuda_ready.to_device(idx), cuda_ready.to_device(sink), scale, n_split=n_split)
     want = ref_attention(q, keys, mask, cmp[np.maximum(idx, 0)], idx >= 0, sink, scale)
     assert_matches("sparse_attention", got.copy_to_host(), want)
+    if n_split == 3:   # the launcher's two value layouts, one split (prefill) and one per 32-row chunk (decode)
+        args = (cuda_ready.to_device(q), buf, win_idx, cuda_ready.to_device(f32_to_bf16_bits(cmp)),
+                cuda_ready.to_device(idx), cuda_ready.to_device(sink), scale)
+        one = sparse_attention(*args, n_split=1).copy_to_host()
+        n_chunks = -(-(win_idx.shape[1] + k) // 32)                          # 216 rows: 7 chunks
+        chunks = sparse_attention(*args, n_split=n_chunks).copy_to_host()
+        np.testing.assert_array_equal(one.view(np.uint32), chunks.view(np.uint32))
 
 
 def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):

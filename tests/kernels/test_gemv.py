@@ -30,6 +30,25 @@ def test_gemv_bf16_and_f32(cuda_ready, T, N, K):
                    linear_f32(x, w32), bf16=False)
 
 
+@pytest.mark.parametrize("N,K", [(5, 2000),          # 2 warps per row, 2 rows per block (one ragged), a partial step
+                                 (3, 4100)])         # 8 warps per row, the last step one word long
+def test_gemv_split_rows(cuda_ready, N, K):
+    """Rows split over several warps (few rows, as the router's): the reference's values, and a token's result
+    the same bits alone (decode) as in a batch of five (prefill)."""
+    from kernels.gemv import BLOCK_WARPS, gemv, split_for
+    assert split_for(N, K // 4) > 1 and split_for(384, 5120 // 4) == BLOCK_WARPS   # V4.1's router: 8 warps a row
+    assert split_for(8192, 1280) == 1
+    rng = np.random.default_rng(N * K)
+    x = round_bf16(rng.standard_normal((5, K)))
+    w, wb = _weights(rng, N, K)
+    d_w = cuda_ready.to_device(wb)
+    batch = gemv(cuda_ready.to_device(x), d_w, out_bf16=False).copy_to_host()
+    assert_matches("gemv_f32", batch, linear_f32(x, w), bf16=False)
+    for t in (0, 4):
+        one = gemv(cuda_ready.to_device(x[t:t + 1]), d_w, out_bf16=False).copy_to_host()
+        np.testing.assert_array_equal(one[0].view(np.uint32), batch[t].view(np.uint32))
+
+
 def test_gemv_grouped_is_wo_a(cuda_ready):
     """Attention's grouped wo_a: rows of group g read the g-th slice of the head outputs."""
     from kernels.gemv import gemv

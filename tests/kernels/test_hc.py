@@ -22,7 +22,8 @@ def _case(rng, T, D):
 
 
 @pytest.mark.parametrize("T,D", [(1, CFG.dim),      # decode
-                                 (2, 200)])         # ragged: 800 columns over blocks of 256
+                                 (2, 200),          # ragged: 800 columns over blocks of 128
+                                 (1, 1200)])        # 38 partial blocks: the finishing kernel's 4-load loop
 def test_hc_mixes_collapse_expand(cuda_ready, T, D):
     from kernels.hc import hc_mixes, hc_post, hc_pre
     rng = np.random.default_rng(T * 1000 + D)

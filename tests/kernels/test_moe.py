@@ -12,7 +12,8 @@ CFG = ModelConfig.tiny()
 
 
 @pytest.mark.parametrize("T,E,delta", [(1, CFG.n_routed_experts, False),   # decode
-                                       (2, 40, True)])                      # ragged: 40 experts, sidecar bias
+                                       (2, 40, True),                       # ragged: 40 experts, sidecar bias
+                                       (1, 384, True)])                     # V4.1's 384: 3 per scoring thread
 def test_route_matches_ref(cuda_ready, T, E, delta):
     from kernels.moe import route
     rng = np.random.default_rng(E)
@@ -23,6 +24,8 @@ def test_route_matches_ref(cuda_ready, T, E, delta):
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
     bias[7] = bias[3] = 5.0                                       # ... and both chosen first
     bd = (rng.standard_normal(E) * 0.05).astype(np.float32) if delta else None
+    if bd is not None:
+        bd[7] = bd[3]                                             # the tie kept under the sidecar delta
     want = ref_route(x, gate, bias, CFG, K, bias_delta=bd)
     scores, ids, w = route(cuda_ready.to_device(x), cuda_ready.to_device(f32_to_bf16_bits(gate)),
                            cuda_ready.to_device(bias), K, CFG.route_scale,
