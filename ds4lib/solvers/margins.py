@@ -33,6 +33,22 @@ diagonal turns λI into λ·diag⁻¹, thousands of distinct eigenvalues (the di
 stopped at its 1,000-step cap at ρ = 10 (BENCHMARKS.md, issue 14). In row space the Jacobi diagonal cancels the row
 weights: 81, 83, 87 steps at ρ = 1, 10, 100 on the same rows.
 
+Block-Jacobi (`precond="block"`, the default). The rows of one position (one group: a against each of its M rivals)
+share its routed experts, their routing weights and expert outputs, and differ only in the head difference W_a − W_b,
+so they are strongly correlated: the diagonal sees none of that, and with 16 rivals per position on ds4-tiny's days
+(2,400–3,000 rows) Jacobi CG ran into its 1,000-step cap. The block preconditioner inverts each group's own M×M block
+of S A Aᵀ S + λI (block_preconditioner): computed once per solve from the rows' [M·K, M·K] Gram products, scaled to a
+unit diagonal and inverted through its eigendecomposition with the eigenvalues floored at `BLOCK_FLOOR` of the
+largest, so a block that is singular to rounding (two rivals with the same head row) or badly scaled (rows whose
+norms differ by many decades, a zero weight) still gives a symmetric positive definite preconditioner. One row per
+group makes it the Jacobi diagonal exactly.
+
+Dense row space (`method="dense"`; "auto" picks it up to DENSE_MAX_ROWS rows). Block-Jacobi cut the condition number
+of day 1's 2,960-row system (τ = 2, 16 rivals, λ = 1e-3) from 1.5e5 (Jacobi) to 1.5e4, and CG still needed ~700 steps
+a round. But N×N is small at that size: A Aᵀ, formed expert by expert (Σ_e Y_e Y_eᵀ, Y_e the rows' coefficients on
+expert e's channels), costs Σ_e N_e²·D ≈ 1.7 GFlop there (0.9 s), and one LU solve of S A Aᵀ S + λI per lattice
+round is exact. It is the same system and the same δ = Aᵀ S y as CG's; CG stays for more rows than fit in memory.
+
 FP4-aware active set: each round solves in float, rounds δ to the stored lattice (FP4 E2M1, one power-of-two
 scale per 32 channels: ds4lib.formats.sidecar.quantize_gains) and predicts every row's margin with the lattice
 values. Rounding moves margins by a noise of its own (on day 1: std 0.07, up to 0.31 on the constraint rows), which
@@ -56,10 +72,14 @@ import numpy as np
 
 from ds4lib.formats.sidecar import GROUP, dequantize_gains, quantize_gains
 
-__all__ = ["MarginProblem", "MarginSolution", "make_problem", "group_kinds", "matvec", "rmatvec", "row_diagonal",
-           "solve_cg", "solve_margins", "predict"]
+__all__ = ["MarginProblem", "MarginSolution", "make_problem", "stack_problems", "group_kinds", "matvec", "rmatvec", "row_diagonal",
+           "block_preconditioner", "BlockPreconditioner", "PRECONDITIONERS", "row_gram", "solve_dense", "solve_cg", "solve_margins", "predict"]
 
 _CHUNK_VALUES = 1 << 22          # rows per chunk = this // (K·D): temporaries of ~32 MB at most
+PRECONDITIONERS = ("jacobi", "block")
+METHODS = ("auto", "dense", "cg")
+DENSE_MAX_ROWS = 8192            # "auto" forms the N×N row-space matrix up to here (N² float64: 512 MB at 8,192)
+BLOCK_FLOOR = 1e-12              # smallest eigenvalue of a unit-diagonal block kept, relative to its largest
 
 
 @dataclass
@@ -141,6 +161,20 @@ def make_problem(*, ids, R, m, kind, n_experts: int, group=None) -> MarginProble
         raise ValueError(f"constraint row {i} has margin {m[i]} < 0 (top-1 − top-2 cannot be negative)")
     return MarginProblem(ids=ids, R=R, m=m, kind=kind, n_experts=E, group=_groups(group, kind))
 
+
+def stack_problems(problems) -> MarginProblem:
+    """Several problems of one layer as one: rows in the order given, each problem's groups after the previous
+    problem's (a problem's positions stay its own)."""
+    problems = list(problems)
+    if not problems:
+        raise ValueError("no problems to stack")
+    E = problems[0].n_experts
+    if any(q.n_experts != E or q.R.shape[1:] != problems[0].R.shape[1:] for q in problems):
+        raise ValueError("problems of different shapes (experts, K, D) cannot be stacked")
+    offs = np.cumsum([0] + [int(q.group.max()) + 1 if len(q.group) else 0 for q in problems[:-1]])
+    return make_problem(ids=np.concatenate([q.ids for q in problems]), R=np.concatenate([q.R for q in problems]),
+                        m=np.concatenate([q.m for q in problems]), kind=np.concatenate([q.kind for q in problems]),
+                        n_experts=E, group=np.concatenate([q.group + o for q, o in zip(problems, offs)]))
 
 def _groups(group, kind) -> np.ndarray:
     N = len(kind)
@@ -227,6 +261,75 @@ def row_diagonal(p: MarginProblem, weights, lam: float) -> np.ndarray:
     return w * out + float(lam)
 
 
+@dataclass
+class BlockPreconditioner:
+    """The inverse of each group's block of S A Aᵀ S + λI. idx [groups, M] the rows of each group (padded with N),
+    inv [groups, M, M] the inverse blocks (zero on the padding)."""
+    idx: np.ndarray
+    inv: np.ndarray
+
+    def apply(self, r) -> np.ndarray:
+        """P⁻¹ r -> [N]."""
+        N = len(r)
+        padded = np.append(np.asarray(r, np.float64), 0.0)[self.idx]                   # [groups, M]
+        out = np.zeros(N + 1)
+        out[self.idx] = np.einsum("gij,gj->gi", self.inv, padded)
+        return out[:N]
+
+
+def _group_rows(p: MarginProblem) -> np.ndarray:
+    """[groups, M] row indices per group, in row order, padded with N (M = the largest group)."""
+    N = len(p.group)
+    counts = np.bincount(p.group)
+    order = np.argsort(p.group, kind="stable")
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = np.arange(N) - np.repeat(start, counts)                                      # rank inside the group
+    idx = np.full((len(counts), int(counts.max())), N, np.int64)
+    idx[p.group[order], slot] = order
+    return idx
+
+
+def block_preconditioner(p: MarginProblem, weights, lam: float) -> BlockPreconditioner:
+    """Per group, the inverse of its block of S A Aᵀ S + λI (module docstring, "Block-Jacobi"):
+    B_ij = s_i s_j Σ_{k,l: e_ik = e_jl} R_i[k]·R_j[l] + λ δ_ij, inverted as D^-½ (D^-½ B D^-½)⁻¹ D^-½ with
+    D = diag(B) and the eigenvalues of the unit-diagonal block floored at BLOCK_FLOOR of its largest."""
+    w = _check_weights(p, weights)
+    if not np.isfinite(lam) or lam <= 0:
+        raise ValueError(f"lam must be finite and > 0, got {lam}")
+    N, K, D = p.R.shape
+    if N == 0:
+        return BlockPreconditioner(idx=np.zeros((0, 1), np.int64), inv=np.zeros((0, 1, 1)))
+    idx = _group_rows(p)
+    G, M = idx.shape
+    s = np.append(np.sqrt(w), 0.0)
+    ids = np.append(p.ids, np.full((1, K), -1), axis=0)                                 # padding: no expert
+    inv = np.zeros((G, M, M))
+    step = max(1, _CHUNK_VALUES // (M * K * D))
+    for a in range(0, G, step):
+        g = idx[a:a + step]                                                             # [n, M]
+        n = len(g)
+        Rg = np.zeros((n, M, K, D))
+        real = g < N
+        Rg[real] = p.R[g[real]]
+        flat = Rg.reshape(n, M * K, D)
+        dots = np.matmul(flat, flat.transpose(0, 2, 1)).reshape(n, M, K, M, K)          # [n, M, K, M, K]
+        e = ids[g]                                                                      # [n, M, K]
+        same = e[:, :, :, None, None] == e[:, None, None, :, :]
+        gram = (dots * same).sum((2, 4))                                                # [n, M, M]
+        sg = s[g]
+        B = sg[:, :, None] * gram * sg[:, None, :]
+        B += np.where(real, float(lam), 1.0)[:, :, None] * np.eye(M)                    # padding: identity
+        d = np.sqrt(np.diagonal(B, axis1=1, axis2=2))                                   # ≥ √λ > 0
+        U = B / (d[:, :, None] * d[:, None, :])
+        ev, V = np.linalg.eigh(U)
+        ev = np.maximum(ev, BLOCK_FLOOR * ev[:, -1:])
+        Ui = np.einsum("nik,nk,njk->nij", V, 1.0 / ev, V)
+        blk = Ui / (d[:, :, None] * d[:, None, :])
+        blk *= (real[:, :, None] & real[:, None, :])
+        inv[a:a + step] = blk
+    return BlockPreconditioner(idx=idx, inv=inv)
+
+
 def _check_weights(p: MarginProblem, weights) -> np.ndarray:
     w = np.asarray(weights, np.float64)
     if w.shape != (p.R.shape[0],):
@@ -241,8 +344,49 @@ def predict(p: MarginProblem, delta) -> np.ndarray:
     return p.m + matvec(p, delta)
 
 
-def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max_iter: int = 1000):
-    """Jacobi-preconditioned CG in row space (module docstring): (S A Aᵀ S + λI) y = S b, S = W^½, λ > 0, from
+def row_gram(p: MarginProblem) -> np.ndarray:
+    """A Aᵀ -> [N, N] float64, formed expert by expert: rows' coefficients on expert e's channels Y_e [N_e, D]
+    (a row listing e twice has them summed), A Aᵀ = Σ_e P_eᵀ Y_e Y_eᵀ P_e."""
+    N, K, D = p.R.shape
+    G = np.zeros((N, N))
+    for e in np.unique(p.ids):
+        rows, ks = np.nonzero(p.ids == e)
+        u, at = np.unique(rows, return_inverse=True)
+        Y = np.zeros((len(u), D))
+        np.add.at(Y, at, p.R[rows, ks])
+        G[np.ix_(u, u)] += Y @ Y.T
+    return G
+
+
+def solve_dense(p: MarginProblem, weights, b, lam: float, *, gram=None):
+    """The row-space system (S A Aᵀ S + λI) y = S b solved directly (LU) on the N×N matrix (row_gram; pass `gram`
+    to reuse it across calls); δ = Aᵀ S y. Returns (δ [E, D] float64, 0 iterations, the relative residual of the
+    normal equations as solve_cg reports it)."""
+    w = _check_weights(p, weights)
+    b = np.asarray(b, np.float64)
+    if b.shape != w.shape or not np.isfinite(b).all():
+        raise ValueError(f"b must be [N] = [{w.shape[0]}] finite values")
+    if not np.isfinite(lam) or lam <= 0:
+        raise ValueError(f"lam must be finite and > 0, got {lam}")
+    s = np.sqrt(w)
+    rhs = rmatvec(p, w * b)
+    bnorm = float(np.linalg.norm(rhs))
+    if bnorm == 0.0:
+        return np.zeros_like(rhs), 0, 0.0
+    G = row_gram(p) if gram is None else gram
+    M = G * s[:, None]
+    M *= s[None, :]
+    M[np.diag_indices_from(M)] += lam
+    y = np.linalg.solve(M, s * b)
+    del M
+    x = rmatvec(p, s * y)
+    return x, 0, float(np.linalg.norm(rhs - rmatvec(p, w * matvec(p, x)) - lam * x) / bnorm)
+
+
+def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max_iter: int = 1000,
+             precond: str = "block"):
+    """Preconditioned CG in row space (module docstring; precond "block": block-Jacobi over each group's rows,
+    "jacobi": the diagonal): (S A Aᵀ S + λI) y = S b, S = W^½, λ > 0, from
     y = 0; δ = Aᵀ S y solves (AᵀWA + λI) δ = AᵀWb. Stops when ‖S b − (S A Aᵀ S + λI) y‖ ≤ tol·‖S b‖ or after
     max_iter updates. Returns (δ [E, D] float64, iterations, the relative residual of the normal equations
     ‖AᵀWb − (AᵀWA + λI)δ‖ / ‖AᵀWb‖ recomputed at the end)."""
@@ -255,6 +399,8 @@ def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max
                          f"linearly dependent), got {lam}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, (int, np.integer)) or max_iter < 0:
         raise ValueError(f"max_iter must be an integer ≥ 0, got {max_iter!r}")
+    if precond not in PRECONDITIONERS:
+        raise ValueError(f"precond must be one of {', '.join(PRECONDITIONERS)}, got {precond!r}")
     s = np.sqrt(w)
     rhs = rmatvec(p, w * b)                                   # AᵀWb: the normal equations' right-hand side
     bnorm = float(np.linalg.norm(rhs))
@@ -264,11 +410,15 @@ def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max
     def op(y):                                                # (S A Aᵀ S + λI) y
         return s * matvec(p, rmatvec(p, s * y)) + lam * y
 
-    inv = 1.0 / row_diagonal(p, w, lam)                       # ≥ λ > 0 everywhere
+    if precond == "block":
+        apply = block_preconditioner(p, w, lam).apply
+    else:
+        inv = 1.0 / row_diagonal(p, w, lam)                   # ≥ λ > 0 everywhere
+        apply = inv.__mul__
     y = np.zeros_like(b)
     r = s * b
     stop = tol * float(np.linalg.norm(r))
-    z = inv * r
+    z = apply(r)
     d = z.copy()
     rz = float(np.vdot(r, z))
     it = 0
@@ -281,7 +431,7 @@ def solve_cg(p: MarginProblem, weights, b, lam: float, *, tol: float = 1e-8, max
         y += alpha * d
         r -= alpha * q
         it += 1
-        z = inv * r
+        z = apply(r)
         rz_new = float(np.vdot(r, z))
         d = z + (rz_new / rz) * d
         rz = rz_new
@@ -296,15 +446,20 @@ def _counts(p: MarginProblem, margins, tau: float) -> dict:
 
 
 def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa: float = 0.25, rounds: int = 4,
-                  boost: float = 4.0, tol: float = 1e-8, max_iter: int = 1000) -> MarginSolution:
+                  boost: float = 4.0, tol: float = 1e-8, max_iter: int = 1000, precond: str = "block",
+                  method: str = "auto") -> MarginSolution:
     """Up to `rounds` float solves, each rounded to the FP4 lattice, with the active set of the module docstring
     between rounds (decision points below τ boosted; constraint rows pushed below κ held at κ, boosted). Stops early
-    once every decision point reaches τ and no constraint row is pushed below κ."""
+    once every decision point reaches τ and no constraint row is pushed below κ. method "auto" solves each round
+    densely (solve_dense, one row_gram for all rounds) up to DENSE_MAX_ROWS rows, else by CG with `precond`."""
     for name, v, ok in (("tau", tau, tau > 0), ("rho", rho, rho >= 0), ("kappa", kappa, kappa >= 0)):
         if not np.isfinite(v) or not ok:
             raise ValueError(f"{name} must be finite and {'> 0' if name == 'tau' else '≥ 0'}, got {v}")
     if rounds < 1 or not np.isfinite(boost) or boost < 1:
         raise ValueError(f"need rounds ≥ 1 and boost ≥ 1, got rounds={rounds}, boost={boost}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    dense, gram = method == "dense" or (method == "auto" and len(p.m) <= DENSE_MAX_ROWS), None
     dec, con = p.kind, ~p.kind
     w = np.where(dec, 1.0, float(rho))
     b = np.where(dec, np.maximum(tau - p.m, 0.0), 0.0)
@@ -314,13 +469,18 @@ def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa
     n_dec, n_con = int(gk.sum()), int((~gk).sum())
     active, history, best = 0, [], None
     for rnd in range(rounds):
-        x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter)
+        if dense:
+            gram = row_gram(p) if gram is None else gram             # the same for every round
+            x, it, res = solve_dense(p, w, b, lam, gram=gram)
+        else:
+            x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter, precond=precond)
         blocks = quantize_gains(x.astype(np.float32))
         gains = dequantize_gains(blocks)
         delta = gains - np.float32(1.0)
         mq, mf = predict(p, delta), predict(p, x)
         c = _counts(p, mq, tau)
-        history.append({"round": rnd, "active": active, "held": int(held.sum()), "iterations": it,
+        history.append({"round": rnd, "method": "dense" if dense else f"cg/{precond}", "active": active,
+                        "held": int(held.sum()), "iterations": it,
                         "residual": res, "float_flipped": int((mf[dec] > 0).sum()), **c})
         key = (-(n_dec - c["flipped"] + n_con - c["kept"]), c["flipped"])
         if best is None or key > best[0]:

@@ -159,7 +159,8 @@ def test_end_to_end_writes_a_loadable_posttrain_directory(stack, cases, solved):
     assert p["flipped_share"] == p["flipped"] / n_wrong and p["kept_share"] == p["kept"] / rep.constraint_rows
     assert p["reached_tau"] <= p["flipped"] <= n_wrong and p["kept"] <= rep.constraint_rows
     assert p["flipped_share"] >= 0.9 and p["kept_share"] >= 0.9 and rep.gate["passed"]
-    assert len(rep.cg_iterations) == len(rep.rounds) >= 1 and all(i > 0 for i in rep.cg_iterations)
+    assert len(rep.cg_iterations) == len(rep.rounds) >= 1
+    assert all(r["method"] == "dense" and r["iterations"] == 0 for r in rep.rounds)   # few rows: the N×N solve
     assert rep.solve_seconds > 0
     # the real numbers: a real flip (a is the new top-1) implies a beats its runner-up; per-request flags add up
     r = rep.real

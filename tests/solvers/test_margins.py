@@ -4,8 +4,8 @@ import pytest
 
 import ds4lib.solvers.margins as margins_mod
 from ds4lib.formats.sidecar import dequantize_gains
-from ds4lib.solvers.margins import (make_problem, matvec, predict, rmatvec, row_diagonal, solve_cg,
-                                    solve_margins)
+from ds4lib.solvers.margins import (block_preconditioner, make_problem, matvec, predict, rmatvec, row_diagonal,
+                                    row_gram, solve_cg, solve_dense, solve_margins, stack_problems)
 
 
 def _tiny(seed=0, E=5, K=2, D=32, N=12):
@@ -270,3 +270,143 @@ def test_bad_input_is_refused_with_the_reason():
         solve_cg(p, np.ones(12), np.ones(12), 0.0)
     with pytest.raises(ValueError, match="max_iter"):
         solve_cg(p, np.ones(12), np.ones(12), 1.0, max_iter=-1)
+
+
+# ---------------------------------------------------------------------------------------------------- block-Jacobi
+def _correlated(seed, E=12, K=3, D=64, positions=16, M=8, spread=0.1):
+    """Positions of M rows each, as the capture builds them: one position's rows share its experts, routing weights
+    and expert outputs (c [K, D]) and differ only in the head difference u = W_a − W_b, here a common part plus
+    `spread` of noise (rivals of one token have similar head rows), so a group's rows are strongly correlated."""
+    rng = np.random.default_rng(seed)
+    N = positions * M
+    group = np.repeat(np.arange(positions), M)
+    pos_ids = np.stack([rng.choice(E, K, replace=False) for _ in range(positions)])
+    c = rng.normal(0, 1, (positions, K, D)) * rng.uniform(0.2, 3.0, (positions, 1, 1))
+    u = rng.normal(0, 1, (positions, 1, D)) + spread * rng.normal(0, 1, (positions, M, D))
+    R = (u.reshape(N, 1, D) * c[group]).reshape(N, K, D)
+    kind = np.repeat(np.arange(positions) < positions // 4, M)
+    m = np.where(kind, -rng.uniform(0.5, 2.0, N), rng.uniform(0.1, 2.0, N))
+    return make_problem(ids=pos_ids[group], R=R, m=m, kind=kind, n_experts=E, group=group)
+
+
+def _row_space(p, w, lam):
+    A = _dense(p)
+    s = np.sqrt(w)
+    return (s[:, None] * A) @ (A.T * s[None, :]) + lam * np.eye(len(w))
+
+
+def test_block_preconditioner_inverts_each_groups_block():
+    p = _correlated(0, positions=6, M=4)
+    rng = np.random.default_rng(1)
+    w = rng.uniform(0.5, 4.0, len(p.m))
+    lam = 1e-2
+    S = _row_space(p, w, lam)
+    pre = block_preconditioner(p, w, lam)
+    assert pre.idx.shape == (6, 4) and pre.inv.shape == (6, 4, 4)
+    r = rng.normal(0, 1, len(p.m))
+    want = np.zeros_like(r)
+    for g in range(6):
+        rows = np.nonzero(p.group == g)[0]
+        np.testing.assert_array_equal(pre.idx[g], rows)
+        want[rows] = np.linalg.solve(S[np.ix_(rows, rows)], r[rows])
+    np.testing.assert_allclose(pre.apply(r), want, rtol=1e-9, atol=1e-12 * np.abs(want).max())
+    # one row per group: exactly the Jacobi diagonal
+    q = make_problem(ids=p.ids, R=p.R, m=p.m, kind=p.kind, n_experts=p.n_experts)
+    np.testing.assert_allclose(block_preconditioner(q, w, lam).apply(r), r / row_diagonal(q, w, lam), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_jacobi_cg_reaches_the_dense_solution_in_fewer_steps(seed):
+    p = _correlated(seed)
+    N = len(p.m)
+    w = np.where(p.kind, 1.0, 10.0)
+    b = np.where(p.kind, 1.0 - p.m, 0.0)
+    lam = 1e-3
+    A = _dense(p)
+    H = A.T @ (w[:, None] * A) + lam * np.eye(A.shape[1])
+    rhs = A.T @ (w * b)
+    want = np.linalg.solve(H, rhs)
+    got, it_block, res = solve_cg(p, w, b, lam, precond="block")
+    ref, it_jacobi, res_j = solve_cg(p, w, b, lam, precond="jacobi")
+    plain = solve_cg(p, w, b, lam, precond="jacobi", max_iter=it_block)[0]      # Jacobi stopped at block's count
+    assert res < 1e-7 and res_j < 1e-7
+    assert np.linalg.norm(H @ got.ravel() - rhs) <= 1e-6 * np.linalg.norm(rhs)
+    np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert it_block <= 0.6 * it_jacobi and it_block < N
+    assert np.abs(plain - ref).max() > 10 * np.abs(got - ref).max()
+
+
+def test_block_preconditioner_survives_singular_and_badly_scaled_blocks():
+    """A group with two identical rows (a rival listed twice: its block is singular but for λ), groups whose rows
+    are scaled by 1e±6, and a row with weight 0: the preconditioner stays finite and symmetric positive definite,
+    and CG still converges to the dense solution."""
+    p = _correlated(2, positions=8, M=4)
+    R, m, kind = p.R.copy(), p.m.copy(), p.kind
+    R[1] = R[0]
+    m[1] = m[0]
+    R[p.group == 3] *= 1e6
+    R[p.group == 4] *= 1e-6
+    R[p.group == 5, :, :] *= 10.0 ** np.arange(-3, 1)[:, None, None]      # four decades inside one block
+    q = make_problem(ids=p.ids, R=R, m=m, kind=kind, n_experts=p.n_experts, group=p.group)
+    w = np.ones(len(m))
+    w[9] = 0.0
+    lam = 1e-9
+    pre = block_preconditioner(q, w, lam)
+    assert np.isfinite(pre.inv).all()
+    for blk in pre.inv:
+        np.testing.assert_allclose(blk, blk.T, rtol=1e-9, atol=0)
+        assert np.linalg.eigvalsh(blk).min() > 0
+    b = np.where(kind, 1.0 - m, 0.0)
+    S = _row_space(q, w, lam)
+    y = np.linalg.solve(S, np.sqrt(w) * b)
+    want = rmatvec(q, np.sqrt(w) * y)
+    got, iters, _ = solve_cg(q, w, b, lam, precond="block", tol=1e-10)
+    jacobi_iters = solve_cg(q, w, b, lam, precond="jacobi", tol=1e-10)[1]
+    assert iters < min(len(m), jacobi_iters)
+    # the rows' changes A·δ are what the solve is for; the normal equations' own residual is limited here by the
+    # 1e12 spread of the rows' scales (rounding), not by CG
+    np.testing.assert_allclose(matvec(q, got), matvec(q, want), rtol=0, atol=1e-7 * np.abs(matvec(q, want)).max())
+    with pytest.raises(ValueError, match="precond must be one of"):
+        solve_cg(q, w, b, lam, precond="cholesky")
+
+
+def test_dense_row_space_solve_equals_cg_and_the_dense_normal_equations():
+    """row_gram is A Aᵀ (an expert listed twice in a row included); solve_dense solves the same system as CG."""
+    p = _tiny(seed=2)
+    A = _dense(p)
+    np.testing.assert_allclose(row_gram(p), A @ A.T, rtol=1e-12, atol=1e-12)
+    q = _correlated(3)
+    rng = np.random.default_rng(4)
+    w = rng.uniform(0.5, 8.0, len(q.m))
+    b = np.where(q.kind, 1.0 - q.m, 0.0)
+    A = _dense(q)
+    H = A.T @ (w[:, None] * A) + 1e-3 * np.eye(A.shape[1])
+    want = np.linalg.solve(H, A.T @ (w * b))
+    got, iters, res = solve_dense(q, w, b, 1e-3)
+    assert iters == 0 and res < 1e-9
+    np.testing.assert_allclose(got.ravel(), want, rtol=0, atol=1e-7 * np.abs(want).max())
+    cg = solve_cg(q, w, b, 1e-3)[0]
+    np.testing.assert_allclose(got, cg, rtol=0, atol=1e-5 * np.abs(cg).max())
+    dense = solve_margins(q, 1.0, 1.0, 1e-3, method="dense")
+    by_cg = solve_margins(q, 1.0, 1.0, 1e-3, method="cg")
+    assert [r["method"] for r in dense.rounds] == ["dense"] * len(dense.rounds)
+    assert by_cg.rounds[0]["method"] == "cg/block" and by_cg.rounds[0]["iterations"] > 0
+    assert solve_margins(q, 1.0, 1.0, 1e-3).rounds[0]["method"] == "dense"          # auto: few rows
+    np.testing.assert_allclose(dense.rounds[0]["float_flipped"], by_cg.rounds[0]["float_flipped"])
+    assert abs(dense.flipped - by_cg.flipped) <= 1 and abs(dense.kept - by_cg.kept) <= 1
+    with pytest.raises(ValueError, match="method must be one of"):
+        solve_margins(q, 1.0, 1.0, 1e-3, method="lu")
+
+
+def test_stack_problems_keeps_each_problems_positions_apart():
+    a, b = _correlated(5, positions=3, M=2, E=12), _correlated(6, positions=4, M=3, E=12)
+    s = stack_problems([a, b])
+    assert len(s.m) == len(a.m) + len(b.m)
+    np.testing.assert_array_equal(s.group, np.r_[a.group, b.group + 3])
+    np.testing.assert_array_equal(s.R, np.concatenate([a.R, b.R]))
+    np.testing.assert_array_equal(s.kind, np.r_[a.kind, b.kind])
+    with pytest.raises(ValueError, match="different shapes"):
+        stack_problems([a, _correlated(5, positions=3, M=2, E=12, D=32)])
+    with pytest.raises(ValueError, match="no problems"):
+        stack_problems([])
