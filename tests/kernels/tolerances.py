@@ -76,6 +76,13 @@ TOL = {
     "engram_gather": Tol("bit-exact: E4M3 x UE8M0 decoded from bits", exact=True),
     "engram_gate": Tol("pairwise sums in the reference's dot and RMS statistics; " + _EXP + " in the gate",
                        nmse=1e-9, max_bf16_ulp=1, max_frac=0.02),
+    # dspark.py
+    "dspark_features": Tol("bit-exact: the FP32 sum in stream order divided by S (numpy's float32 mean over a "
+                           "non-contiguous axis), BF16-rounded", exact=True),
+    "markov_add": Tol("bit-exact: one FP32 addition", exact=True),
+    "dspark_draft": Tol("composite (engine level): a whole draft stage (mHC, attention, MoE) and the head over the "
+                        "same context rows; each op's reduction-order and transcendental ulps (above) add up, and "
+                        "BF16 roundings pass them on", nmse=1e-6, rel=2e-2),
     # sampling.py
     "sampling": Tol("bit-exact tokens and kept sets: integer fixed-point weights, same Philox stream; only a "
                     "float64 exp/log disagreement on a knife-edge input could differ", exact=True),
