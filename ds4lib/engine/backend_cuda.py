@@ -8,10 +8,14 @@ What lives where:
   (ds4lib.ref.engram.engram_hashes, which the device hash kernel is tested against) from the session's history, the
   rows gathered from the memory map and decoded on the device (kernels.engram); a decode step reads them from a
   host-mapped staging buffer.
-- session state (device): per layer the window key buffer (W ring rows, then room for a chunk's rows) and the
-  position of each ring slot, the ratio-2 compressors' incomplete group (FP32 kv and score), the compressed KV and
-  index-key caches as BF16 rows (row s = compressed group s; capacity doubles, the row count is kept on the host),
-  the Engram history (host).
+- session state: ds4lib.engine.cuda_state (per layer the window key buffer: W ring rows, then room for a chunk's
+  rows, all layers in one array, and the position of each ring slot; the ratio-2 compressors' incomplete group (FP32
+  kv and score); the compressed KV and index-key caches as BF16 rows (row s = compressed group s; capacity doubles,
+  the row count is kept on the host); the Engram history (host)), with `mark` / `rollback` for speculative
+  verification: after a marked call of 1 + k rows the state is rolled back exactly to its first n rows.
+- the DSpark draft stages (their weights uploaded with the backbone's when the model has them): the context features
+  of every call (`ForwardOut.features`, kernels.dspark), the stages' context rings and proposals in
+  ds4lib.engine.cuda_dspark.
 - sampling on the device (kernels.sampling); the host reads back the token only. Logits stay on the device unless
   `to_host` is asked (scoring); a decode step's logits are overwritten by the next decode step. A constrained step's
   token mask (int32 bitmask, ceil(V / 32) words) is uploaded each step and read by the sampling kernels.
@@ -38,7 +42,6 @@ E experts, F expert width, V vocab, Nc compressed rows.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,7 +50,9 @@ from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.config import Env
-from ds4lib.engine import cuda_graph
+from ds4lib.engine import cuda_graph, cuda_state
+from ds4lib.engine.cuda_dspark import CudaDraft
+from ds4lib.engine.cuda_state import CudaState
 from ds4lib.engine.cuda_weights import CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
 from ds4lib.formats.floats import f32_to_bf16_bits
@@ -58,8 +63,8 @@ from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
 from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
-from kernels import (attention, compressor, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling, step,
-                     vq_gemv)
+from kernels import (attention, compressor, dspark, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling,
+                     step, vq_gemv)
 
 __all__ = ["CudaBackend", "CudaState"]
 
@@ -67,7 +72,6 @@ _SCRATCH_BUDGET = 1 << 30          # bytes of per-chunk scratch the prefill chun
 _PRUNE_AT = 64                     # context-dependent scratch entries kept before that dict is cleared
 _SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the dict is cleared
 _SIM = bool(_cuda_config.ENABLE_CUDASIM)
-_MIN_ROWS = 16                     # first capacity of a compressed-row cache
 
 
 def _bucket(n: int) -> int:
@@ -95,48 +99,12 @@ def _mapped(shape, dtype):
     return _Mapped(host, host)
 
 
-class _Rows:
-    """Device rows (BF16 bits) of a compressed cache: row s holds group s. The row count `n` lives on the host;
-    capacity doubles, so growth is amortised O(rows)."""
-
-    def __init__(self, width: int, stream):
-        self.buf = cuda.device_array((_MIN_ROWS, width), np.uint16, stream=stream)
-        self.n = 0
-
-    def reserve(self, need, stream):
-        cap = self.buf.shape[0]
-        if need <= cap:
-            return
-        while cap < need:
-            cap *= 2
-        buf = cuda.device_array((cap, self.buf.shape[1]), np.uint16, stream=stream)
-        if self.n:
-            buf[:self.n].copy_to_device(self.buf[:self.n], stream=stream)
-        self.buf = buf
-
-    def view(self, rows):
-        return self.buf[:rows]
-
-
-@dataclass
-class CudaState:
-    """One session's device state (module docstring)."""
-    pos: int
-    win: dict                      # layer -> uint16 [W + chunk, Dh]: ring rows, then the call's rows
-    ring_pos: dict                 # layer -> int64 [W] (position held by each ring slot, -1 empty)
-    pend_kv: dict                  # layer -> float32 [ratio, Dh] (ratio > 1 compressors)
-    pend_sc: dict
-    ckv: dict                      # kv-source layer -> _Rows(Dh)
-    idxk: dict                     # index-key owner -> _Rows(dI)
-    hist: object                   # int64 [n-1] Engram history (host), or None
-    graphs: dict = field(default_factory=dict)     # bucket key -> cuda_graph.StepGraph
-
-
 class _Call:
     """One call's host plan (sizes only: kernels read positions from `pos` on the device) and its arrays."""
 
-    def __init__(self, T, p0, decode):
+    def __init__(self, T, p0, decode, feat=None):
         self.T, self.p0, self.decode = T, p0, decode
+        self.feat = feat           # float32 [T, n_targets * D]: the call's DSpark context features, or None
         self.topk = {}
         self.cand = None
         self.gmax = {}             # compressor layer -> latent rows of the call (exact, or 1 at decode)
@@ -173,8 +141,14 @@ class CudaBackend:
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
-        self.W = weights if weights is not None else upload_base(cfg, ctx.base, gains or {}, bias or {})
+        self.W = weights if weights is not None else upload_base(cfg, ctx.base, gains or {}, bias or {},
+                                                                 stages=cfg.n_all_layers > cfg.n_layers)
         self.g, self.L = self.W.g, self.W.L
+        self.stages = len(self.L) == cfg.n_all_layers > cfg.n_layers     # the DSpark draft stages are on the device
+        targets = sorted(cfg.dspark_target_layer_ids) if self.stages else []
+        self.feat_col = {l: i * cfg.dim for i, l in enumerate(targets)}   # a target layer's feature columns
+        self.n_feat = len(targets) * cfg.dim
+        self.draft = CudaDraft(self) if self.stages else None
         self.weight_bytes = self.W.nbytes
         self._check_codebook_decode(EngineError)
         self.geo = engram_geometry(cfg) if cfg.engram_layer_ids else None
@@ -192,6 +166,9 @@ class CudaBackend:
         self.graphs = bool(graphs) and cuda_graph.available()
         self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0}
         self._decode_io()
+        self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
+        self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
+                           if ratio > 1}
 
     # ------------------------------------------------------------------ loading
     def _check_codebook_decode(self, error):
@@ -284,23 +261,26 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ sessions
     def new_state(self) -> CudaState:
-        cfg, s = self.cfg, self.stream
-        W, dh = cfg.window_size, cfg.head_dim
-        win, ring_pos, pkv, psc, ckv, idxk = {}, {}, {}, {}, {}, {}
-        for r in self.roles[:cfg.n_layers]:
-            win[r.layer] = cuda.device_array((W + self.max_chunk, dh), np.uint16, stream=s)
-            ring_pos[r.layer] = cuda.to_device(np.full(W, -1, dtype=np.int64), stream=s)
-            if r.owns_compressor and r.ratio > 1:
-                pkv[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
-                psc[r.layer] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=s)
-            if r.owns_compressor:
-                ckv[r.layer] = _Rows(dh, s)
-            if r.indexer_owns_k:
-                idxk[r.layer] = _Rows(cfg.index_head_dim, s)
-        hist = None
-        if self.geo is not None:
-            hist = np.full(max(cfg.engram_max_ngram_size - 1, 1), -2, dtype=np.int64)
-        return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist)
+        st = cuda_state.new_state(self.cfg, self.roles, self.max_chunk, self.geo is not None, self.stream)
+        if self.draft is not None:
+            self.draft.add_rings(st)
+        return st
+
+    # ------------------------------------------------------------------ speculative decoding
+    def mark(self, state):
+        """Before a call whose rows may be partly rolled back (cuda_state.mark: snapshots what a call of up to
+        dspark_block_size + 1 rows can change)."""
+        return cuda_state.mark(state, self.cfg.dspark_block_size + 1, self.stream)
+
+    def rollback(self, state, mark, kept_tokens):
+        """Keep only the first len(kept_tokens) rows fed since `mark` (cuda_state.rollback)."""
+        kept = np.asarray(kept_tokens, dtype=np.int64)
+        hist = mark.hist
+        if self.geo is not None and len(kept):
+            cids = np.where(kept == self.cfg.image_token_id, -1, self.ctx.token_map[kept]).astype(np.int64)
+            _, hist = engram_hashes(cids, hist, self.geo, self.pad_cid)
+        cuda_state.rollback(state, mark, len(kept), hist, self._ratios, self._pend_norm, self.cfg.norm_eps,
+                            self.stream)
 
     def synthetic_state(self, pos: int, seed: int = 0) -> CudaState:
         """A state as if `pos` tokens had been processed, with pseudo-random cache contents (the real-size
@@ -334,21 +314,27 @@ class CudaBackend:
             raise ValueError("forward needs a non-empty 1-D token list")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(ids) == 1 and last_only and observer is None:
-            return ForwardOut(self._decode(state, int(ids[0])), None)
+        if len(ids) == 1 and last_only and observer is None and state.log is None:
+            logits = self._decode(state, int(ids[0]))
+            return ForwardOut(logits, self._buf("feat_decode", (1, self.n_feat)) if self.n_feat else None)
         T = len(ids)
         logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
             self.scr.clear()
+        feat = None
+        if self.n_feat:                                    # valid until the next call of this size
+            feat = self._buf("features", (T, self.n_feat)) if T <= self.max_chunk else \
+                cuda.device_array((T, self.n_feat), np.float32, stream=self.stream)
         for s0 in range(0, T, self.max_chunk):
             part = ids[s0:s0 + self.max_chunk]
             last = s0 + self.max_chunk >= T
             want = "all" if not last_only else ("last" if last else "none")
             out = logits[s0:s0 + len(part)] if want == "all" else None
-            got = self._chunk(state, part, want, out, observer)
+            got = self._chunk(state, part, want, out, observer,
+                              feat[s0:s0 + len(part)] if feat is not None else None)
             if want == "last":
                 logits = got
-        return ForwardOut(logits, None)
+        return ForwardOut(logits, feat)
 
     def _plan(self, st, T, decode):
         """Sizes of a call at the state's position (module docstring); grows the caches it will write."""
@@ -374,11 +360,12 @@ class CudaBackend:
                 st.idxk[l].n = n
         st.pos = c.p0 + c.T
 
-    def _chunk(self, st, ids, want, out, observer):
+    def _chunk(self, st, ids, want, out, observer, feat):
         cfg, s = self.cfg, self.stream
         T, p0 = len(ids), st.pos
         self._rope_tables(p0 + T)
         c = self._plan(st, T, decode=False)
+        c.feat = feat
         c.pos = cuda.to_device(np.arange(p0, p0 + T, dtype=np.int64), stream=s)
         rep = cuda.to_device(np.repeat(ids, cfg.hc_mult), stream=s)         # h[t, j] = embed[ids[t]] for every j
         c.dead = cuda.to_device((ids == cfg.image_token_id).astype(np.uint8), stream=s)
@@ -386,6 +373,9 @@ class CudaBackend:
         c.engram = {}
         for l, (codes, scales) in rows.items():
             c.engram[l] = (cuda.to_device(codes, stream=s), cuda.to_device(scales, stream=s))
+        if st.log is not None:                             # a marked call: its positions for a rollback
+            st.log["pos"] = c.pos
+            st.calls += 1
         logits = self._body(st, c, rep, want, out, observer)
         self._commit(st, c)
         return logits
@@ -395,6 +385,7 @@ class CudaBackend:
         s = self.stream
         self._rope_tables(st.pos + 1)
         c = self._plan(st, 1, decode=True)
+        c.feat = self._buf("feat_decode", (1, self.n_feat)) if self.n_feat else None
         s.synchronize()                                    # the previous step may still read the mapped inputs
         self.m_in[0] = st.pos
         self.m_in[1] = token
@@ -498,7 +489,9 @@ class CudaBackend:
                                                     stream=self.stream)
 
     # ------------------------------------------------------------------ one layer
-    def _layer(self, l, st, c, h, observer):
+    def _layer(self, l, st, c, h, observer, attend=None):
+        """Advance h [T, S, D] and c.pre through layer l (its Engram, then the block); `attend(x) -> y` replaces the
+        backbone's attention (the DSpark stages' draft attention)."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D = c.T, cfg.dim
         if role.engram:
@@ -508,6 +501,8 @@ class CudaBackend:
                                stream=s)
             if observer:
                 observer(l, "engram_out", h.copy_to_host())
+        if role.dspark_target and c.feat is not None:
+            dspark.dspark_features(h, self.feat_col[l], c.feat, stream=s)
         if observer:
             observer(l, "block_in", h.copy_to_host())
         kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr, stream=s)
@@ -516,7 +511,7 @@ class CudaBackend:
         pre_in = c.pre
         xa = hc.hc_pre(h, pre_in, out=self._buf("hcp", (T, D)), stream=s)
         x = rms_norm.rms_norm(xa, w["attn_norm.weight"], cfg.norm_eps, out=self._buf("x_attn", (T, D)), stream=s)
-        y = self._attention(l, st, c, x, observer)
+        y = attend(x) if attend is not None else self._attention(l, st, c, x, observer)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
@@ -536,20 +531,9 @@ class CudaBackend:
     # ------------------------------------------------------------------ attention
     def _attention(self, l, st, c, x, observer):
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
-        T, H, dh, W = c.T, cfg.n_heads, cfg.head_dim, cfg.window_size
-        cos, sin = self._rope[role.yarn]
-        xq = self._aq8(x, "x_attn_q")
-        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, out=self._buf("qa", (T, cfg.q_lora_rank)))
-        qr = rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
-                               stream=s)
-        qrq = self._aq8(qr, "qr_q")
-        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, out=self._buf("q", (T, H * dh)))
-        q3 = q.reshape(T, H, dh)
-        rope.rope(q3, c.pos, cos, sin, stream=s)
-        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, out=self._buf("kv", (T, dh)))
-        kvn = rms_norm.rms_norm(kv, w["attn.kv_norm.weight"], cfg.norm_eps, out=self._buf("kvn", (T, dh)), stream=s)
-        rope.rope(kvn, c.pos, cos, sin, stream=s)
-        kvq = self._aq8(kvn, "kvq")
+        T, dh, W = c.T, cfg.head_dim, cfg.window_size
+        xq, qrq, q3 = self._query(l, c, x)
+        kvq = self._window_kv(l, c, xq)
         buf = st.win[l]
         rows = self._const_arr(("win_rows", T), lambda: np.arange(W, W + T, dtype=np.int64))
         attention.cache_write(kvq, rows, buf, stream=s)
@@ -562,11 +546,49 @@ class CudaBackend:
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
                 self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
-        n_rows = W + (cmp_idx.shape[1] if cmp_idx is not None else 0)
-        split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
-        o = attention.sparse_attention(q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, w["attn.attn_sink"], dh ** -0.5,
-                                       out=self._buf("attn_o", (T, H, dh)), n_split=split, scratch=self.scr, stream=s)
+        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx)
         attention.window_write(kvq, c.pos, buf[:W], st.ring_pos[l], stream=s)
+        return self._output(l, c, o)
+
+    def _query(self, l, c, x):
+        """x [T, D] -> (FP8 x, FP8 q latent, RoPE'd queries [T, H, Dh]) (ref attention.query_path)."""
+        cfg, s, w = self.cfg, self.stream, self.L[l]
+        T, H, dh = c.T, cfg.n_heads, cfg.head_dim
+        cos, sin = self._rope[self.roles[l].yarn]
+        xq = self._aq8(x, "x_attn_q")
+        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, out=self._buf("qa", (T, cfg.q_lora_rank)))
+        qr = rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
+                               stream=s)
+        qrq = self._aq8(qr, "qr_q")
+        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, out=self._buf("q", (T, H * dh)))
+        q3 = q.reshape(T, H, dh)
+        rope.rope(q3, c.pos, cos, sin, stream=s)
+        return xq, qrq, q3
+
+    def _window_kv(self, l, c, xq):
+        """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv)."""
+        cfg, s, w = self.cfg, self.stream, self.L[l]
+        T, dh = c.T, cfg.head_dim
+        cos, sin = self._rope[self.roles[l].yarn]
+        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, out=self._buf("kv", (T, dh)))
+        kvn = rms_norm.rms_norm(kv, w["attn.kv_norm.weight"], cfg.norm_eps, out=self._buf("kvn", (T, dh)), stream=s)
+        rope.rope(kvn, c.pos, cos, sin, stream=s)
+        return self._aq8(kvn, "kvq")
+
+    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx):
+        cfg, H, dh = self.cfg, self.cfg.n_heads, self.cfg.head_dim
+        T = q3.shape[0]
+        n_rows = win_idx.shape[1] + (cmp_idx.shape[1] if cmp_idx is not None else 0)
+        split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
+        return attention.sparse_attention(q3, keys, win_idx, cmp_keys, cmp_idx, self.L[l]["attn.attn_sink"],
+                                          dh ** -0.5, out=self._buf("attn_o", (T, H, dh)), n_split=split,
+                                          scratch=self.scr, stream=self.stream)
+
+    def _output(self, l, c, o):
+        """Attention output [T, H, Dh] -> [T, D]: inverse RoPE, wo_a per group, wo_b (ref output_projection)."""
+        cfg, s, w = self.cfg, self.stream, self.L[l]
+        T, H, dh = c.T, cfg.n_heads, cfg.head_dim
+        cos, sin = self._rope[self.roles[l].yarn]
         rope.rope(o, c.pos, cos, sin, inverse=True, stream=s)
         u = self._linear(o.reshape(T, H * dh), w["attn.wo_a.weight"], quantize=False, rpg=cfg.o_lora_rank,
                          out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)))
@@ -584,10 +606,13 @@ class CudaBackend:
                 lat = compressor.compress(kvc, None, None, None, c.pos, 1, w["attn.compressor.norm.weight"],
                                           cfg.norm_eps, n_g, out=self._buf("lat", (n_g, dh)), stream=s)
             else:
+                own = st.log is not None                  # a marked call keeps its rows for a rollback
                 kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, bf16=False,
-                                   out=self._buf("ckv", (T, dh)))
+                                   out=self._buf(f"ckv{l}" if own else "ckv", (T, dh)))
                 sc = self._linear(x, w["attn.compressor.wgate.weight"], quantize=False, bf16=False,
-                                  out=self._buf("csc", (T, dh)))
+                                  out=self._buf(f"csc{l}" if own else "csc", (T, dh)))
+                if own:
+                    st.log[l] = (kvc, sc)
                 lat = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], c.pos, ratio,
                                           w["attn.compressor.norm.weight"], cfg.norm_eps, n_g,
                                           out=self._buf("lat", (n_g, dh)), stream=s)
@@ -720,6 +745,10 @@ class CudaBackend:
                 if r.indexer_owns_k:
                     state += 2 * rows * cfg.index_head_dim * 2
         state += 16 * max(cfg.engram_max_ngram_size, 1)
+        if self.draft is not None:                                   # stage rings, rollback snapshot
+            B = cfg.dspark_block_size
+            state += (cfg.n_all_layers - cfg.n_layers) * ((W + B) * dh * 2 + W * 8)
+            state += cfg.n_layers * min(W, B + 1) * (dh * 2 + 8)
         rope_bytes = 2 * 2 * (1 << max(0, ctx - 1).bit_length()) * (cfg.rope_head_dim // 2) * 4
         scratch = self._chunk_scratch(self.max_chunk) + rope_bytes
         return MemoryPlan(weights=self.weight_bytes, state=state, scratch=scratch)

@@ -70,14 +70,16 @@ def _lin(W, base, name):
     return Lin("f32", W.up(v), rows, k)
 
 
-def upload_base(cfg, base, gains, bias) -> CudaWeights:
+def upload_base(cfg, base, gains, bias, stages: bool = False) -> CudaWeights:
     """The device weights of `base` (a ds4lib.formats.gguf.BaseFile) with optional sidecar gains {layer: [E, D]}
-    and router deltas {layer: [E]} (module docstring)."""
+    and router deltas {layer: [E]} (module docstring); with `stages`, also the DSpark draft stages (layers n_layers
+    .. n_all_layers - 1: their VQ experts, main_proj and the draft head's Markov and confidence weights, stored
+    like the backbone's)."""
     W = CudaWeights({}, [])
     W.g = {"embed": _lin(W, base, EMBED), "head": _lin(W, base, HEAD), "norm": W.up(base.tensor(NORM))}
     if W.g["embed"].kind not in ("q4_K", "q8_0"):
         raise ValueError(f"the embedding is {W.g['embed'].kind}, expected q4_K or Q8_0 blocks")
-    for l in range(cfg.n_layers):
+    for l in range(cfg.n_all_layers if stages else cfg.n_layers):
         p = layer_prefix(cfg, l)
         w = {}
         for name, t in base.layout.items():

@@ -1,0 +1,207 @@
+"""Device session state of the CUDA backend, and its exact rollback for speculative verification (issue 13).
+
+Owns `CudaState` (what persists between calls, on the device: the window rings of the backbone layers, the
+ratio > 1 compressors' incomplete groups, the compressed KV and index-key caches; on the host: the position, the row
+counts and the Engram history), `Rows` (a growable cache of BF16 rows), `new_state`, and `mark` / `rollback`.
+Does not own: what a call writes (ds4lib.engine.backend_cuda) or the Engram hashes (ds4lib.ref.engram).
+
+Rollback (ds4lib.ref.state.State.rollback is the specification): after `mark(st)`, one call of T <= S rows, and
+`rollback(st, mark, n, ...)`, the state is that of feeding only the first n rows, by snapshotting only what the call
+can touch:
+- rings: the slots of positions F .. F + S - 1 of every layer, saved by one launch (kernels.window_snapshot); a
+  rollback puts back those of the rejected rows, the kept rows' slots keep what the call wrote.
+- incomplete groups: a copy of each ratio > 1 compressor's [ratio, Dh] kv and score rows at the mark, and, while the
+  mark is open, each compressor's FP32 projections of the call kept in their own buffers (`log`); a rollback restores
+  the copy and re-applies the compressor's state update to the kept rows only (kernels.compressor.compress with no
+  group to pool: the same writes a call of the kept rows makes).
+- caches: the row counts drop to the groups complete at the new position (rows past a count are never read).
+- Engram history and position: the marked history hashed forward over the kept tokens (by the caller), F + n.
+The live content of a state (`host_arrays`: ring rows and slot positions, the incomplete group's rows, the cache rows
+in use, history, position) is what two states must share to give the same bits from then on.
+
+Shapes: L backbone layers, W window, C call rows after the ring, Dh head dim, dI index head dim, S snapshot rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything compiles)
+from numba import cuda
+
+from kernels import compressor, window_snapshot
+
+__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone"]
+
+MIN_ROWS = 16                      # first capacity of a compressed-row cache
+
+
+class Rows:
+    """Device rows (BF16 bits) of a compressed cache: row s holds group s. The row count `n` lives on the host;
+    capacity doubles, so growth is amortised O(rows)."""
+
+    def __init__(self, width: int, stream):
+        self.buf = cuda.device_array((MIN_ROWS, width), np.uint16, stream=stream)
+        self.n = 0
+
+    def reserve(self, need, stream):
+        cap = self.buf.shape[0]
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        buf = cuda.device_array((cap, self.buf.shape[1]), np.uint16, stream=stream)
+        if self.n:
+            buf[:self.n].copy_to_device(self.buf[:self.n], stream=stream)
+        self.buf = buf
+
+    def view(self, rows):
+        return self.buf[:rows]
+
+
+@dataclass
+class CudaState:
+    """One session's device state (module docstring)."""
+    pos: int
+    win: dict                      # layer -> uint16 [W + C, Dh]: ring rows, then the call's rows (a view of win_all)
+    ring_pos: dict                 # layer -> int64 [W] (position held by each ring slot, -1 empty; a view)
+    pend_kv: dict                  # layer -> float32 [ratio, Dh] (ratio > 1 compressors)
+    pend_sc: dict
+    ckv: dict                      # kv-source layer -> Rows(Dh)
+    idxk: dict                     # index-key owner -> Rows(dI)
+    hist: object                   # int64 [n-1] Engram history (host), or None
+    win_all: object = None         # uint16 [L, W + C, Dh]
+    ring_pos_all: object = None    # int64 [L, W]
+    graphs: dict = field(default_factory=dict)     # bucket key -> cuda_graph.StepGraph
+    log: dict | None = None        # open mark: compressor layer -> (kv, score) FP32 [T, Dh] of the call; "pos" -> [T]
+    calls: int = 0                 # calls since the open mark
+    snap: dict = field(default_factory=dict)       # snapshot buffers, allocated at the first mark and reused
+    dwin_all: object = None        # DSpark stages' context rings (cuda_dspark.CudaDraft.add_rings), or None
+    dring_pos_all: object = None
+    dring_host: np.ndarray | None = None
+
+
+@dataclass
+class CudaMark:
+    """What `rollback` needs from before a call (`mark`)."""
+    pos: int
+    hist: np.ndarray | None
+    rows: int                      # ring slots saved (S)
+
+
+def new_state(cfg, roles, call_rows: int, with_hist: bool, stream) -> CudaState:
+    """An empty state for calls of up to `call_rows` rows."""
+    W, dh = cfg.window_size, cfg.head_dim
+    layers = [r.layer for r in roles[:cfg.n_layers]]
+    win_all = cuda.device_array((len(layers), W + call_rows, dh), np.uint16, stream=stream)
+    ring_pos_all = cuda.to_device(np.full((len(layers), W), -1, dtype=np.int64), stream=stream)
+    win, ring_pos, pkv, psc, ckv, idxk = {}, {}, {}, {}, {}, {}
+    for i, l in enumerate(layers):
+        r = roles[l]
+        win[l], ring_pos[l] = win_all[i], ring_pos_all[i]
+        if r.owns_compressor and r.ratio > 1:
+            pkv[l] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=stream)
+            psc[l] = cuda.to_device(np.zeros((r.ratio, dh), np.float32), stream=stream)
+        if r.owns_compressor:
+            ckv[l] = Rows(dh, stream)
+        if r.indexer_owns_k:
+            idxk[l] = Rows(cfg.index_head_dim, stream)
+    hist = np.full(max(cfg.engram_max_ngram_size - 1, 1), -2, dtype=np.int64) if with_hist else None
+    return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist, win_all, ring_pos_all)
+
+
+def mark(st: CudaState, rows: int, stream) -> CudaMark:
+    """Snapshot what a call of up to `rows` rows at st.pos can change, and open the compressors' row log."""
+    L, _, dh = st.win_all.shape
+    rows = min(int(rows), st.ring_pos_all.shape[1])
+    if st.snap.get("rows") != rows:
+        st.snap = {"rows": rows, "win": cuda.device_array((L, rows, dh), np.uint16, stream=stream),
+                   "pos": cuda.device_array((L, rows), np.int64, stream=stream),
+                   "pend": {l: (cuda.device_array_like(kv, stream=stream), cuda.device_array_like(kv, stream=stream))
+                            for l, kv in st.pend_kv.items()}}
+    window_snapshot.window_save(st.win_all, st.ring_pos_all, st.pos, st.snap["win"], st.snap["pos"], stream=stream)
+    for l, (kv, sc) in st.snap["pend"].items():
+        kv.copy_to_device(st.pend_kv[l], stream=stream)
+        sc.copy_to_device(st.pend_sc[l], stream=stream)
+    st.log, st.calls = {}, 0
+    return CudaMark(st.pos, None if st.hist is None else st.hist.copy(), rows)
+
+
+def rollback(st: CudaState, mk: CudaMark, n: int, hist, ratios: dict, norm_w: dict, eps: float, stream) -> None:
+    """Keep the first n rows fed since `mk` (module docstring). `hist`: the Engram history after the kept tokens;
+    `ratios`: compressor layer -> ratio; `norm_w`: compressor layer -> its norm weight (the launcher checks shapes)."""
+    if st.log is None:
+        raise ValueError("rollback without a mark (or the mark was already rolled back)")
+    fed = st.pos - mk.pos
+    if not 0 <= n <= fed:
+        raise ValueError(f"rollback keeps {n} rows but {fed} were fed since the mark")
+    if fed and (st.calls != 1 or fed > mk.rows):
+        raise ValueError(f"rollback after {st.calls} calls of {fed} rows: one call of at most {mk.rows} rows "
+                         f"can be rolled back")
+    end = mk.pos + n
+    if n < fed:
+        window_snapshot.window_restore(st.snap["win"], st.snap["pos"], mk.pos, n, fed, st.win_all, st.ring_pos_all,
+                                       stream=stream)
+        for l, (kv, sc) in st.snap["pend"].items():
+            st.pend_kv[l].copy_to_device(kv, stream=stream)
+            st.pend_sc[l].copy_to_device(sc, stream=stream)
+            if n:
+                lkv, lsc = st.log[l]
+                compressor.compress(lkv[:n], lsc[:n], st.pend_kv[l], st.pend_sc[l], st.log["pos"][:n], ratios[l],
+                                    norm_w[l], eps, 0, out=None, stream=stream)
+        for caches in (st.ckv, st.idxk):
+            for l, r in caches.items():
+                r.n = min(r.n, end // ratios[l])
+    st.hist = hist
+    st.pos = end
+    st.log, st.calls = None, 0
+
+
+def host_arrays(st: CudaState, ratios: dict) -> dict:
+    """The live content of a state as host arrays (module docstring); the incomplete group as its rows in position
+    order (slots of earlier groups are never read again)."""
+    out = {"pos": np.array([st.pos]), "ring": st.win_all.copy_to_host()[:, :st.ring_pos_all.shape[1]],
+           "ring_pos": st.ring_pos_all.copy_to_host()}
+    for l in st.pend_kv:
+        r = ratios[l]
+        slots = np.arange(st.pos // r * r, st.pos) % r
+        out[f"pend_kv.{l}"] = st.pend_kv[l].copy_to_host()[slots]
+        out[f"pend_sc.{l}"] = st.pend_sc[l].copy_to_host()[slots]
+    for name, caches in (("ckv", st.ckv), ("idxk", st.idxk)):
+        for l, rows in caches.items():
+            out[f"{name}.{l}"] = rows.buf.copy_to_host()[:rows.n]
+    if st.hist is not None:
+        out["hist"] = np.asarray(st.hist).copy()
+    if st.dwin_all is not None:
+        out["dring"] = st.dwin_all.copy_to_host()[:, :len(st.dring_host)]
+        out["dring_pos"] = st.dring_pos_all.copy_to_host()
+        out["dring_host"] = st.dring_host.copy()
+    return out
+
+
+def clone(st: CudaState, stream) -> CudaState:
+    """A device copy of a state (tests and diagnostics; an open mark's snapshot and row log are shared, not copied).
+    Decode graphs are not carried over: they point at the original's buffers."""
+    def dup(a):
+        b = cuda.device_array(a.shape, a.dtype, stream=stream)
+        b.copy_to_device(a, stream=stream)
+        return b
+    win_all, ring_pos_all = dup(st.win_all), dup(st.ring_pos_all)
+    layers = sorted(st.win)
+    caches = []
+    for src in (st.ckv, st.idxk):
+        out = {}
+        for l, r in src.items():
+            c = Rows(r.buf.shape[1], stream)
+            c.buf, c.n = dup(r.buf), r.n
+            out[l] = c
+        caches.append(out)
+    out = CudaState(st.pos, {l: win_all[i] for i, l in enumerate(layers)},
+                    {l: ring_pos_all[i] for i, l in enumerate(layers)},
+                    {l: dup(a) for l, a in st.pend_kv.items()}, {l: dup(a) for l, a in st.pend_sc.items()},
+                    caches[0], caches[1], None if st.hist is None else st.hist.copy(), win_all, ring_pos_all,
+                    log=None if st.log is None else dict(st.log), calls=st.calls, snap=st.snap)
+    if st.dwin_all is not None:
+        out.dwin_all, out.dring_pos_all, out.dring_host = dup(st.dwin_all), dup(st.dring_pos_all), st.dring_host.copy()
+    return out
