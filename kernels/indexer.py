@@ -4,10 +4,11 @@ docs/architecture.md §6.3–§6.5, errata N1 and N2 in §1.2).
 Owns:
 - `index_scores`: score[t, s] = bf16(sum_h bf16(relu(bf16(q[t, h] . K[s])) * w[t, h])), the head sum in FP32 in
   head order, w = bf16(weights_proj(x) * scale); -inf where s >= (pos_t + 1) // ratio or where the candidate
-  mask (per block of `cand_block` positions) is off. A warp owns a key row at a time and its lane h head h
-  (a thread owning two rows for all heads put a 1k-context decode step's 256 rows in one block: 49 us on the
-  H200); the queries of all heads sit in shared memory as float pairs, keys are read as 8-byte words of BF16. With FP4-simulated q and keys every product and partial sum is exact in FP32, so
-  the scores are bit-exact.
+  mask (per block of `cand_block` positions) is off. A thread owns a key row and all heads (registers); the
+  queries sit in shared memory as float pairs read as broadcasts, keys are read as 8-byte words of BF16. Of the
+  layouts measured in a V4.1 decode step on the H200 (BENCHMARKS.md; the others kept in kernels/dev for
+  bench/dev/index_probe.py) it is the steadiest: 39, 41 and 53 us per call at 1k, 16k and 64k context. With
+  FP4-simulated q and keys every product and partial sum is exact in FP32, so the scores are bit-exact.
 - `select_topk`: the k best per row by (score descending, lower index first), returned in ascending index
   order, entries >= the row's reach replaced by -1, -1 padded: a two-pass radix select on the 16-bit
   order key of the BF16 scores (histograms merged with one global atomic per non-empty bin and block),
@@ -39,8 +40,7 @@ THREADS = 128
 WARP = 32
 NI_MAX = 32
 DI_MAX = 128
-SCORE_ROWS_PER_WARP = 4             # key rows per warp of the index-score kernel
-SCORE_ROWS = SCORE_ROWS_PER_WARP * (THREADS // WARP)     # rows per index-score block
+SCORE_THREADS = 64                  # key rows (a thread each) per index-score block
 DI_PAIRS = DI_MAX // 2
 CHUNK = 4096                        # scores per selection block (launch parameter `chunk` overrides)
 BINS = 256
@@ -54,67 +54,53 @@ ST_HI, ST_ABOVE, ST_THETA, ST_NEED = 0, 1, 2, 3
 # ------------------------------------------------------------------------------------------ index scores
 @cuda.jit(cache=True)
 def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block, use_cand, out):
-    """out[t, s]: one warp per key row at a time (SCORE_ROWS_PER_WARP rows each), lane h computing head h's dot
-    product (the row's key words are one broadcast load for the warp, the queries sit in shared memory as
-    [pair, head] so the lanes read consecutive words); the heads' rounded terms are added in head order by
-    lane 0 through shared memory."""
+    """out[t, s]: a thread per key row with all heads' accumulators in registers; per key word (4 dims, the next
+    word's load in flight) every head's two query pairs come from shared memory as broadcasts; then the heads'
+    rounded terms are added in head order."""
     tid = cuda.threadIdx.x
-    lane = tid % WARP
-    warp = tid // WARP
     t = cuda.blockIdx.y
     n_heads, di = q.shape[1], q.shape[2]
     n_rows = keys.shape[0]
     n_words = di // 4
-    q_sh = cuda.shared.array((DI_PAIRS, NI_MAX), np.uint64)
+    q_sh = cuda.shared.array((NI_MAX, DI_PAIRS), np.uint64)
     w_sh = cuda.shared.array(NI_MAX, np.float32)
-    v_sh = cuda.shared.array((WARPS, NI_MAX), np.float32)
-    for k in range(tid, NI_MAX * (di // 2), THREADS):           # heads past n_heads are zero: they add +0
-        c = k // NI_MAX
-        h = k % NI_MAX
+    for k in range(tid, NI_MAX * DI_PAIRS, SCORE_THREADS):      # heads past n_heads and dims past di are zero
+        h = k // DI_PAIRS
+        c = k % DI_PAIRS
         v = np.uint64(0)
-        if h < n_heads:
+        if h < n_heads and 2 * c < di:
             v = np.uint64(f32_bits(q[t, h, 2 * c])) | (np.uint64(f32_bits(q[t, h, 2 * c + 1])) << np.uint64(32))
-        q_sh[c, h] = v
+        q_sh[h, c] = v
     if tid < NI_MAX:
         w_sh[tid] = round_bf16_device(mul_rn_device(wts[t, tid], wscale)) if tid < n_heads else np.float32(0.0)
     cuda.syncthreads()
-    w = w_sh[lane]
-    lim = (positions[t] + 1) // ratio
-    r0 = (cuda.blockIdx.x * WARPS + warp) * SCORE_ROWS_PER_WARP
-    for rr in range(SCORE_ROWS_PER_WARP):
-        s = r0 + rr
-        if s >= n_rows:
-            break                                   # warp-uniform
-        acc = np.float32(0.0)
-        for c0 in range(0, n_words, 4):             # four key words (16 dims) in flight; n_words % 4 == 0
-            k0 = keys[s, c0]
-            k1 = keys[s, c0 + 1]
-            k2 = keys[s, c0 + 2]
-            k3 = keys[s, c0 + 3]
-            acc = _dot_word_device(k0, q_sh, 2 * c0, lane, acc)
-            acc = _dot_word_device(k1, q_sh, 2 * c0 + 2, lane, acc)
-            acc = _dot_word_device(k2, q_sh, 2 * c0 + 4, lane, acc)
-            acc = _dot_word_device(k3, q_sh, 2 * c0 + 6, lane, acc)
-        v_sh[warp, lane] = round_bf16_device(max(round_bf16_device(acc), np.float32(0.0)) * w)
-        cuda.syncwarp(0xFFFFFFFF)
-        if lane == 0:
-            tot = np.float32(0.0)
-            for h in range(NI_MAX):                 # head sum in head order, as the reference
-                tot += v_sh[warp, h]
-            v = round_bf16_device(tot)
-            if s >= lim or (use_cand and cand[t, s // cand_block] == 0):
-                v = NEG_INF
-            out[t, s] = v
-        cuda.syncwarp(0xFFFFFFFF)                  # v_sh is read before the next row overwrites it
-
-
-@cuda.jit(device=True, inline=True)
-def _dot_word_device(word, q_sh, p, lane, acc):
-    """acc + the lane's head's query pairs p, p + 1 against the 4 BF16 of a key word (products exact)."""
-    qa = q_sh[p, lane]
-    qb = q_sh[p + 1, lane]
-    acc += f32x2_device(qa, 0) * bf16x4_device(word, 0) + f32x2_device(qa, 1) * bf16x4_device(word, 1)
-    return acc + (f32x2_device(qb, 0) * bf16x4_device(word, 2) + f32x2_device(qb, 1) * bf16x4_device(word, 3))
+    s = cuda.blockIdx.x * SCORE_THREADS + tid
+    if s >= n_rows:
+        return                                      # no barrier follows
+    acc = cuda.local.array(NI_MAX, np.float32)
+    for h in range(NI_MAX):
+        acc[h] = np.float32(0.0)
+    nxt = keys[s, 0]
+    for c in range(n_words):
+        word = nxt
+        if c + 1 < n_words:
+            nxt = keys[s, c + 1]
+        k0 = bf16x4_device(word, 0)
+        k1 = bf16x4_device(word, 1)
+        k2 = bf16x4_device(word, 2)
+        k3 = bf16x4_device(word, 3)
+        for h in range(NI_MAX):                     # products and partial sums exact: any order gives the same
+            qa = q_sh[h, 2 * c]
+            qb = q_sh[h, 2 * c + 1]
+            acc[h] += (f32x2_device(qa, 0) * k0 + f32x2_device(qa, 1) * k1) + (
+                f32x2_device(qb, 0) * k2 + f32x2_device(qb, 1) * k3)
+    tot = np.float32(0.0)
+    for h in range(NI_MAX):                         # head sum in head order, as the reference
+        tot += round_bf16_device(max(round_bf16_device(acc[h]), np.float32(0.0)) * w_sh[h])
+    v = round_bf16_device(tot)
+    if s >= (positions[t] + 1) // ratio or (use_cand and cand[t, s // cand_block] == 0):
+        v = NEG_INF
+    out[t, s] = v
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -380,9 +366,9 @@ def index_scores(q, wts, wscale, keys, positions, ratio, cand=None, cand_block=1
     if out is None:
         out = cuda.device_array((n_tok, n_rows), np.float32, stream=stream)
     if n_tok * n_rows:
-        grid = (math.ceil(n_rows / SCORE_ROWS), n_tok)
-        index_score_kernel[grid, THREADS, stream](q, wts, np.float32(wscale), keys.view(np.uint64), positions,
-                                                  int(ratio), cand, int(cand_block), use_cand, out)
+        grid = (math.ceil(n_rows / SCORE_THREADS), n_tok)
+        index_score_kernel[grid, SCORE_THREADS, stream](q, wts, np.float32(wscale), keys.view(np.uint64), positions,
+                                                        int(ratio), cand, int(cand_block), use_cand, out)
     return out
 
 

@@ -75,18 +75,13 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
     if tid >= WARP:
         return                                     # warp-uniform: the first warp selects
     lane = tid
-    sel = cuda.local.array(E_PER_LANE, np.float32)
-    raw = cuda.local.array(E_PER_LANE, np.float32)
+    sel = cuda.local.array(E_PER_LANE, np.float32)     # constant indices only: registers
     for j in range(E_PER_LANE):
         e = lane + WARP * j
-        sel[j] = NEG_INF
-        raw[j] = np.float32(0.0)
-        if e < n_exp:
-            sel[j] = sh_sel[e]
-            raw[j] = sh_raw[e]
+        sel[j] = sh_sel[e] if e < n_exp else NEG_INF
+    got_id = cuda.shared.array(K_MAX, np.int32)
+    got_w = cuda.shared.array(K_MAX, np.float32)
     taken = np.uint32(0)
-    got_id = cuda.local.array(K_MAX, np.int32)
-    got_w = cuda.local.array(K_MAX, np.float32)
     for i in range(top_k):
         bv = NEG_INF
         be = np.int32(0x7FFFFFFF)
@@ -103,13 +98,12 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
                 bv = v2
                 be = e2
             off //= 2
-        owner = be % WARP
-        mine = np.float32(0.0)
-        if lane == owner:
+        if lane == be % WARP:
             taken |= np.uint32(1) << np.uint32(be // WARP)
-            mine = raw[be // WARP]
-        got_w[i] = cuda.shfl_sync(0xFFFFFFFF, mine, owner)
-        got_id[i] = be
+        if lane == 0:
+            got_w[i] = sh_raw[be]
+            got_id[i] = be
+    cuda.syncwarp(0xFFFFFFFF)
     if lane == 0:
         total = np.float32(0.0)
         for i in range(top_k):
