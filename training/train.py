@@ -304,6 +304,9 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="seconds after this process starts by which a new run's last step must end (compilation "
                          "included): the plan is shortened to fit from the measured step time (0: off)")
+    ap.add_argument("--fit-steps", default="10,30",
+                    help="A,B: with --deadline or --total-budget the step time is measured over steps A..B and the "
+                         "plan fitted at step B (the first steps are slower: compilation, allocator warm-up)")
     ap.add_argument("--snapshot-every", type=float, default=0.0,
                     help="seconds between background exports of the weights so far to --snapshot (0: only when "
                          "a call ends unfinished)")
@@ -329,7 +332,15 @@ def parse_args(argv=None):
     ap.add_argument("--no-export", action="store_true", help="stop after the last step without exporting")
     ap.add_argument("--snapshot", type=Path, default=None,
                     help="when a call ends before the last step, export the weights so far here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    try:
+        fit_a, fit_b = (int(v) for v in args.fit_steps.split(","))
+    except ValueError:
+        ap.error(f"--fit-steps must be two integers A,B, got {args.fit_steps!r}")
+    if not 0 <= fit_a < fit_b:
+        ap.error(f"--fit-steps needs 0 <= A < B, got {args.fit_steps!r}")
+    args.fit_steps = (fit_a, fit_b)
+    return args
 
 
 def main(argv=None):
@@ -373,18 +384,19 @@ def main(argv=None):
     t_first = None
     start_tokens = trainer.tokens
     fit_plan = (args.total_budget > 0 or args.deadline > 0) and trainer.step == 0
+    fit_a, fit_b = args.fit_steps
     t_fit = None
     while trainer.step < min(trainer.plan.total_steps, args.stop_at or trainer.plan.total_steps) \
             and time.time() - t_loop < args.budget:
         step = trainer.step
         plan = trainer.plan
-        if fit_plan and step in (10, 30):
+        if fit_plan and step in (fit_a, fit_b):
             if device == "cuda":
                 torch.cuda.synchronize()
-            if step == 10:
+            if step == fit_a:
                 t_fit = time.time()
-            else:                                 # steady step time over steps 10..30, then the plan is fixed
-                per_step = (time.time() - t_fit) / 20
+            else:                                 # steady step time over steps A..B, then the plan is fixed
+                per_step = (time.time() - t_fit) / (fit_b - fit_a)
                 if args.deadline > 0:     # wall clock from process start; 2% of the step time kept in reserve
                     fitted = int((t_start + args.deadline - time.time()) / (per_step * 1.02)) + step
                 else:                     # the budget counts training time; the first step's compilation is not part of it

@@ -144,6 +144,14 @@ def test_judge_ppl_scores_a_window_of_the_shipped_model(tmp_path):
     assert r["tokens"] == 2 * 64 and 1 < r["ppl"] < 8192 and r["median_top1_margin"] > 0
 
 
+def test_fit_steps_must_be_two_increasing_integers(tmp_path, capsys):
+    for bad in ("10", "a,b", "30,10", "-1,3"):
+        with pytest.raises(SystemExit):
+            T.parse_args(_args(tmp_path, tmp_path, "x", "--fit-steps", bad))
+        assert "--fit-steps" in capsys.readouterr().err
+    assert T.parse_args(_args(tmp_path, tmp_path, "x")).fit_steps == (10, 30)
+
+
 @pytest.mark.slow
 def test_deadline_fits_the_plan_and_snapshots_are_whole_checkpoints(tmp_path):
     """`--deadline` shortens a new run's plan to end in time; `--snapshot-every` exports loadable
@@ -151,11 +159,11 @@ def test_deadline_fits_the_plan_and_snapshots_are_whole_checkpoints(tmp_path):
     torch.set_num_threads(1)
     from ds4lib.formats.checkpoint import CheckpointReader
     data = _tiny_data(tmp_path)
-    args = _args(data, tmp_path, "dl", "--tokens", str(1000 * 2 * 64), "--deadline", "1e-3",
+    args = _args(data, tmp_path, "dl", "--tokens", str(1000 * 2 * 64), "--deadline", "1e-3", "--fit-steps", "2,4",
                  "--snapshot", str(tmp_path / "snap"), "--snapshot-every", "0.01")
     tr = T.main(args)
-    # a deadline already past at step 30 leaves the plan at the fitting step + 1
-    assert tr.plan.total_steps == 31 and tr.step == 31
+    # a deadline already past at the fitting step (4) leaves the plan at that step + 1
+    assert tr.plan.total_steps == 5 and tr.step == 5
     calls = _state(tmp_path, "dl")["log"]["calls"]
     assert calls[-1]["snapshots"], "no background snapshot was written"
     r = CheckpointReader.open(tmp_path / "snap")
