@@ -52,7 +52,8 @@ from ds4lib.ref.norm import rms_norm, rms_scale
 from ds4lib.sidecar.capture import EXACT_MIN, CaptureError, reconstruct
 from ds4lib.solvers.margins import MarginProblem, make_problem, matvec
 
-__all__ = ["PositionCapture", "RowMeta", "RowCheck", "CaptureError", "capture_positions", "capture_rows",
+__all__ = ["PositionCapture", "RowMeta", "RowCheck", "CaptureError", "capture_positions", "capture_text",
+           "capture_rows",
            "rows_from_capture", "check_rows", "NORM_MODES", "MARGIN_RTOL"]
 
 NORM_MODES = ("fixed", "linear")
@@ -231,11 +232,48 @@ def capture_positions(engine, prompt_ids, generated_ids) -> PositionCapture:
     for t in gen[:-1]:
         take(engine.decode(sess, int(t), observer=observe))
     cat = {n: np.stack(v) for n, v in got.items()}
+    return _position_capture(cfg, layer, cat, np.stack(logits), prompt, gen,
+                             np.array(["prefill"] + ["decode"] * (G - 1)))
+
+
+def capture_text(engine, tokens) -> PositionCapture:
+    """Ordinary text teacher-forced: `tokens` (BOS first, as the evaluation scores a window) through the engine's
+    prefill in one pass (its `prefill_block` blocks), observing the last backbone layer on every row; row t decides
+    position t + 1. The same observations and checks as capture_positions, on the prefill path only: prompt_ids =
+    tokens[:1], generated_ids = tokens[1:], every path "prefill". What the ③'s "keep top-1" rows of ordinary text
+    are built from (rows_from_capture with no decision points)."""
+    cfg = engine.cfg
+    seq = _token_list(tokens, "tokens", cfg.vocab_size)
+    if len(seq) < 2:
+        raise ValueError(f"tokens must hold at least 2 ids (BOS and one position), got {len(seq)}")
+    if len(seq) - 1 > engine.context_length:
+        raise ValueError(f"{len(seq) - 1} positions; the model's context is {engine.context_length}")
+    layer = cfg.n_layers - 1
+    got = {n: [] for n in _NAMES}
+
+    def observe(l, name, value):
+        if l == layer and name in _NAMES:
+            got[name].append(np.array(value))       # every row of the block
+
+    lg = np.asarray(engine.backend.to_host(engine.logits(seq[:-1].tolist(), observer=observe)), np.float32)
+    missing = [n for n in _NAMES if not got[n]]
+    if missing:
+        raise CaptureError(f"layer {layer}: the {engine.backend.name} backend reported no {', '.join(missing)}")
+    cat = {n: np.concatenate(v) for n, v in got.items()}
+    return _position_capture(cfg, layer, cat, lg.reshape(len(seq) - 1, -1), seq[:1], seq[1:],
+                             np.array(["prefill"] * (len(seq) - 1)))
+
+
+def _position_capture(cfg, layer, cat, logits, prompt, gen, path) -> PositionCapture:
+    """The observations of the rows that decide gen's positions -> PositionCapture, checked (module docstring)."""
+    P, G = len(prompt), len(gen)
     ids = cat["router_ids"].astype(np.int64)
     w = cat["router_weights"].astype(np.float32)
     ye = cat["ye"].astype(np.float32)
     ysh = cat["ysh"].astype(np.float32)
     out = cat["moe_out"].astype(np.float32)
+    if len(ids) != G or len(logits) != G:
+        raise CaptureError(f"layer {layer}: {len(ids)} observed rows and {len(logits)} logit rows for {G} positions")
     exact = float((reconstruct(ids, w, ye, ysh).view(np.uint32) == out.view(np.uint32)).mean())
     if exact < EXACT_MIN:
         raise CaptureError(f"layer {layer}: round_bf16(Σ rw·ye + ysh) equals the engine's MoE output on only "
@@ -246,8 +284,7 @@ def capture_positions(engine, prompt_ids, generated_ids) -> PositionCapture:
     inv = rms_scale(z, cfg.norm_eps)[:, 0]
     alpha = np.einsum("gs,gs->g", pre.astype(np.float64), post.astype(np.float64))
     return PositionCapture(layer=layer, prompt_ids=prompt, generated_ids=gen,
-                           positions=np.arange(P, P + G, dtype=np.int64),
-                           path=np.array(["prefill"] + ["decode"] * (G - 1)), logits=np.stack(logits),
+                           positions=np.arange(P, P + G, dtype=np.int64), path=path, logits=logits,
                            ids=ids, weights=w, ye=ye, ysh=ysh, moe_out=out, pre=pre, post=post, z=z,
                            alpha=alpha, inv=inv, exact=exact)
 

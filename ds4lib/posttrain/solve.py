@@ -39,6 +39,19 @@ installed: it is written, as a complete ③ directory with its report.json, to
 docs/formats.md). report.json is not listed in the manifest, so it changes neither the directory's fingerprint nor
 what the engine reads.
 
+Ordinary text (ds4lib.posttrain.keep). A day's rows protect only the day's positions; the ③ of day 1 solved on them
+alone changed the ② stack's top-1 at 12 % (finance/fit) to 17 % (english/fit) of ordinary positions in a real forward
+and cost 1.66 / 2.71 pp of Same top-1 on finance/judge / english/judge. So `keep_positions` positions of the sidecar's
+fit slices give "keep top-1" rows (top-1 against `keep_rivals` rivals), and their normal matrix's diagonal, weight
+`keep_rho`, weighs the ridge per gain (solvers/margins.py "Weighted ridge"): gains that ordinary text routes through
+at large amplitude cost more. Solved as explicit constraint rows instead (`keep_as_rows`), 1,024 positions kept their
+own top-1 but not that of other windows (BENCHMARKS.md); the diagonal generalises because it prices every channel.
+The day's counts and gates are over the day's own positions; the ordinary positions' predicted kept share is reported.
+
+Judging gate (ds4lib.posttrain.judge; `judge_slices`, off unless given: about two minutes a slice). A candidate that
+passes every gate above is evaluated on the judging slices with ② alone and with the candidate mounted; if its Same
+top-1 falls more than `max_top1_drop` below ② alone on any of them it goes to rejected/ with the figures.
+
 Verification (real numbers, not the linear prediction). The engine is reopened with the ② and the new ③ and the same
 rows are captured again (capture_positions, the same (a, b) pairs as in check_rows): real margin changes against the
 predicted ones (correlation), real flipped (a is now the top-1 of its row) and kept (a constraint row's top-1 is
@@ -67,19 +80,24 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4lib.posttrain.judge import MAX_TOP1_DROP
 from ds4lib.report.summary import to_jsonable
 
 __all__ = ["PosttrainError", "NoDecisionPoints", "Request", "PosttrainReport", "read_requests", "solve_posttrain",
-           "format_report", "TAU", "RHO", "LAM", "KAPPA", "RIVALS", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
+           "format_report", "RequestRows", "collect_rows", "TAU", "KEEP_POSITIONS", "KEEP_RIVALS", "KEEP_RHO",
+           "MAX_TOP1_DROP", "RHO", "LAM", "KAPPA", "RIVALS", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
 
-TAU = 1.0              # target margin ℓ_a − ℓ_b of a decision point
+TAU = 2.0              # target margin ℓ_a − ℓ_b of a decision point
 RHO = 1.0              # weight of a constraint row (a decision point weighs 1)
-LAM = 1e-3             # ridge on δ (> 0)
-RIVALS = 4             # rows per position: a against its strongest other tokens (solvers/margins.py "Groups")
+LAM = 1e-2             # ridge on δ (> 0)
+RIVALS = 16            # rows per position: a against its strongest other tokens (solvers/margins.py "Groups")
 KAPPA = 0.25           # the margin a constraint row the FP4 rounding pushed down is held at (solvers/margins.py)
 ROUNDS = 4             # FP4 lattice rounds of the active set
 MIN_FLIP = 0.9         # gate: predicted flipped share of the decision points
 MIN_KEPT = 0.997       # gate: predicted kept share of the constraint rows
+KEEP_POSITIONS = 1024  # ordinary-text positions whose "keep top-1" rows weigh the ridge (ds4lib.posttrain.keep)
+KEEP_RIVALS = 4        # rows per ordinary position
+KEEP_RHO = 1e4         # weight of the ordinary rows' squared changes in the ridge (solvers/margins.py "Weighted ridge")
 REPORT = "report.json"
 
 
@@ -123,6 +141,7 @@ class PosttrainReport:
     verify_seconds: float = 0.0
     real: dict | None = None          # the verification's numbers (None: not verified, i.e. rejected)
     margins: dict | None = None       # per row [N]: decision (bool), before, predicted (lattice), real (or None)
+    judge: dict | None = None         # the judging-slice gate's numbers (ds4lib.posttrain.judge; None: not run)
     requests: list = field(default_factory=list)    # one dict per request
 
     @property
@@ -468,32 +487,140 @@ def _progress(items, on: bool, what: str):
 
 
 # ---------------------------------------------------------------------------------------------------- the solve
+@dataclass
+class RequestRows:
+    """The margin rows of a day of requests (collect_rows): the stacked MarginProblem and what led to it."""
+    items: list                       # [_Item] per request: tokens, generation, decision point, its rows
+    wrong: list                       # the items with a decision point
+    skipped: list                     # the items that give no rows (_judge)
+    problem: object                   # MarginProblem of the last backbone MoE layer, every request's rows stacked
+    layer: int
+    generate_seconds: float
+    capture_seconds: float
+
+
+def collect_rows(engine, requests, *, norm: str = "linear", rivals: int = RIVALS,
+                 progress: bool = False) -> RequestRows:
+    """Greedy answers, decision points and margin rows (module docstring) of `requests` ([Request]) on `engine`
+    (the ② stack, no ③ mounted). Raises NoDecisionPoints when no request has one."""
+    from ds4lib.solvers.margins import stack_problems
+    from ds4lib.tokenizer import TextEncoder
+    enc = TextEncoder(engine.tokenizer)
+    items = _tokenise(engine, enc, requests)
+    t0 = time.perf_counter()
+    for it in _progress(items, progress, "generate"):
+        it.generated = _greedy(engine, it.prompt_ids, len(it.answer_ids))
+        v = _judge(engine, enc, it.generated, it.answer_ids)
+        it.j, it.a, it.skip = v.j, v.a, v.skip
+    generate_seconds = time.perf_counter() - t0
+    wrong = [it for it in items if it.j is not None and not it.skip]
+    skipped = [it for it in items if it.skip]
+    if not wrong and not skipped:
+        raise NoDecisionPoints(f"all {len(items)} answers are already right (the model's greedy output is the right "
+                               f"answer on every request): no decision point, nothing written")
+    if not wrong:
+        raise NoDecisionPoints(f"no decision point: {len(items) - len(skipped)} of {len(items)} answers are already "
+                               f"right and {len(skipped)} skipped (first: {_label(skipped[0].req)}: "
+                               f"{skipped[0].skip}); nothing written")
+
+    t0 = time.perf_counter()
+    probs, n = [], 0
+    for it in _progress(items, progress, "capture"):
+        if it.skip:
+            it.rows = slice(n, n)
+            continue
+        prob, it.meta = _capture(engine, it, norm, rivals)
+        it.rows = slice(n, n + len(prob.m))
+        n += len(prob.m)
+        probs.append(prob)
+    capture_seconds = time.perf_counter() - t0
+    layer = wrong[0].meta.layer
+    problem = stack_problems(probs)                   # positions numbered across requests
+    return RequestRows(items=items, wrong=wrong, skipped=skipped, problem=problem, layer=layer,
+                       generate_seconds=generate_seconds, capture_seconds=capture_seconds)
+
+
+def _keep(engine, positions: int, slices, rivals: int, norm: str, progress: bool):
+    """The ordinary-text rows (KeepRows) or None when positions is 0."""
+    from ds4lib.posttrain.keep import keep_rows
+    if not positions:
+        return None
+    mapping = isinstance(slices, dict)
+    try:
+        return keep_rows(engine, positions=positions, slices=None if mapping else slices,
+                         windows=slices if mapping else None, rivals=rivals, norm=norm, progress=progress)
+    except ValueError as e:
+        raise PosttrainError(f"ordinary text: {e}") from None
+
+
+def _day_solution(sol, full, n_day: int, tau: float):
+    """The solution seen on the day's rows (the first n_day of `full`): margins, weights and counts of the day's own
+    positions (the gates)."""
+    import dataclasses
+
+    from ds4lib.solvers.margins import group_kinds
+    ok = np.bincount(full.group, weights=(sol.margins <= 0).astype(np.float64)) == 0            # [positions]
+    at_tau = np.bincount(full.group, weights=(sol.margins < tau).astype(np.float64)) == 0
+    gk = group_kinds(full)
+    n_groups = int(full.group[n_day - 1]) + 1 if n_day else 0
+    day = np.arange(len(ok)) < n_groups
+    flipped, kept = int(ok[day & gk].sum()), int(ok[day & ~gk].sum())
+    n_dec, n_con = int((day & gk).sum()), int((day & ~gk).sum())
+    return dataclasses.replace(sol, margins=sol.margins[:n_day], float_margins=sol.float_margins[:n_day],
+                              weights=sol.weights[:n_day], held=sol.held[:n_day], flipped=flipped,
+                              flipped_share=flipped / n_dec if n_dec else 0.0,
+                              reached_tau=int(at_tau[day & gk].sum()), kept=kept,
+                              kept_share=kept / n_con if n_con else 1.0, n_decisions=n_dec, n_constraints=n_con)
+
+
+def _judge_gate(open_engine, candidate, base: Path, engine, slices, max_drop: float, original, cache_dir) -> dict:
+    from ds4lib.config import Env
+    from ds4lib.posttrain.judge import judge_candidate
+    from ds4lib.quant import file_sha256
+    try:
+        return judge_candidate(open_engine=open_engine, candidate=candidate,
+                               slices=slices if isinstance(slices, dict) else list(slices), max_drop=max_drop,
+                               original=original, cache_dir=cache_dir or Env.read().cache_dir,
+                               base_key=f"{file_sha256(base)[:16]}-{engine.sidecar.fingerprint}")
+    except ValueError as e:
+        raise PosttrainError(f"judging slices: {e}") from None
+
+
 def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float = TAU, rho: float = RHO,
                     lam: float = LAM, kappa: float = KAPPA, rivals: int = RIVALS, rounds: int = ROUNDS,
                     min_flip: float = MIN_FLIP, min_kept: float = MIN_KEPT, norm: str = "linear",
                     backend: str = "cpu", tokenizer=None, prefill_block: int = 512, verify: bool = True,
+                    keep_positions: int = KEEP_POSITIONS, keep_slices=None, keep_rivals: int = KEEP_RIVALS,
+                    keep_rho: float = KEEP_RHO, keep_as_rows: bool = False,
+                    judge_slices=(), max_top1_drop: float = MAX_TOP1_DROP, original=None, cache_dir=None,
                     progress: bool = False) -> PosttrainReport:
     """Solve a ③ post-training directory for the ① `base` + ② `zchain` stack from `requests` (a JSON-lines path,
     or an iterable of Request / {"id", "prompt", "answer"} dicts) and write it to `out` if it passes the gates,
     else to `<out parent>/rejected/<out name>-<timestamp>/` (module docstring). `verify` (installed candidates
-    only) measures the real numbers before the rename. Raises PosttrainError / NoDecisionPoints on input it
-    refuses; CaptureError if the capture does not reproduce the engine's own MoE output."""
+    only) measures the real numbers before the rename. `keep_positions` ordinary-text positions (from `keep_slices`,
+    names or {name: token windows}; default the sidecar's fit slices; 0: none) give "keep top-1" rows with
+    `keep_rivals` rivals each, which weigh the ridge per gain with `keep_rho` (ordinary_ridge), or with
+    `keep_as_rows` join the solve as constraint rows of weight ρ. `judge_slices` (default none: two minutes a slice) gates a verified
+    candidate on Same top-1 against ② alone there (ds4lib.posttrain.judge; teacher `original`, default the Engram
+    directory; ② numbers cached under `cache_dir`, default the Env's). Raises PosttrainError / NoDecisionPoints on
+    input it refuses; CaptureError if the capture does not reproduce the engine's own MoE output."""
     from ds4lib.engine import Engine, EngineError
     from ds4lib.formats.sidecar import SidecarError
     from ds4lib.posttrain.capture import NORM_MODES
-    from ds4lib.solvers.margins import group_kinds, make_problem, solve_margins
+    from ds4lib.solvers.margins import group_kinds, ordinary_ridge, predict, solve_margins, stack_problems
     from ds4lib.tokenizer import TextEncoder
 
     for name, v in (("tau", tau), ("rho", rho), ("lam", lam), ("kappa", kappa), ("min_flip", min_flip),
-                    ("min_kept", min_kept)):
+                    ("min_kept", min_kept), ("max_top1_drop", max_top1_drop), ("keep_rho", keep_rho)):
         positive = name in ("tau", "lam")
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
                 or (positive and v == 0)):
             raise PosttrainError(f"{name} must be a finite number {'> 0' if positive else '≥ 0'}, got {v!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise PosttrainError(f"rounds must be an integer ≥ 1, got {rounds!r}")
-    if isinstance(rivals, bool) or not isinstance(rivals, int) or rivals < 1:
-        raise PosttrainError(f"rivals must be an integer ≥ 1, got {rivals!r}")
+    for name, v, lo in (("rivals", rivals, 1), ("keep_rivals", keep_rivals, 1), ("keep_positions", keep_positions, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise PosttrainError(f"{name} must be an integer ≥ {lo}, got {v!r}")
     if norm not in NORM_MODES:
         raise PosttrainError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
     base, zchain, out = Path(base), Path(zchain), Path(out)
@@ -509,47 +636,25 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
 
     engine = open_engine()
     enc = TextEncoder(engine.tokenizer)
-    items = _tokenise(engine, enc, reqs)
 
     def judge(generated, answer):
         return _judge(engine, enc, generated, answer)
 
-    t0 = time.perf_counter()
-    for it in _progress(items, progress, "generate"):
-        it.generated = _greedy(engine, it.prompt_ids, len(it.answer_ids))
-        v = judge(it.generated, it.answer_ids)
-        it.j, it.a, it.skip = v.j, v.a, v.skip
-    generate_seconds = time.perf_counter() - t0
-    wrong = [it for it in items if it.j is not None and not it.skip]
-    skipped = [it for it in items if it.skip]
-    if not wrong and not skipped:
-        raise NoDecisionPoints(f"all {len(items)} answers are already right (the model's greedy output is the right "
-                               f"answer on every request): no decision point, nothing written")
-    if not wrong:
-        raise NoDecisionPoints(f"no decision point: {len(items) - len(skipped)} of {len(items)} answers are already "
-                               f"right and {len(skipped)} skipped (first: {_label(skipped[0].req)}: "
-                               f"{skipped[0].skip}); nothing written")
+    rows = collect_rows(engine, reqs, norm=norm, rivals=rivals, progress=progress)
+    items, wrong, skipped, problem, layer = rows.items, rows.wrong, rows.skipped, rows.problem, rows.layer
+    generate_seconds, capture_seconds = rows.generate_seconds, rows.capture_seconds
+    keep = _keep(engine, keep_positions, keep_slices, keep_rivals, norm, progress)
 
     t0 = time.perf_counter()
-    probs, groups, n = [], [], 0
-    for it in _progress(items, progress, "capture"):
-        if it.skip:
-            it.rows = slice(n, n)
-            continue
-        prob, it.meta = _capture(engine, it, norm, rivals)
-        it.rows = slice(n, n + len(prob.m))
-        groups.append(prob.group + (groups[-1].max() + 1 if groups else 0))     # positions numbered across requests
-        n += len(prob.m)
-        probs.append(prob)
-    capture_seconds = time.perf_counter() - t0
-    layer = wrong[0].meta.layer
-    problem = make_problem(ids=np.concatenate([p.ids for p in probs]), R=np.concatenate([p.R for p in probs]),
-                           m=np.concatenate([p.m for p in probs]), kind=np.concatenate([p.kind for p in probs]),
-                           n_experts=probs[0].n_experts, group=np.concatenate(groups))
-
-    t0 = time.perf_counter()
-    sol = solve_margins(problem, tau, rho, lam, kappa=kappa, rounds=rounds)
+    full = problem if keep is None or not keep_as_rows else stack_problems([problem, keep.problem])
+    ridge = None if keep is None or keep_as_rows else ordinary_ridge(keep.problem, lam, keep_rho)
+    sol = _day_solution(solve_margins(full, tau, rho, lam, kappa=kappa, rounds=rounds, ridge=ridge), full,
+                        len(problem.m), tau)
     solve_seconds = time.perf_counter() - t0
+    ordinary = {"positions": 0, "kept": 0, "rows": 0}
+    if keep is not None:
+        ok = np.bincount(keep.problem.group, weights=(predict(keep.problem, sol.delta) <= 0).astype(np.float64)) == 0
+        ordinary = {"positions": len(ok), "kept": int(ok.sum()), "rows": len(keep.problem.m)}
 
     reasons = []
     if sol.flipped_share < min_flip:
@@ -561,16 +666,22 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
               "requests": source, "tau": float(tau), "rho": float(rho), "lam": float(lam), "kappa": float(kappa),
               "rivals": int(rivals), "rounds": int(rounds), "min_flip": float(min_flip),
               "min_kept": float(min_kept), "norm": norm, "backend": backend, "layer": int(layer),
+              "keep_positions": int(keep_positions), "keep_rivals": int(keep_rivals), "keep_rho": float(keep_rho),
+              "keep_as_rows": bool(keep_as_rows), "keep_slices": None if keep is None else keep.slices, "judge_slices": list(judge_slices or ()),
+              "max_top1_drop": float(max_top1_drop),
               "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
     predicted = {"flipped": sol.flipped, "flipped_share": sol.flipped_share, "reached_tau": sol.reached_tau,
                  "kept": sol.kept, "kept_share": sol.kept_share, "round": sol.round, "rows": len(problem.m),
                  "held": int(sol.held.sum()),
                  "delta_max_abs": float(np.abs(sol.delta).max()),
                  "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
-                 "channels_changed": int(np.count_nonzero(sol.delta))}
+                 "channels_changed": int(np.count_nonzero(sol.delta)), "solver": sol.rounds[0]["method"],
+                 "ordinary_positions": ordinary["positions"], "ordinary_kept": ordinary["kept"],
+                 "ordinary_rows": ordinary["rows"], "ordinary_seconds": 0.0 if keep is None else keep.seconds}
     notes = {"purpose": "ds4 posttrain", "tau": float(tau), "rho": float(rho), "lam": float(lam),
              "kappa": float(kappa), "rivals": int(rivals), "rounds": int(rounds), "norm": norm, "requests": len(items),
-             "decision_points": sol.n_decisions,
+             "keep_positions": int(keep_positions), "keep_rivals": int(keep_rivals), "keep_rho": float(keep_rho),
+             "keep_as_rows": bool(keep_as_rows), "decision_points": sol.n_decisions,
              "constraint_rows": sol.n_constraints, "predicted_flipped_share": round(sol.flipped_share, 6),
              "predicted_kept_share": round(sol.kept_share, 6), "sidecar_fnv": engine.sidecar.fingerprint}
 
@@ -608,6 +719,10 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
                 if real[f"{name}_share"] < gate:
                     reasons.append(f"real {name} share {real[f'{name}_share']:.4f} < min_"
                                    f"{'flip' if name == 'flipped' else 'kept'} {gate:g}")
+            if not reasons and judge_slices:      # only a candidate that passed everything else is judged
+                rep.judge = _judge_gate(open_engine, tmp, base, engine, judge_slices, max_top1_drop, original,
+                                        cache_dir)
+                reasons += rep.judge["reasons"]
             if reasons:
                 passed = False
                 rep.status, rep.gate["passed"], rep.previous = "rejected", False, None
@@ -667,8 +782,13 @@ def format_report(rep: PosttrainReport) -> str:
              f"predicted: flipped {p['flipped']}/{rep.decision_points} ({100 * p['flipped_share']:.1f}%), reached τ "
              f"{p['reached_tau']}, kept {p['kept']}/{rep.constraint_rows} ({100 * p['kept_share']:.2f}%) "
              f"(lattice round {p['round']}; {p['held']} constraint rows held at κ)",
-             f"solve {rep.solve_seconds:.2f} s, CG iterations per round {rep.cg_iterations}; generation "
-             f"{rep.generate_seconds:.1f} s, capture {rep.capture_seconds:.1f} s"]
+             f"solve {rep.solve_seconds:.2f} s ({p.get('solver', 'cg')}; CG iterations per round "
+             f"{rep.cg_iterations}); generation {rep.generate_seconds:.1f} s, capture {rep.capture_seconds:.1f} s"]
+    if p.get("ordinary_positions"):
+        how = "as rows" if rep.params["keep_as_rows"] else f"weighing the ridge, ρ_o = {rep.params['keep_rho']:g}"
+        lines.insert(2, f"ordinary text ({', '.join(rep.params['keep_slices'])}; {how}): predicted kept "
+                        f"{p['ordinary_kept']}/{p['ordinary_positions']} positions ({p['ordinary_rows']} rows, "
+                        f"captured in {p['ordinary_seconds']:.1f} s)")
     r = rep.real
     if r is not None:
         corr = "n/a" if r["corr_change"] is None else f"{r['corr_change']:.4f}"
@@ -679,6 +799,11 @@ def format_report(rep: PosttrainReport) -> str:
                      f"(verify {rep.verify_seconds:.1f} s)")
         if r["answers_broken"]:
             lines.append(f"answers right before and wrong now: {r['answers_broken']}")
+    if rep.judge is not None:
+        for name, j in rep.judge["slices"].items():
+            lines.append(f"judge {name}: Same top-1 {100 * j['candidate']['same_top1']:.2f}% against ② alone "
+                         f"{100 * j['base']['same_top1']:.2f}% ({-j['drop_pp']:+.2f} pp; gate −"
+                         f"{rep.judge['max_drop_pp']:.2f} pp) {'ok' if j['passed'] else 'FAILED'}")
     if rep.installed:
         old = f"; the previous copy is {rep.previous}" if rep.previous else ""
         lines.append(f"installed {rep.out} (fingerprint {rep.fingerprint}, stacks on sidecar {rep.base_fnv}){old}")

@@ -49,6 +49,12 @@ a round. But N×N is small at that size: A Aᵀ, formed expert by expert (Σ_e Y
 expert e's channels), costs Σ_e N_e²·D ≈ 1.7 GFlop there (0.9 s), and one LU solve of S A Aᵀ S + λI per lattice
 round is exact. It is the same system and the same δ = Aᵀ S y as CG's; CG stays for more rows than fit in memory.
 
+Weighted ridge (`ridge`). λ‖δ‖² treats every gain alike, but the gains differ in how much ordinary text depends on
+them: a channel that many positions route through at large amplitude moves their logits when scaled. With ridge[e, d]
+the penalty is λ Σ ridge·δ², e.g. 1 + (ρ_o/λ)·diag(A_oᵀA_o)/n_o from ordinary-text rows A_o (their normal matrix's
+diagonal: each ordinary row's squared change with the cross-channel terms dropped; ds4lib.posttrain.keep). It is the
+plain ridge in the variable ridge^½·δ, i.e. the same solvers on rows scaled by ridge^-½ per channel.
+
 FP4-aware active set: each round solves in float, rounds δ to the stored lattice (FP4 E2M1, one power-of-two
 scale per 32 channels: ds4lib.formats.sidecar.quantize_gains) and predicts every row's margin with the lattice
 values. Rounding moves margins by a noise of its own (on day 1: std 0.07, up to 0.31 on the constraint rows), which
@@ -73,7 +79,8 @@ import numpy as np
 from ds4lib.formats.sidecar import GROUP, dequantize_gains, quantize_gains
 
 __all__ = ["MarginProblem", "MarginSolution", "make_problem", "stack_problems", "group_kinds", "matvec", "rmatvec", "row_diagonal",
-           "block_preconditioner", "BlockPreconditioner", "PRECONDITIONERS", "row_gram", "solve_dense", "solve_cg", "solve_margins", "predict"]
+           "block_preconditioner", "BlockPreconditioner", "PRECONDITIONERS", "row_gram", "solve_dense", "solve_cg",
+           "ordinary_ridge", "solve_margins", "predict"]
 
 _CHUNK_VALUES = 1 << 22          # rows per chunk = this // (K·D): temporaries of ~32 MB at most
 PRECONDITIONERS = ("jacobi", "block")
@@ -339,6 +346,27 @@ def _check_weights(p: MarginProblem, weights) -> np.ndarray:
     return w
 
 
+def ordinary_ridge(p: MarginProblem, lam: float, rho: float) -> np.ndarray:
+    """The weighted ridge of ordinary-text rows `p` (module docstring, "Weighted ridge") -> [E, D] float64:
+    1 + (ρ/λ)·diag(AᵀA)/positions, so that λ·ridge = λ + ρ·(each gain's squared coefficient summed over a position's
+    rows, averaged over the positions)."""
+    if not np.isfinite(lam) or lam <= 0 or not np.isfinite(rho) or rho < 0:
+        raise ValueError(f"need lam > 0 and rho ≥ 0, got lam={lam}, rho={rho}")
+    N, K, D = p.R.shape
+    E = p.n_experts
+    diag = np.zeros(E * D)
+    for rows in _chunks(p):
+        ids, R = p.ids[rows], p.R[rows]
+        diag += _scatter(p, rows, R * R)
+        for k in range(K):                                   # an expert listed twice: its coefficients add up first
+            for j in range(k + 1, K):
+                same = ids[:, k] == ids[:, j]
+                if same.any():
+                    flat = (ids[same, k][:, None] * D + np.arange(D)).ravel()
+                    diag += np.bincount(flat, weights=(2 * R[same, k] * R[same, j]).ravel(), minlength=E * D)
+    positions = int(p.group.max()) + 1 if N else 1
+    return 1.0 + (float(rho) / float(lam)) * diag.reshape(E, D) / positions
+
 def predict(p: MarginProblem, delta) -> np.ndarray:
     """Predicted margins m + A·δ -> [N] float64."""
     return p.m + matvec(p, delta)
@@ -447,11 +475,13 @@ def _counts(p: MarginProblem, margins, tau: float) -> dict:
 
 def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa: float = 0.25, rounds: int = 4,
                   boost: float = 4.0, tol: float = 1e-8, max_iter: int = 1000, precond: str = "block",
-                  method: str = "auto") -> MarginSolution:
+                  method: str = "auto", ridge=None) -> MarginSolution:
     """Up to `rounds` float solves, each rounded to the FP4 lattice, with the active set of the module docstring
     between rounds (decision points below τ boosted; constraint rows pushed below κ held at κ, boosted). Stops early
     once every decision point reaches τ and no constraint row is pushed below κ. method "auto" solves each round
-    densely (solve_dense, one row_gram for all rounds) up to DENSE_MAX_ROWS rows, else by CG with `precond`."""
+    densely (solve_dense, one row_gram for all rounds) up to DENSE_MAX_ROWS rows, else by CG with `precond`.
+    ridge [E, D] (> 0; None: all ones) weighs the ridge per gain: λ Σ ridge[e, d] δ[e, d]² (module docstring,
+    "Weighted ridge"); solved as the plain ridge on rows scaled by ridge^-½, δ scaled back before the lattice."""
     for name, v, ok in (("tau", tau, tau > 0), ("rho", rho, rho >= 0), ("kappa", kappa, kappa >= 0)):
         if not np.isfinite(v) or not ok:
             raise ValueError(f"{name} must be finite and {'> 0' if name == 'tau' else '≥ 0'}, got {v}")
@@ -460,6 +490,13 @@ def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     dense, gram = method == "dense" or (method == "auto" and len(p.m) <= DENSE_MAX_ROWS), None
+    scale, q = None, p
+    if ridge is not None:
+        ridge = np.asarray(ridge, np.float64)
+        if ridge.shape != (p.n_experts, p.R.shape[2]) or not np.isfinite(ridge).all() or (ridge <= 0).any():
+            raise ValueError(f"ridge must be [E, D] = [{p.n_experts}, {p.R.shape[2]}] finite values > 0")
+        scale = 1.0 / np.sqrt(ridge)
+        q = MarginProblem(ids=p.ids, R=p.R * scale[p.ids], m=p.m, kind=p.kind, n_experts=p.n_experts, group=p.group)
     dec, con = p.kind, ~p.kind
     w = np.where(dec, 1.0, float(rho))
     b = np.where(dec, np.maximum(tau - p.m, 0.0), 0.0)
@@ -470,10 +507,12 @@ def solve_margins(p: MarginProblem, tau: float, rho: float, lam: float, *, kappa
     active, history, best = 0, [], None
     for rnd in range(rounds):
         if dense:
-            gram = row_gram(p) if gram is None else gram             # the same for every round
-            x, it, res = solve_dense(p, w, b, lam, gram=gram)
+            gram = row_gram(q) if gram is None else gram             # the same for every round
+            x, it, res = solve_dense(q, w, b, lam, gram=gram)
         else:
-            x, it, res = solve_cg(p, w, b, lam, tol=tol, max_iter=max_iter, precond=precond)
+            x, it, res = solve_cg(q, w, b, lam, tol=tol, max_iter=max_iter, precond=precond)
+        if scale is not None:
+            x = x * scale
         blocks = quantize_gains(x.astype(np.float32))
         gains = dequantize_gains(blocks)
         delta = gains - np.float32(1.0)

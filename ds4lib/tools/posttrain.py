@@ -1,7 +1,10 @@
 """`ds4 posttrain --base FILE --zchain DIR --requests FILE --out DIR [--engram-dir DIR] [--tau T] [--rho R] [--lam L]
-[--kappa K] [--rivals M] [--rounds N] [--min-flip F] [--min-kept K] [--cuda] [--quiet]`: solve a ③ post-training
-directory from requests with right answers (ds4lib.posttrain.solve: the requests format, decision points, gates,
-where files go).
+[--kappa K] [--rivals M] [--rounds N] [--min-flip F] [--min-kept K] [--keep-positions N] [--keep-slice NAME ...]
+[--keep-rivals M] [--keep-rho R] [--keep-as-rows] [--judge-slice NAME ...] [--max-top1-drop PP] [--original DIR] [--cuda] [--quiet]`: solve a ③
+post-training directory from requests with right answers (ds4lib.posttrain.solve: the requests format, decision
+points, ordinary-text rows, gates, where files go). --judge-slice (e.g. finance/judge and english/judge) adds the
+judging-slice gate: about two minutes a slice on the 2-core dev box, so it is off unless asked; the nightly notebook
+asks for it.
 
 Exit status: 0 the candidate passed its gates and is installed as --out (a previous --out kept as --out.old);
 1 it failed a gate and was written to <out parent>/rejected/<out name>-<timestamp>/ instead (--out untouched);
@@ -25,8 +28,11 @@ def _run(args) -> int:
         rep = solve_posttrain(base=args.base, zchain=args.zchain, requests=args.requests, out=args.out,
                               engram_dir=args.engram_dir, tau=args.tau, rho=args.rho, lam=args.lam,
                               kappa=args.kappa, rivals=args.rivals, rounds=args.rounds, min_flip=args.min_flip,
-                              min_kept=args.min_kept,
-                              backend="cuda" if args.cuda else "cpu", progress=not args.quiet)
+                              min_kept=args.min_kept, keep_positions=args.keep_positions,
+                              keep_slices=args.keep_slice, keep_rivals=args.keep_rivals, keep_rho=args.keep_rho,
+                              keep_as_rows=args.keep_as_rows,
+                              judge_slices=args.judge_slice or (), max_top1_drop=args.max_top1_drop / 100,
+                              original=args.original, backend="cuda" if args.cuda else "cpu", progress=not args.quiet)
     except (PosttrainError, EngineError, SidecarError, CaptureError) as e:
         print(f"ds4 posttrain: {e}", file=sys.stderr)
         return 2
@@ -35,7 +41,8 @@ def _run(args) -> int:
 
 
 def register(sub):
-    from ds4lib.posttrain.solve import KAPPA, LAM, MIN_FLIP, MIN_KEPT, RHO, RIVALS, ROUNDS, TAU
+    from ds4lib.posttrain.solve import (KAPPA, KEEP_POSITIONS, KEEP_RHO, KEEP_RIVALS, LAM, MAX_TOP1_DROP, MIN_FLIP, MIN_KEPT,
+                                        RHO, RIVALS, ROUNDS, TAU)
     p = sub.add_parser("posttrain", help="solve a ③ post-training file from requests with right answers")
     p.add_argument("--base", required=True, help="the ① base GGUF file")
     p.add_argument("--zchain", required=True, help="the ② sidecar directory the ③ stacks on")
@@ -58,6 +65,25 @@ def register(sub):
                    help=f"gate: predicted flipped share of the decision points (default {MIN_FLIP:g})")
     p.add_argument("--min-kept", type=finite_float(0.0), default=MIN_KEPT,
                    help=f"gate: predicted kept share of the constraint rows (default {MIN_KEPT:g})")
+    p.add_argument("--keep-positions", type=int_at_least(0), default=KEEP_POSITIONS,
+                   help=f"ordinary-text positions whose 'keep top-1' rows weigh the ridge (default {KEEP_POSITIONS}; "
+                        f"0: none)")
+    p.add_argument("--keep-slice", action="append", default=None,
+                   help="slice the ordinary positions come from (repeatable; default the sidecar's fit slices)")
+    p.add_argument("--keep-rivals", type=int_at_least(1), default=KEEP_RIVALS,
+                   help=f"rows per ordinary position (default {KEEP_RIVALS})")
+    p.add_argument("--keep-rho", type=finite_float(0.0), default=KEEP_RHO,
+                   help=f"weight of the ordinary rows' squared changes in the ridge (default {KEEP_RHO:g})")
+    p.add_argument("--keep-as-rows", action="store_true",
+                   help="solve the ordinary rows as constraint rows of weight --rho instead (slower; measured worse "
+                        "on held-out text: docs/posttrain.md)")
+    p.add_argument("--judge-slice", action="append", default=None,
+                   help="gate: Same top-1 of ② + ③ against ② alone on this slice (repeatable; off by default: "
+                        "about two minutes a slice)")
+    p.add_argument("--max-top1-drop", type=finite_float(0.0), default=100 * MAX_TOP1_DROP,
+                   help=f"the judging gate's bound in percentage points (default {100 * MAX_TOP1_DROP:g})")
+    p.add_argument("--original", default=None,
+                   help="original checkpoint for the judging gate's teacher (default: the Engram directory)")
     p.add_argument("--cuda", action="store_true", help="generate and capture on the CUDA backend")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run)

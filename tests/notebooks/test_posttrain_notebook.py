@@ -9,7 +9,7 @@ import pytest
 from ds4lib.formats.sidecar import read_sidecar
 from tests.notebooks.thin import thin_code_cells
 from tests.posttrain.conftest import micro_stack  # noqa: F401  (the shared micro stack fixture)
-from tests.posttrain.test_posttrain_cli import MIN_KEPT, cases, stack  # noqa: F401  (its engine and requests)
+from tests.posttrain.test_posttrain_cli import MICRO, MIN_KEPT, cases, stack  # noqa: F401  (its engine and requests)
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "posttrain.ipynb"
 
@@ -23,7 +23,8 @@ def test_notebook_is_thin():
         assert k in params, k
     # the parameters are the entry point's: the solve cell passes each of them on by name
     assert all(f"{k}={k}" in code[2].source for k in ("tau", "rho", "lam", "kappa", "rivals", "rounds", "min_flip",
-                                                     "min_kept"))
+                                                     "min_kept", "keep_positions", "keep_rivals", "keep_rho",
+                                                     "max_top1_drop"))
 
 
 @pytest.mark.slow
@@ -41,6 +42,7 @@ def test_notebook_runs_on_the_micro_stack(stack, cases, tmp_path):  # noqa: F811
                                parameters={"base": str(stack["base"]), "sidecars": str(stack["sc"].parent),
                                            "domain": stack["sc"].name, "day": 1, "days_dir": str(days),
                                            "heldout_days": [5], "out": str(out), "min_kept": MIN_KEPT,
+                                           "keep_positions": 0, "judge": False, **MICRO,
                                            "engram_dir": str(stack["ckpt"]), "examples": 2,
                                            "summary_json": str(summary)})
     res = json.loads(summary.read_text())["results"]

@@ -5,7 +5,7 @@ import pytest
 import ds4lib.solvers.margins as margins_mod
 from ds4lib.formats.sidecar import dequantize_gains
 from ds4lib.solvers.margins import (block_preconditioner, make_problem, matvec, predict, rmatvec, row_diagonal,
-                                    row_gram, solve_cg, solve_dense, solve_margins, stack_problems)
+                                    ordinary_ridge, row_gram, solve_cg, solve_dense, solve_margins, stack_problems)
 
 
 def _tiny(seed=0, E=5, K=2, D=32, N=12):
@@ -410,3 +410,26 @@ def test_stack_problems_keeps_each_problems_positions_apart():
         stack_problems([a, _correlated(5, positions=3, M=2, E=12, D=32)])
     with pytest.raises(ValueError, match="no problems"):
         stack_problems([])
+
+
+def test_weighted_ridge_solves_the_weighted_normal_equations():
+    """ridge[e, d] weighs λ‖δ‖² per gain: the float solution is the dense one of (AᵀWA + λ·diag(ridge))δ = AᵀWb;
+    ordinary_ridge is 1 + (ρ/λ)·diag(A_oᵀA_o)/positions (an expert listed twice in a row included)."""
+    p = _correlated(7, positions=10, M=3, E=8, K=2, D=32)
+    A = _dense(p)
+    o = _tiny(seed=3, E=8)                               # "ordinary" rows: one expert twice in row 5
+    Ao = _dense(o)
+    ridge = ordinary_ridge(o, 0.01, 0.5)
+    np.testing.assert_allclose(ridge.ravel(), 1 + 50 * (Ao * Ao).sum(0) / 12, rtol=1e-12)
+    tau, lam = 1.0, 0.01
+    sol = solve_margins(p, tau, 1.0, lam, rounds=1, ridge=ridge)
+    w = np.ones(len(p.m))
+    b = np.where(p.kind, np.maximum(tau - p.m, 0), 0.0)
+    want = np.linalg.solve(A.T @ A + lam * np.diag(ridge.ravel()), A.T @ (w * b))
+    np.testing.assert_allclose(sol.float_margins, p.m + A @ want, rtol=0, atol=1e-8)
+    plain = solve_margins(p, tau, 1.0, lam, rounds=1)
+    assert not np.allclose(plain.float_margins, sol.float_margins)
+    same = solve_margins(p, tau, 1.0, lam, rounds=1, ridge=np.ones((8, 32)))
+    np.testing.assert_allclose(same.float_margins, plain.float_margins, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="ridge must be"):
+        solve_margins(p, tau, 1.0, lam, ridge=np.zeros((8, 32)))
