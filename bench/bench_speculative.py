@@ -10,6 +10,9 @@ runs also check that the two outputs are identical.
 
     NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python bench/bench_speculative.py \
         --out bench/results/speculative_cpu.json
+    .venv/bin/python bench/bench_speculative.py --cuda --out bench/results/speculative_h200.json    # on a GPU
+
+`--cuda` runs the CUDA backend (warmed up first: every kernel compiled or loaded before the first timed request).
 """
 from __future__ import annotations
 
@@ -90,9 +93,12 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--draft-k", type=int, default=None)
     ap.add_argument("--no-chat", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA backend (default: CPU)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    engine = Engine(args.model)
+    engine = Engine(args.model, backend="cuda" if args.cuda else "cpu")
+    if args.cuda:
+        engine.warm_up()
     prompts = [(f"{d}/judge", [int(t) for t in load_slice(f"{d}/judge").tokens[0][:args.prompt_tokens]])
                for d in args.slices.split(",") if d]
     if not args.no_chat:
@@ -100,7 +106,7 @@ def main(argv=None):
                     for i, c in enumerate(CHATS)]
     t0 = time.time()
     rows = run(engine, prompts, args.n, [float(t) for t in args.temps.split(",")], args.seed, args.draft_k)
-    rec = {"model": str(args.model), "n": args.n, "prompt_tokens": args.prompt_tokens, "draft_k": args.draft_k,
+    rec = {"model": str(args.model), "backend": engine.backend.name, "n": args.n, "prompt_tokens": args.prompt_tokens, "draft_k": args.draft_k,
            "seconds": round(time.time() - t0, 1), "summary": summarise(rows, engine.cfg.dspark_block_size),
            "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -267,6 +267,19 @@ class CudaBackend:
         return st
 
     # ------------------------------------------------------------------ speculative decoding
+    @property
+    def can_draft(self) -> bool:
+        """The DSpark stages are on the device (speculative.supports)."""
+        return self.draft is not None
+
+    def propose(self, state, anchor, start_pos, pick=None):
+        """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (cuda_dspark)."""
+        return self.draft.propose(state, anchor, start_pos, pick)
+
+    def append_context(self, state, features, positions):
+        """DSpark context rows of fed positions from their features (ForwardOut.features) (cuda_dspark)."""
+        self.draft.append_context(state, features, positions)
+
     def mark(self, state):
         """Before a call whose rows may be partly rolled back (cuda_state.mark: snapshots what a call of up to
         dspark_block_size + 1 rows can change)."""

@@ -12,7 +12,7 @@ prefix of its prompt and stores its finished session back (prefix_cache.py); log
 With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
 backend's sampler; without it the unmasked path runs, unchanged.
 Speculative decoding with the DSpark draft stages (speculative.py) is on by default (`dspark=True`) wherever the
-backend supports it (today the CPU backend; others decode plainly) and the request is unconstrained; greedy output
+backend supports it (the CPU and CUDA backends; speculative.supports) and the request is unconstrained; greedy output
 is token-identical to plain greedy, sampled output has plain sampling's distribution. `spec_stats` sums its counts
 over requests, `last_spec_stats` holds the last request's.
 

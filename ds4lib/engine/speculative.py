@@ -19,8 +19,10 @@ seed with or without speculation.
 
 The backend contract (`supports`): propose(state, anchor, start_pos, pick) -> Proposal, mark(state),
 rollback(state, mark, kept_tokens), append_context(state, features, positions), plus forward / to_host / sample. A
-backend without them (today's CUDA backend) decodes plainly; a backend may verify with its own multi-row kernels
-behind `forward`.
+backend without them decodes plainly; a backend may verify with its own multi-row kernels behind `forward`. The CPU
+backend runs the reference; the CUDA backend drafts on the device (cuda_dspark), rolls its device state back
+(cuda_state) and verifies through its multi-row forward, with acceptance decided here on host copies of the target
+rows (the device sampler draws the bonus token).
 
 Shapes: B block size, k drafted tokens verified, V vocab.
 """
@@ -42,8 +44,10 @@ _PURPOSE_SHIFT = 56               # plain decoding uses steps < 2^56 with purpos
 
 
 def supports(backend, cfg) -> bool:
-    """The backend can draft, roll back and keep DSpark context rows, and the model has draft stages."""
-    return cfg.n_all_layers > cfg.n_layers and all(callable(getattr(backend, m, None)) for m in SPEC_METHODS)
+    """The backend can draft, roll back and keep DSpark context rows, and the model has draft stages (and the
+    backend holds them: `can_draft`, where a backend may run without them)."""
+    return cfg.n_all_layers > cfg.n_layers and all(callable(getattr(backend, m, None)) for m in SPEC_METHODS) \
+        and bool(getattr(backend, "can_draft", True))
 
 
 def stream_uniform(seed: int, position: int, purpose: int) -> float:

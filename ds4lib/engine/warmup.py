@@ -6,7 +6,8 @@ What runs, on a throwaway session that is never stored in the prefix cache: a pr
 the largest compression ratio (5 for V4.1's ratio 2), with the logits of every position (scoring's head over
 several rows; a generation's head over one row runs in the decode steps), then two decode steps; the prefill's last
 logits are sampled greedily and each decode step's with temperature, top-k, top-p, min-p and an all-allowing token
-mask (a constrained request's path). The CUDA backend launches some kernels only at certain positions, hence those
+mask (a constrained request's path). With speculative decoding on the CUDA backend, a greedy and a sampled speculative
+request and a rollback (`_run_speculative`; the engine's speculative counts are left as they were). The CUDA backend launches some kernels only at certain positions, hence those
 lengths: the indexer once a compressed row exists, the compressed-row projections for two rows when a prefill
 completes two groups (tokens 0..2r-1), for one row when a decode step completes a group (position 3r - 1) and not
 at all when it does not (position 3r); the GEMVs have one-token and several-token variants. A kernel is compiled
@@ -22,6 +23,7 @@ Shapes: V vocab.
 """
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -94,6 +96,26 @@ def _run(engine) -> None:
     for step, tok in enumerate(toks[3 * r - 1:], start=1):
         logits = engine.decode(session, tok)
         backend.sample(logits, drawn, 0, step, mask=mask)
+    if getattr(engine, "speculative", False) and backend.name == "cuda":      # the CPU has nothing to compile
+        _run_speculative(engine, toks[:3 * r - 1])
+
+
+def _run_speculative(engine, prompt) -> None:
+    """Speculative decoding's own launches: a greedy request of the scheduler's (its first round drafts the whole
+    block and verifies 1 + B rows, the next step is a plain one with its context row), a sampled request with fixed
+    k (drafts picked on the host), and a rollback that rejects a row (the ring restore), on throwaway sessions."""
+    from ds4lib.engine.engine import SamplingParams
+    backend, B = engine.backend, engine.cfg.dspark_block_size
+    counts = (copy.deepcopy(engine.spec_stats), engine.last_spec_stats)      # requests' counts only (/metrics)
+    for params in (SamplingParams(temperature=0.0, max_tokens=B + 3),
+                   SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01, max_tokens=3, seed=0, draft_k=1)):
+        list(engine.generate_ids(prompt, params, session=engine.new_session()))
+    session = engine.new_session()
+    engine.prefill(session, prompt)
+    mark = backend.mark(session.state)
+    backend.forward(session.state, prompt[:2])
+    backend.rollback(session.state, mark, prompt[:1])
+    engine.spec_stats, engine.last_spec_stats = counts
 
 
 def warm_up(engine, *, quiet: bool = False) -> WarmUp:

@@ -189,3 +189,90 @@ def test_gpu_draft_matches_cpu(tiny_cuda):
         compared += _check_draft(cpu, tiny_cuda, toks[:-1], toks[-1], with_pick=(d == "english"))
     assert compared >= 3
 
+
+# ------------------------------------------------------------------------------------ generation through the engine
+def _forced(engine, monkeypatch, ids, plain, wrong):
+    """engine.backend.propose returning the target's own greedy tokens, with a wrong one at draft position `wrong`
+    (or none): every number of kept rows is reached on purpose."""
+    real = engine.backend.propose
+    B = engine.cfg.dspark_block_size
+
+    def propose(state, anchor, start_pos, pick=None):
+        prop = real(state, anchor, start_pos, pick)
+        P = start_pos + 1 - len(ids)                 # generated tokens before the anchor
+        want = (list(plain) + [1] * (B + 2))[P + 1:P + 1 + B]
+        prop.tokens[1:] = want
+        if wrong is not None:
+            prop.tokens[1 + wrong] = (want[wrong] + 1) % engine.cfg.vocab_size
+        return prop
+    monkeypatch.setattr(engine.backend, "propose", propose)
+
+
+@pytest.mark.slow
+def test_micro_greedy_speculative_equals_plain(spec_micro, monkeypatch):
+    """Through Engine.generate_ids on the simulator: a round of 4 verified rows (the stages' real proposal with its
+    drafts forced to plain greedy's, the third wrong) keeps 3 (rollback, the correction token), then a plain step with
+    its context row: plain greedy's tokens. (Real drafts for k = 1, 2, 4 and the scheduler on three prompts:
+    test_gpu_greedy_*; a simulated round takes about a minute.)"""
+    from ds4lib.engine import SamplingParams
+    _, cuda = spec_micro
+    assert cuda.speculative
+    ids = [0, 5, 9, 11, 40]
+    plain = list(cuda.generate_ids(ids, SamplingParams(temperature=0, max_tokens=5, draft_k=0)))
+    _forced(cuda, monkeypatch, ids, plain, wrong=2)
+    got = list(cuda.generate_ids(ids, SamplingParams(temperature=0, max_tokens=5, draft_k=4)))
+    st = cuda.last_spec_stats
+    assert got == plain and st.rounds == 1 and st.accepted_at[:3] == [1, 1, 0] and st.plain_steps == 1
+    monkeypatch.undo()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("text", ["The capital of France is Paris. The capital of Germany is",
+                                  "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+                                  "In 1905, Albert Einstein published four papers that"])
+def test_gpu_greedy_is_byte_identical_to_plain_for_every_k(tiny_cuda, text):
+    from ds4lib.engine import SamplingParams
+    e = tiny_cuda
+    assert e.speculative
+    ids = [0] + e.encode(text)
+    plain = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=40, draft_k=0)))
+    for k in (1, 2, 4, None):
+        got = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=40, draft_k=k)))
+        assert got == plain, f"k={k}"
+        assert e.last_spec_stats.rounds > 0
+    assert e.spec_stats.accepted > 0
+
+
+@pytest.mark.cuda
+def test_gpu_forced_drafts_right_or_wrong_at_every_position(tiny_cuda, monkeypatch):
+    from ds4lib.engine import SamplingParams
+    e = tiny_cuda
+    ids = [0] + e.encode("The capital of France is Paris. The capital of Germany is")
+    plain = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=16, draft_k=0)))
+    B = e.cfg.dspark_block_size
+    for wrong in list(range(B)) + [None]:
+        _forced(e, monkeypatch, ids, plain, wrong)
+        got = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=16, draft_k=B)))
+        monkeypatch.undo()
+        assert got == plain, f"wrong at {wrong}"
+        acc = e.last_spec_stats.accepted_at
+        if wrong is not None:
+            assert acc[wrong] == 0 and all(acc[j] > 0 for j in range(wrong))
+
+
+@pytest.mark.cuda
+def test_gpu_sampled_speculative_runs_and_keeps_plain_first_token(tiny_cuda):
+    """Sampled speculative decoding on the device (drafts picked on the host from the draft distribution, acceptance
+    and residual by speculative.verify_rows on host copies of the target rows, the bonus by the device sampler):
+    reproducible for a seed and k, its first token plain decoding's own, and drafts accepted."""
+    from ds4lib.engine import SamplingParams
+    e = tiny_cuda
+    ids = [0] + e.encode("Once upon a time, there was a")
+    acc = 0
+    for seed in range(6):
+        p = dict(temperature=1.0, top_k=8, max_tokens=12, seed=seed)
+        a = list(e.generate_ids(ids, SamplingParams(draft_k=2, **p)))
+        acc += e.last_spec_stats.accepted
+        assert a == list(e.generate_ids(ids, SamplingParams(draft_k=2, **p)))
+        assert a[0] == list(e.generate_ids(ids, SamplingParams(draft_k=0, **p)))[0]
+    assert acc > 0
