@@ -6,7 +6,10 @@ Owns:
   the FP32 sum in stream order divided by S (numpy's float32 mean over the stream axis, ds4lib.ref.model.run_layer).
 - `markov_add`: one draft position's logits, out[d] = base[i, d] + bias[0, d] in FP32 (ds4lib.ref.dspark.draft_tokens:
   the head's logits plus the Markov head's bias for the previous token).
-Does not own: the projections (q4k_gemv), the gathers (q4k_rows), the argmax (sampling), the confidence head.
+- `table_rows`: rows of an FP32 table by device ids (the Markov embedding where it is not stored in q4_K / Q8_0
+  blocks, which kernels.q4k_gemv.q4k_rows gathers).
+Does not own: the projections (q4k_gemv), the block-format gathers (q4k_rows), the argmax (sampling), the confidence
+head.
 
 Shapes: T tokens, S streams, D hidden, F = n_targets * D feature width, B block size, V vocab.
 """
@@ -15,7 +18,8 @@ from numba import cuda
 
 from kernels.bf16 import round_bf16_device
 
-__all__ = ["dspark_features", "markov_add", "dspark_features_kernel", "markov_add_kernel", "SIGNATURES"]
+__all__ = ["dspark_features", "markov_add", "table_rows", "dspark_features_kernel", "markov_add_kernel",
+           "table_rows_kernel", "SIGNATURES"]
 
 THREADS = 128
 
@@ -43,9 +47,19 @@ def markov_add_kernel(base, row, bias, out):
         out[d] = base[row, d] + bias[0, d]
 
 
+@cuda.jit(cache=True)
+def table_rows_kernel(table, ids, out):
+    """out[t, k] = table[ids[t], k]."""
+    n_tok, k_len = out.shape
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if g < n_tok * k_len:
+        out[g // k_len, g % k_len] = table[ids[g // k_len], g % k_len]
+
+
 SIGNATURES = {
     "dspark_features_kernel": "void(float32[:, :, :], int64, float32[:, :])",
     "markov_add_kernel": "void(float32[:, :], int64, float32[:, :], float32[:])",
+    "table_rows_kernel": "void(float32[:, :], int64[:], float32[:, :])",
 }
 
 
@@ -67,3 +81,14 @@ def markov_add(base, row, bias, out, stream=0):
         raise ValueError(f"markov_add: base {base.shape}, bias {bias.shape}, out {out.shape}, row {row} disagree")
     n = out.shape[0]
     markov_add_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](base, int(row), bias, out)
+
+
+def table_rows(table, ids, out, stream=0):
+    """table float32 [N, K], ids int64 [T] (device) -> out float32 [T, K]."""
+    if table.dtype != np.float32 or ids.dtype != np.int64 or len(ids.shape) != 1 \
+            or tuple(out.shape) != (ids.shape[0], table.shape[1]):
+        raise ValueError(f"table_rows: table {table.shape} (float32), ids {ids.shape} (int64) and out {out.shape} "
+                         f"disagree")
+    n = out.shape[0] * out.shape[1]
+    if n:
+        table_rows_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](table, ids, out)

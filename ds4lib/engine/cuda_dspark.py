@@ -13,7 +13,7 @@ Owns `CudaDraft`, bound to a CudaBackend whose weights include the stages (cuda_
   start_pos + B, each block row attending to every context row of the ring (in position order, as the reference
   concatenates them) and to every block row, the rings read, not written; then the draft head: base logits
   head(norm(y)), per position the Markov bias of the previous token (its embedding row gathered from the q8_0 / q4_K
-  table, the head GEMV, kernels.dspark.markov_add) and the draft as the device argmax (kernels.sampling at
+  table, or from an FP32 copy of an F16 one, the head GEMV, kernels.dspark.markov_add) and the draft as the device argmax (kernels.sampling at
   temperature 0: the lowest index among equal maxima, as np.argmax), or `pick(logits_row)` on the host for sampled
   drafts (the row is copied back, the drawn token uploaded). The confidence logits are formed on the host from the
   collapsed state and the Markov rows by the reference's own FP32 linear (B x (D + R) values).
@@ -28,11 +28,18 @@ import numpy as np
 import kernels  # noqa: F401  (numpy 2.5 alias for numba-cuda before anything compiles)
 from numba import cuda
 
+from ds4lib.formats.floats import bf16_bits_to_f32
 from ds4lib.ref.dspark import Proposal
 from ds4lib.ref.linear import linear_f32
 from kernels import attention, dspark, hc, q4k_gemv, rms_norm, sampling
 
 __all__ = ["CudaDraft"]
+
+
+def _host_f32(w):
+    """A device weight (a cuda_weights.Lin of BF16 bits or FP32, or a plain FP32 array) as a host FP32 array."""
+    a = getattr(w, "w", w).copy_to_host()
+    return bf16_bits_to_f32(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 class _DraftCall:
@@ -54,10 +61,13 @@ class CudaDraft:
         self.stages = [r.layer for r in be.roles[cfg.n_layers:cfg.n_all_layers]]
         self.B = cfg.dspark_block_size
         last = be.L[cfg.n_all_layers - 1]
-        self.emb = last["markov_head.embed.weight"]
-        if getattr(self.emb, "kind", None) not in ("q4_K", "q8_0"):
-            raise ValueError("the Markov embedding must be stored as q4_K or Q8_0 blocks (gathered by q4k_rows)")
-        self.conf_w = last["confidence_head.proj.weight"].copy_to_host().astype(np.float32)   # [1, D + R]
+        emb = last["markov_head.embed.weight"]
+        if getattr(emb, "kind", None) in ("q4_K", "q8_0"):
+            self._gather = lambda ids, out: q4k_gemv.q4k_rows(emb.w, ids, kind=emb.kind, out=out, stream=be.stream)
+        else:                                           # F16 (R not a multiple of 32) or stored: an FP32 table
+            table = cuda.to_device(_host_f32(emb), stream=be.stream)
+            self._gather = lambda ids, out: dspark.table_rows(table, ids, out, stream=be.stream)
+        self.conf_w = _host_f32(last["confidence_head.proj.weight"])   # [1, D + R]
 
     # ------------------------------------------------------------------ context rings
     def add_rings(self, st) -> None:
@@ -144,7 +154,7 @@ class CudaDraft:
         bias = be._buf("d_bias", (1, V))
         zeros = be._const_arr(("d_zero_i64", 1), lambda: np.zeros(1, dtype=np.int64))
         for i in range(B):
-            q4k_gemv.q4k_rows(self.emb.w, tokens[i:i + 1], kind=self.emb.kind, out=m[i:i + 1], stream=s)
+            self._gather(tokens[i:i + 1], m[i:i + 1])
             be._linear(m[i:i + 1], wl["markov_head.head.weight"], quantize=False, bf16=False, out=bias)
             dspark.markov_add(base, i, bias, logits[i], stream=s)
             if pick is None:

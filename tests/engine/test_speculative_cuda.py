@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds4lib.engine import Engine, cuda_state
-from ds4lib.formats.floats import bf16_bits_to_f32
+from ds4lib.formats.floats import bf16_bits_to_f32, round_bf16
 from tests.engine.test_engine_cuda import TINY_BASE, TINY_CKPT, TOKENIZER, gpu, micro_config  # noqa: F401
 from tests.kernels.tolerances import assert_matches
 
@@ -100,18 +100,23 @@ def test_micro_rollback_refuses_misuse(spec_micro):
 
 
 def _check_draft(cpu, cuda, prompt, anchor, with_pick):
-    """Features, context rings and proposals of the CUDA backend against the CPU backend's on the same prompt (the
-    rings appended from the CPU's features, so that the draft is compared on the same context): values within
-    TOL["dspark_draft"], greedy drafts equal wherever the CPU's top-1 leads its runner-up clearly and the previous
-    drafts agree. Returns the number of draft positions compared."""
+    """The CUDA forward's DSpark features against its own states entering the target layers (exact: the backbone's
+    CUDA-vs-CPU drift is test_engine_cuda's subject, and ds4-tiny's forward is chaotic); then context rings and
+    proposals of the CUDA backend against the CPU backend's on the same context (both appended from the CPU's
+    features): values within TOL["dspark_draft"], greedy drafts equal wherever the CPU's top-1 leads its runner-up
+    clearly and the previous drafts agree. Returns the number of draft positions compared."""
     cb, gb = cpu.backend, cuda.backend
     cfg = cpu.cfg
     n = len(prompt)
     cs = cb.new_state()
     out_c = cb.forward(cs, prompt)
     gs = gb.new_state()
-    out_g = gb.forward(gs, prompt, last_only=True)
-    assert_matches("dspark_draft", gb.to_host(out_g.features), out_c.features)
+    seen = {}
+    out_g = gb.forward(gs, prompt, last_only=True,
+                       observer=lambda l, name, v: seen.__setitem__(l, v) if name == "block_in" else None)
+    want = np.concatenate([round_bf16(seen[l].mean(axis=1, dtype=np.float32))
+                           for l in sorted(cfg.dspark_target_layer_ids)], axis=1)
+    assert_matches("dspark_features", gb.to_host(out_g.features), want)
     cb.append_context(cs, out_c.features, np.arange(n))
     gb.draft.append_context(gs, out_c.features, np.arange(n))
     W = cfg.window_size
@@ -160,10 +165,31 @@ def test_micro_draft_matches_cpu(spec_micro):
 
 # --------------------------------------------------------------------------------------------- real GPU only
 @pytest.fixture(scope="module")
-def tiny_cuda(gpu):  # noqa: F811
-    if not TINY_BASE.exists():
-        pytest.skip("models/ds4-tiny-base.gguf is not built")
-    return Engine(TINY_BASE, engram_dir=TINY_CKPT, tokenizer_path=TOKENIZER, backend="cuda")
+def tiny_pair(gpu, request):  # noqa: F811
+    """(CPU engine, CUDA engine) of ds4-tiny when present, else of the random tiny stack (as test_engine_cuda)."""
+    if TINY_BASE.exists() and TINY_CKPT.is_dir():
+        base, ckpt = TINY_BASE, TINY_CKPT
+    else:
+        ckpt, base = request.getfixturevalue("tiny_stack")
+    return (Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER),
+            Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"))
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(tiny_pair):
+    return tiny_pair[1]
+
+
+TEXTS = ("The capital of France is Paris. The capital of Germany is",
+         "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+         "In 1905, Albert Einstein published four papers that")
+
+
+def _prompt(e, i):
+    """Prompt i: TEXTS[i] encoded (ds4-tiny), or random ids of the random tiny stack's vocabulary."""
+    if e.cfg.vocab_size >= 8192:
+        return [0] + e.encode(TEXTS[i])
+    return [0] + [int(t) for t in np.random.default_rng(i).integers(9, e.cfg.vocab_size - 1, 14)]
 
 
 @pytest.mark.cuda
@@ -172,21 +198,25 @@ def test_gpu_rollback_equals_feeding_only_the_kept_rows(tiny_cuda, length):
     """ds4-tiny (W = 64, a ratio-2 and a ratio-1 compressor, Engram): prompts shorter and longer than the window, odd
     and even, every kept count of a 5-row call, the next logits for every kept count."""
     rng = np.random.default_rng(length)
-    prompt = [0] + [int(t) for t in rng.integers(9, 8000, length - 1)]
-    rows = [int(t) for t in rng.integers(9, 8000, 5)]
+    V = tiny_cuda.cfg.vocab_size - 1
+    prompt = [0] + [int(t) for t in rng.integers(9, V, length - 1)]
+    rows = [int(t) for t in rng.integers(9, V, 5)]
     _check_rollback(tiny_cuda.backend, prompt, rows, 77, logits_for=range(6))
 
 
 @pytest.mark.cuda
-def test_gpu_draft_matches_cpu(tiny_cuda):
-    """ds4-tiny: features, rings and proposals against the CPU backend on judging-slice prompts; greedy drafts equal
-    where the CPU's margins are clear."""
-    from ds4lib.corpus.slices import load_slice
-    cpu = Engine(TINY_BASE, engram_dir=TINY_CKPT, tokenizer_path=TOKENIZER)
+def test_gpu_draft_matches_cpu(tiny_pair):
+    """ds4-tiny (or the random tiny stack): features, rings and proposals against the CPU backend on three prompts
+    (judging-slice texts on ds4-tiny); greedy drafts equal where the CPU's margins are clear."""
+    cpu, cuda = tiny_pair
     compared = 0
-    for d, n in (("english", 40), ("code", 70), ("law", 130)):
-        toks = [0] + [int(t) for t in load_slice(f"{d}/judge").tokens[0][:n]]
-        compared += _check_draft(cpu, tiny_cuda, toks[:-1], toks[-1], with_pick=(d == "english"))
+    for i, n in enumerate((40, 70, 130)):
+        if cuda.cfg.vocab_size >= 8192:
+            from ds4lib.corpus.slices import load_slice
+            toks = [0] + [int(t) for t in load_slice(f"{('english', 'code', 'law')[i]}/judge").tokens[0][:n]]
+        else:
+            toks = [0] + [int(t) for t in np.random.default_rng(i).integers(9, cuda.cfg.vocab_size - 1, n)]
+        compared += _check_draft(cpu, cuda, toks[:-1], toks[-1], with_pick=(i == 0))
     assert compared >= 3
 
 
@@ -227,27 +257,26 @@ def test_micro_greedy_speculative_equals_plain(spec_micro, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("text", ["The capital of France is Paris. The capital of Germany is",
-                                  "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-                                  "In 1905, Albert Einstein published four papers that"])
-def test_gpu_greedy_is_byte_identical_to_plain_for_every_k(tiny_cuda, text):
+@pytest.mark.parametrize("i", range(3))
+def test_gpu_greedy_is_byte_identical_to_plain_for_every_k(tiny_cuda, i):
     from ds4lib.engine import SamplingParams
     e = tiny_cuda
     assert e.speculative
-    ids = [0] + e.encode(text)
+    ids = _prompt(e, i)
     plain = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=40, draft_k=0)))
     for k in (1, 2, 4, None):
         got = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=40, draft_k=k)))
         assert got == plain, f"k={k}"
         assert e.last_spec_stats.rounds > 0
-    assert e.spec_stats.accepted > 0
+    if e.cfg.vocab_size >= 8192:                   # trained drafts (the random stack's are rarely right)
+        assert e.spec_stats.accepted > 0
 
 
 @pytest.mark.cuda
 def test_gpu_forced_drafts_right_or_wrong_at_every_position(tiny_cuda, monkeypatch):
     from ds4lib.engine import SamplingParams
     e = tiny_cuda
-    ids = [0] + e.encode("The capital of France is Paris. The capital of Germany is")
+    ids = _prompt(e, 0)
     plain = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=16, draft_k=0)))
     B = e.cfg.dspark_block_size
     for wrong in list(range(B)) + [None]:
@@ -267,7 +296,7 @@ def test_gpu_sampled_speculative_runs_and_keeps_plain_first_token(tiny_cuda):
     reproducible for a seed and k, its first token plain decoding's own, and drafts accepted."""
     from ds4lib.engine import SamplingParams
     e = tiny_cuda
-    ids = [0] + e.encode("Once upon a time, there was a")
+    ids = _prompt(e, 2)
     acc = 0
     for seed in range(6):
         p = dict(temperature=1.0, top_k=8, max_tokens=12, seed=seed)
@@ -275,4 +304,4 @@ def test_gpu_sampled_speculative_runs_and_keeps_plain_first_token(tiny_cuda):
         acc += e.last_spec_stats.accepted
         assert a == list(e.generate_ids(ids, SamplingParams(draft_k=2, **p)))
         assert a[0] == list(e.generate_ids(ids, SamplingParams(draft_k=0, **p)))[0]
-    assert acc > 0
+    assert acc > 0 or e.cfg.vocab_size < 8192

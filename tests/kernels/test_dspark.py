@@ -32,3 +32,13 @@ def test_markov_add_is_the_fp32_sum(cuda_ready):
     for row in range(4):
         markov_add(cuda.to_device(base), row, cuda.to_device(bias), out)
         assert_matches("markov_add", out.copy_to_host(), base[row] + bias[0])
+
+
+def test_table_rows_gathers_exact_rows(cuda_ready):
+    from kernels.dspark import table_rows
+    cuda = cuda_ready
+    table = np.random.default_rng(2).standard_normal((50, 16)).astype(np.float32)
+    ids = np.array([3, 49, 0, 3], dtype=np.int64)
+    out = cuda.device_array((4, 16), np.float32)
+    table_rows(cuda.to_device(table), cuda.to_device(ids), out)
+    np.testing.assert_array_equal(out.copy_to_host(), table[ids])
