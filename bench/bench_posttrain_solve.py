@@ -3,18 +3,22 @@
     set -a; . scripts/numerics.env; set +a
     .venv/bin/python bench/bench_posttrain_solve.py --base models/ds4-tiny-base.gguf \
         --zchain models/sidecars/finance --requests data/posttrain/general/day-1.jsonl --rivals 16 --tau 2 \
-        [--solver cg/jacobi --solver cg/block --solver dense] [--keep-positions N [--keep-slice finance/fit]] [--lam L]
-        [--probe-slice english/fit --probe-windows 1,5,12,18] [--rows-dir cache/posttrain_rows] [--capture-only]
+        [--solver cg/jacobi --solver cg/block --solver dense] [--lam L[,L...]] [--keep-positions N
+        [--keep-slice finance/fit] [--keep-rivals 4] [--keep-rho R[,R...]] [--keep-as-rows]]
+        [--probe-slice english/fit --probe-windows 1,4,19,22] [--rows-dir cache/posttrain_rows] [--capture-only]
 
 The rows come from ds4lib.posttrain.solve.collect_rows (generation and capture, as `ds4 posttrain` runs them) and,
 with --keep-positions, ds4lib.posttrain.keep.keep_rows (ordinary text, the sidecar's fit slice unless --keep-slice);
 both are kept in --rows-dir as .npz files keyed by what made them (requests file and its sha256 or the slices and
-positions, the stack, the rivals), so a second run measures the solve alone. The day's counts (flipped, kept) are
-over its own positions; "ordinary kept" over the ordinary ones. --probe-slice: positions of other windows (128 a
-window, top-1 against 16 rivals, not solved on) whose predicted top-1 the solution keeps: a linear proxy of what
-the ③ does to text it was not given (choose windows the keep rows do not use). Each --solver (dense, or cg/<preconditioner>) runs
-ds4lib.solvers.margins.solve_margins with the CLI's defaults otherwise and prints one JSON line: CG iterations and
-residual per lattice round, solve seconds, predicted flipped / kept.
+positions, the stack, the rivals; ordinary rows are captured with 16 rivals and cut to --keep-rivals), so a second
+run measures the solve alone. The ordinary rows weigh the ridge (ordinary_ridge, --keep-rho) as `ds4 posttrain` does,
+or with --keep-as-rows join the rows. The day's counts (flipped, kept) are over its own positions; "ordinary kept" is
+the predicted kept share of the ordinary positions solved on. --probe-slice: the predicted kept share of positions
+of other windows (128 a window, top-1 against 16 rivals, not solved on): a linear proxy of what the ③ does to text
+it was not given (choose windows the ordinary rows do not use; 1,024 positions of a 24-window slice use windows 0, 2,
+3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18, 20, 21, 23). Each --solver (dense, or cg/<preconditioner>) × --lam × --keep-rho
+runs ds4lib.solvers.margins.solve_margins with the CLI's defaults otherwise and prints one JSON line: CG iterations
+and residual per lattice round, solve seconds, predicted flipped / kept.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ def _cached(path: Path, make):
 
 
 def load_rows(*, base, zchain, requests, rivals: int, rows_dir, engram_dir=None, keep_positions: int = 0,
-              keep_slices=None):
+              keep_slices=None, keep_captured: int = 16):
     """(day's MarginProblem, ordinary text's MarginProblem or None, seconds spent capturing)."""
     from ds4lib.engine import Engine
     from ds4lib.posttrain.keep import keep_rows
@@ -59,8 +63,9 @@ def load_rows(*, base, zchain, requests, rivals: int, rows_dir, engram_dir=None,
     if not keep_positions:
         return day, None, s1
     names = "+".join(s.replace("/", "_") for s in keep_slices) if keep_slices else "fit"
-    keep, s2 = _cached(Path(rows_dir) / f"keep-{names}-{keep_positions}-{fnv}-r{rivals}.npz",
-                       lambda: keep_rows(engine, positions=keep_positions, slices=keep_slices, rivals=rivals).problem)
+    keep, s2 = _cached(Path(rows_dir) / f"keep-{names}-{keep_positions}-{fnv}-r{keep_captured}.npz",
+                       lambda: keep_rows(engine, positions=keep_positions, slices=keep_slices,
+                                         rivals=keep_captured).problem)
     return day, keep, s1 + s2
 
 
@@ -84,11 +89,21 @@ def _kept_share(q, delta) -> float:
     return round(float(ok.mean()), 5)
 
 
-def main(argv=None) -> int:
-    from ds4lib.posttrain.solve import KAPPA, LAM, RHO, RIVALS, ROUNDS, TAU
+def _subset_rivals(q, rivals: int, captured: int):
+    """The first `rivals` rows of each position of rows captured with `captured` rivals (the strongest first)."""
     import numpy as np
 
-    from ds4lib.solvers.margins import group_kinds, solve_margins, stack_problems
+    from ds4lib.solvers.margins import make_problem
+    sel = np.nonzero(np.arange(len(q.m)) % captured < rivals)[0]
+    return make_problem(ids=q.ids[sel], R=q.R[sel], m=q.m[sel], kind=q.kind[sel], n_experts=q.n_experts,
+                        group=q.group[sel])
+
+
+def main(argv=None) -> int:
+    import numpy as np
+
+    from ds4lib.posttrain.solve import KAPPA, KEEP_RHO, KEEP_RIVALS, LAM, RHO, RIVALS, ROUNDS, TAU
+    from ds4lib.solvers.margins import group_kinds, ordinary_ridge, solve_margins, stack_problems
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True)
     ap.add_argument("--zchain", required=True)
@@ -97,51 +112,59 @@ def main(argv=None) -> int:
     ap.add_argument("--rivals", type=int, default=RIVALS)
     ap.add_argument("--tau", type=float, default=TAU)
     ap.add_argument("--rho", type=float, default=RHO)
-    ap.add_argument("--lam", type=float, default=LAM)
+    ap.add_argument("--lam", default=str(LAM), help="comma-separated values: one solve each")
     ap.add_argument("--kappa", type=float, default=KAPPA)
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--max-iter", type=int, default=1000)
     ap.add_argument("--solver", action="append", default=None, help="dense | cg/jacobi | cg/block (repeatable)")
     ap.add_argument("--keep-positions", type=int, default=0)
     ap.add_argument("--keep-slice", action="append", default=None)
+    ap.add_argument("--keep-rivals", type=int, default=KEEP_RIVALS, help="≤ 16 (the rows are captured with 16)")
+    ap.add_argument("--keep-rho", default=str(KEEP_RHO), help="comma-separated values: one solve each")
+    ap.add_argument("--keep-as-rows", action="store_true")
     ap.add_argument("--probe-slice", action="append", default=None)
-    ap.add_argument("--probe-windows", default="1,5,12,18")
+    ap.add_argument("--probe-windows", default="1,4,19,22")
     ap.add_argument("--rows-dir", default="cache/posttrain_rows")
     ap.add_argument("--capture-only", action="store_true")
     a = ap.parse_args(argv)
     day, keep, cap_s = load_rows(base=a.base, zchain=a.zchain, requests=a.requests, rivals=a.rivals,
                                  rows_dir=a.rows_dir, engram_dir=a.engram_dir, keep_positions=a.keep_positions,
-                                 keep_slices=a.keep_slice)
-    p = day if keep is None else stack_problems([day, keep])
+                                 keep_slices=a.keep_slice, keep_captured=16)
+    keep = None if keep is None else _subset_rivals(keep, a.keep_rivals, 16)
     probes = {name: load_probe(base=a.base, zchain=a.zchain, engram_dir=a.engram_dir, rows_dir=a.rows_dir,
                                slice_name=name, windows=[int(w) for w in a.probe_windows.split(",")])
               for name in a.probe_slice or []}
-    n_day = len(day.m)
-    head = {"requests": a.requests, "rivals": a.rivals, "rows": int(len(p.m)), "day_rows": n_day,
-            "positions": int(p.group.max()) + 1, "keep_positions": a.keep_positions, "keep_slice": a.keep_slice,
-            "capture_seconds": round(cap_s, 1)}
+    p = stack_problems([day, keep]) if keep is not None and a.keep_as_rows else day
+    head = {"requests": a.requests, "rivals": a.rivals, "rows": int(len(p.m)), "day_rows": len(day.m),
+            "keep_positions": a.keep_positions, "keep_slice": a.keep_slice, "keep_rivals": a.keep_rivals,
+            "keep_as_rows": a.keep_as_rows, "capture_seconds": round(cap_s, 1)}
     if a.capture_only:
         print(json.dumps(head), flush=True)
         return 0
+    n_groups = int(day.group.max()) + 1
     for solver in a.solver or ["dense"]:
         method, _, pre = solver.partition("/")
-        t0 = time.perf_counter()
-        sol = solve_margins(p, a.tau, a.rho, a.lam, kappa=a.kappa, rounds=a.rounds, max_iter=a.max_iter,
-                            method=method, precond=pre or "block")
-        s = time.perf_counter() - t0
-        ok = np.bincount(p.group, weights=(sol.margins <= 0).astype(np.float64)) == 0      # [positions]
-        gk = group_kinds(p)
-        ordinary = np.zeros(len(ok), bool)
-        ordinary[p.group[n_day:]] = True
-        print(json.dumps({**head, "solver": solver, "tau": a.tau, "rho": a.rho, "lam": a.lam,
-                          "iterations": [r["iterations"] for r in sol.rounds],
-                          "residual": [float(f"{r['residual']:.2e}") for r in sol.rounds],
-                          "seconds": round(s, 2), "flipped": sol.flipped, "decisions": sol.n_decisions,
-                          "kept": int(ok[~gk & ~ordinary].sum()), "constraints": int((~gk & ~ordinary).sum()),
-                          "ordinary_kept": int(ok[ordinary].sum()), "ordinary": int(ordinary.sum()),
-                          "round": sol.round, "delta_max_abs": float(np.abs(sol.delta).max()),
-                          "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
-                          "probe_kept": {n: _kept_share(q, sol.delta) for n, q in probes.items()}}), flush=True)
+        for lam in [float(x) for x in a.lam.split(",")]:
+            for keep_rho in [float(x) for x in a.keep_rho.split(",")] if keep is not None else [0.0]:
+                ridge = None if keep is None or a.keep_as_rows else ordinary_ridge(keep, lam, keep_rho)
+                t0 = time.perf_counter()
+                sol = solve_margins(p, a.tau, a.rho, lam, kappa=a.kappa, rounds=a.rounds, max_iter=a.max_iter,
+                                    method=method, precond=pre or "block", ridge=ridge)
+                s = time.perf_counter() - t0
+                ok = np.bincount(p.group, weights=(sol.margins <= 0).astype(np.float64)) == 0      # [positions]
+                gk = group_kinds(p)
+                own = np.arange(len(ok)) < n_groups
+                print(json.dumps({**head, "solver": solver, "tau": a.tau, "rho": a.rho, "lam": lam,
+                                  "keep_rho": keep_rho, "iterations": [r["iterations"] for r in sol.rounds],
+                                  "residual": [float(f"{r['residual']:.2e}") for r in sol.rounds],
+                                  "seconds": round(s, 2), "flipped": int(ok[own & gk].sum()),
+                                  "decisions": int((own & gk).sum()), "kept": int(ok[own & ~gk].sum()),
+                                  "constraints": int((own & ~gk).sum()),
+                                  "ordinary_kept": None if keep is None else _kept_share(keep, sol.delta),
+                                  "round": sol.round, "delta_max_abs": float(np.abs(sol.delta).max()),
+                                  "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
+                                  "probe_kept": {n: _kept_share(q, sol.delta) for n, q in probes.items()}}),
+                      flush=True)
     return 0
 
 

@@ -41,10 +41,10 @@ what the engine reads.
 
 Ordinary text (ds4lib.posttrain.keep). A day's rows protect only the day's positions; the ③ of day 1 solved on them
 alone changed the ② stack's top-1 at 12 % (finance/fit) to 17 % (english/fit) of ordinary positions in a real forward
-and cost 1.66 / 2.71 pp of Same top-1 on finance/judge / english/judge. So `keep_positions` positions of the sidecar's
-fit slices give "keep top-1" rows (top-1 against `keep_rivals` rivals), and their normal matrix's diagonal, weight
-`keep_rho`, weighs the ridge per gain (solvers/margins.py "Weighted ridge"): gains that ordinary text routes through
-at large amplitude cost more. Solved as explicit constraint rows instead (`keep_as_rows`), 1,024 positions kept their
+and cost 1.66 / 2.71 pp of Same top-1 on finance/judge / english/judge. So `keep_positions` positions of the
+sidecar's fit slices and english/fit give "keep top-1" rows (top-1 against `keep_rivals` rivals), and their normal
+matrix's diagonal, weight `keep_rho`, weighs the ridge per gain (solvers/margins.py "Weighted ridge"): gains that
+ordinary text routes through at large amplitude cost more. Solved as explicit constraint rows instead (`keep_as_rows`), 1,024 positions kept their
 own top-1 but not that of other windows (BENCHMARKS.md); the diagonal generalises because it prices every channel.
 The day's counts and gates are over the day's own positions; the ordinary positions' predicted kept share is reported.
 
@@ -92,12 +92,12 @@ RHO = 1.0              # weight of a constraint row (a decision point weighs 1)
 LAM = 1e-2             # ridge on δ (> 0)
 RIVALS = 16            # rows per position: a against its strongest other tokens (solvers/margins.py "Groups")
 KAPPA = 0.25           # the margin a constraint row the FP4 rounding pushed down is held at (solvers/margins.py)
-ROUNDS = 4             # FP4 lattice rounds of the active set
+ROUNDS = 8             # FP4 lattice rounds of the active set
 MIN_FLIP = 0.9         # gate: predicted flipped share of the decision points
 MIN_KEPT = 0.997       # gate: predicted kept share of the constraint rows
-KEEP_POSITIONS = 1024  # ordinary-text positions whose "keep top-1" rows weigh the ridge (ds4lib.posttrain.keep)
+KEEP_POSITIONS = 2048  # ordinary-text positions whose "keep top-1" rows weigh the ridge (ds4lib.posttrain.keep)
 KEEP_RIVALS = 4        # rows per ordinary position
-KEEP_RHO = 1e4         # weight of the ordinary rows' squared changes in the ridge (solvers/margins.py "Weighted ridge")
+KEEP_RHO = 3e4         # weight of the ordinary rows' squared changes in the ridge (solvers/margins.py "Weighted ridge")
 REPORT = "report.json"
 
 
@@ -598,7 +598,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     or an iterable of Request / {"id", "prompt", "answer"} dicts) and write it to `out` if it passes the gates,
     else to `<out parent>/rejected/<out name>-<timestamp>/` (module docstring). `verify` (installed candidates
     only) measures the real numbers before the rename. `keep_positions` ordinary-text positions (from `keep_slices`,
-    names or {name: token windows}; default the sidecar's fit slices; 0: none) give "keep top-1" rows with
+    names or {name: token windows}; default the sidecar's fit slices and english/fit; 0: none) give "keep top-1" rows with
     `keep_rivals` rivals each, which weigh the ridge per gain with `keep_rho` (ordinary_ridge), or with
     `keep_as_rows` join the solve as constraint rows of weight ρ. `judge_slices` (default none: two minutes a slice) gates a verified
     candidate on Same top-1 against ② alone there (ds4lib.posttrain.judge; teacher `original`, default the Engram

@@ -69,7 +69,8 @@ def register(sub):
                    help=f"ordinary-text positions whose 'keep top-1' rows weigh the ridge (default {KEEP_POSITIONS}; "
                         f"0: none)")
     p.add_argument("--keep-slice", action="append", default=None,
-                   help="slice the ordinary positions come from (repeatable; default the sidecar's fit slices)")
+                   help="slice the ordinary positions come from (repeatable; default the sidecar's fit slices and "
+                        "english/fit)")
     p.add_argument("--keep-rivals", type=int_at_least(1), default=KEEP_RIVALS,
                    help=f"rows per ordinary position (default {KEEP_RIVALS})")
     p.add_argument("--keep-rho", type=finite_float(0.0), default=KEEP_RHO,

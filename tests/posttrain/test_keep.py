@@ -61,8 +61,8 @@ def test_keep_rows_are_each_positions_top1_against_its_rivals(factory):
     np.testing.assert_allclose(p.m[:len(want)], want, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="positions must be"):
         keep_rows(eng, positions=0, windows={"a": WINDOWS})
-    assert keep_slices(eng) == []                   # the micro sidecar's manifest names no fit slice
-    with pytest.raises(ValueError, match="no slice"):
+    assert keep_slices(eng) == ["english/fit"]      # the micro sidecar's manifest names no fit slice
+    with pytest.raises(ValueError, match="outside the vocabulary"):       # english/fit's tokens: vocabulary 8,192
         keep_rows(eng, positions=4)
 
 
@@ -97,5 +97,5 @@ def test_solve_posttrain_adds_ordinary_rows_and_gates_on_the_days_own(stack, cas
     assert alone.predicted["ordinary_positions"] == 0
     assert not rep.params["keep_as_rows"] and rows.params["keep_as_rows"]
     assert "weighing the ridge" in format_report(rep) and "as rows" in format_report(rows)
-    with pytest.raises(ValueError, match="ordinary text: no slice"):
+    with pytest.raises(ValueError, match="ordinary text: .*outside the vocabulary"):
         solve_posttrain(out=tmp_path / "d", keep_positions=4, **kw)
