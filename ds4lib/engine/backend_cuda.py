@@ -187,6 +187,10 @@ class CudaBackend:
         self.d_pos = cuda.device_array(1, np.int64, stream=s)
         self.d_rep = cuda.device_array(cfg.hc_mult, np.int64, stream=s)
         self.d_dead = cuda.device_array(1, np.uint8, stream=s)
+        # a decode step's outputs live as long as the backend: a replayed graph writes them whatever scratch was
+        # cleared since its capture (a scratch buffer looked up again after a clear would be a new, unwritten one)
+        self.d_logits_decode = cuda.device_array((1, cfg.vocab_size), np.float32, stream=s)
+        self.d_feat_decode = cuda.device_array((1, self.n_feat), np.float32, stream=s) if self.n_feat else None
         self.m_engram = {}
         if self.geo is None:
             return
@@ -221,9 +225,7 @@ class CudaBackend:
     def _buf(self, name, shape, dtype=np.float32, var=False):
         d = self.scr_var if var else self.scr
         key = (name, tuple(int(s) for s in shape), np.dtype(dtype).str)
-        if key not in d:
-            if var and len(d) >= _PRUNE_AT:
-                d.clear()
+        if key not in d:                 # (the context-dependent dict is pruned between calls only: _plan)
             d[key] = cuda.device_array(key[1], dtype, stream=self.stream)
         return d[key]
 
@@ -329,7 +331,7 @@ class CudaBackend:
             raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) == 1 and last_only and observer is None and state.log is None:
             logits = self._decode(state, int(ids[0]))
-            return ForwardOut(logits, self._buf("feat_decode", (1, self.n_feat)) if self.n_feat else None)
+            return ForwardOut(logits, self.d_feat_decode)
         T = len(ids)
         logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
@@ -351,6 +353,8 @@ class CudaBackend:
 
     def _plan(self, st, T, decode):
         """Sizes of a call at the state's position (module docstring); grows the caches it will write."""
+        if len(self.scr_var) >= _PRUNE_AT:                 # between calls: a capture must find the eager run's buffers
+            self.scr_var.clear()
         c = _Call(T, st.pos, decode)
         p0 = st.pos
         for r in self.roles[:self.cfg.n_layers]:
@@ -398,7 +402,7 @@ class CudaBackend:
         s = self.stream
         self._rope_tables(st.pos + 1)
         c = self._plan(st, 1, decode=True)
-        c.feat = self._buf("feat_decode", (1, self.n_feat)) if self.n_feat else None
+        c.feat = self.d_feat_decode
         s.synchronize()                                    # the previous step may still read the mapped inputs
         self.m_in[0] = st.pos
         self.m_in[1] = token
@@ -422,11 +426,11 @@ class CudaBackend:
                         old.close()
                 st.graphs = {key: self._capture(st, c)}     # None: this bucket stays eager
         self._commit(st, c)
-        return self._buf("logits_decode", (1, self.cfg.vocab_size))
+        return self.d_logits_decode
 
     def _decode_body(self, st, c):
         step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
-        return self._body(st, c, self.d_rep, "last", self._buf("logits_decode", (1, self.cfg.vocab_size)), None)
+        return self._body(st, c, self.d_rep, "last", self.d_logits_decode, None)
 
     def _capture(self, st, c):
         """The decode body captured as a graph, or None (with a warning) if capturing failed or a launcher
