@@ -1,10 +1,11 @@
 """"Keep top-1" rows of ordinary text for the ③ solve (docs/posttrain.md "Ordinary text"): positions of a slice's
 windows, teacher-forced through the engine's prefill (ds4lib.posttrain.capture.capture_text), each its top-1 against
-its strongest rivals as constraint rows (weight ρ, held at κ by the active set like the day's own positions).
+its strongest rivals. ds4lib.posttrain.solve uses them as a per-gain ridge (solvers/margins.py ordinary_ridge, the
+default) or as constraint rows beside the day's (`keep_as_rows`).
 
 Why. A day's solve protects only the positions of that day's answers, and the gains it needs are large (on day 1 of
 data/posttrain/general: last-layer channels scaled up to 5×); ② + ③ then lost 1.66 pp of Same top-1 on finance/judge
-and 2.71 pp on english/judge against ② alone (BENCHMARKS.md). Rows from ordinary text pin the gains' effect on
+and 2.71 pp on english/judge against ② alone (BENCHMARKS.md). Rows from ordinary text price the gains' effect on
 text the stack serves.
 
 Which text. The ② sidecar's own fit slices (its manifest's notes "fit", finance/fit for the finance sidecar) and
