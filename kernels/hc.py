@@ -23,7 +23,6 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
-from kernels.rms_norm import block_sum_rows_f64_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_pre_kernel",
