@@ -15,6 +15,7 @@ from ds4lib.formats.floats import bf16_bits_to_f32, round_bf16
 from tests.engine.test_engine_cuda import TINY_BASE, TINY_CKPT, TOKENIZER, gpu, micro_config  # noqa: F401
 from tests.kernels.tolerances import assert_matches
 
+MICRO_PROMPT = [5, 9, 11, 40, 2, 17, 33]
 ROLLBACK_ROWS = [20, 21, 22, 23, 24]          # one verify call: the anchor and 4 drafts
 NEXT = 30
 
@@ -39,6 +40,20 @@ def spec_micro(tmp_path_factory):
     return cpu, cuda
 
 
+@pytest.fixture(scope="module")
+def spec_micro_prompt(spec_micro):
+    """One simulated prefill of MICRO_PROMPT on the CUDA backend (~60 s under the simulator), shared by the rollback and
+    draft tests: (the state after it, which tests clone and never feed; its DSpark features on the host; the
+    observer's `block_in` of every layer). The observer only copies to the host: the state is the plain forward's."""
+    _, cuda = spec_micro
+    be = cuda.backend
+    st = be.new_state()
+    seen = {}
+    out = be.forward(st, MICRO_PROMPT, last_only=True,
+                     observer=lambda l, name, v: seen.__setitem__(l, v) if name == "block_in" else None)
+    return st, be.to_host(out.features).copy(), seen       # the features buffer is reused by the next call
+
+
 def _assert_live_equal(be, a, b, what):
     A, B = cuda_state.host_arrays(a, be._ratios), cuda_state.host_arrays(b, be._ratios)
     assert A.keys() == B.keys(), what
@@ -46,18 +61,24 @@ def _assert_live_equal(be, a, b, what):
         np.testing.assert_array_equal(A[k], B[k], err_msg=f"{what}: {k}")
 
 
-def _check_rollback(be, prompt, rows, nxt, logits_for):
+def _check_rollback(be, prompt, rows, nxt, logits_for, prefilled=None):
     """forward(rows) + rollback(m) leaves the state of feeding only rows[:m] (live content array for array), for
     every m; for m in `logits_for` the next decode step's logits equal those after feeding the kept rows, bit for
     bit. The state of feeding only rows[:m] comes from feeding rows one at a time (== one call, the backend's
-    prefill/decode identity)."""
+    prefill/decode identity). `prefilled`: a state that has been fed `prompt` and nothing else (cloned, never fed
+    here), instead of a prefill of its own."""
     s = be.stream
-    st = be.new_state()
-    be.forward(st, prompt, last_only=True)
+    if prefilled is None:
+        prefilled = be.new_state()
+        be.forward(prefilled, prompt, last_only=True)
+    assert prefilled.pos == len(prompt) and prefilled.log is None
+    st = cuda_state.clone(prefilled, s)
     chain = [cuda_state.clone(st, s)]
     chain_logits = []
     ref = cuda_state.clone(st, s)
-    for t in list(rows) + [nxt]:
+    # chain[len(rows) + 1] and the logits of nxt after all rows are read only when len(rows) is in logits_for: a
+    # simulated decode step less otherwise
+    for t in list(rows) + ([nxt] if len(rows) in logits_for else []):
         chain_logits.append(be.to_host(be.forward(ref, [t], last_only=True).logits).copy())
         chain.append(cuda_state.clone(ref, s))
     # chain[m]: after the prompt and rows[:m]; chain_logits[m]: the logits of feeding (rows + [nxt])[m] after it
@@ -75,13 +96,14 @@ def _check_rollback(be, prompt, rows, nxt, logits_for):
 
 
 @pytest.mark.slow
-def test_micro_rollback_equals_feeding_only_the_kept_rows(spec_micro):
+def test_micro_rollback_equals_feeding_only_the_kept_rows(spec_micro, spec_micro_prompt):
     """Prompt of 7 tokens, a 5-row verify call at positions 7..11: the ratio-2 compressor has a pending row at the
     mark and completes groups at 8 and 10, the ring (W = 8) wraps, and the slots of rejected rows held rows that the
     next query still reads. Every kept count 0..5; the next logits for 2 kept (a simulated forward costs ~30 s of
-    CI: the GPU tier checks the next logits of every kept count)."""
+    CI: the GPU tier checks the next logits of every kept count). The prompt's prefill is the module's shared one."""
     _, cuda = spec_micro
-    _check_rollback(cuda.backend, [5, 9, 11, 40, 2, 17, 33], ROLLBACK_ROWS, NEXT, logits_for=(2,))
+    _check_rollback(cuda.backend, MICRO_PROMPT, ROLLBACK_ROWS, NEXT, logits_for=(2,),
+                    prefilled=spec_micro_prompt[0])
 
 
 def test_micro_rollback_refuses_misuse(spec_micro):
@@ -100,24 +122,32 @@ def test_micro_rollback_refuses_misuse(spec_micro):
         be.rollback(st, mark, [3])
 
 
-def _check_draft(cpu, cuda, prompt, anchor, with_pick):
+def _check_draft(cpu, cuda, prompt, anchor, with_pick, prefilled=None):
     """The CUDA forward's DSpark features against its own states entering the target layers (exact: the backbone's
     CUDA-vs-CPU drift is test_engine_cuda's subject, and ds4-tiny's forward is chaotic); then context rings and
     proposals of the CUDA backend against the CPU backend's on the same context (both appended from the CPU's
     features): values within TOL["dspark_draft"], greedy drafts equal wherever the CPU's top-1 leads its runner-up
-    clearly and the previous drafts agree. Returns the number of draft positions compared."""
+    clearly and the previous drafts agree. Returns the number of draft positions compared. `prefilled`: (state fed
+    `prompt` only, its features on the host, the observer's block_in per layer), as spec_micro_prompt gives, instead
+    of a prefill of its own; the state is cloned, never changed."""
     cb, gb = cpu.backend, cuda.backend
     cfg = cpu.cfg
     n = len(prompt)
     cs = cb.new_state()
     out_c = cb.forward(cs, prompt)
-    gs = gb.new_state()
-    seen = {}
-    out_g = gb.forward(gs, prompt, last_only=True,
-                       observer=lambda l, name, v: seen.__setitem__(l, v) if name == "block_in" else None)
+    if prefilled is None:
+        gs = gb.new_state()
+        seen = {}
+        out_g = gb.forward(gs, prompt, last_only=True,
+                           observer=lambda l, name, v: seen.__setitem__(l, v) if name == "block_in" else None)
+        feats = gb.to_host(out_g.features)
+    else:
+        st0, feats, seen = prefilled
+        assert st0.pos == n and st0.log is None
+        gs = cuda_state.clone(st0, gb.stream)
     want = np.concatenate([round_bf16(seen[l].mean(axis=1, dtype=np.float32))
                            for l in sorted(cfg.dspark_target_layer_ids)], axis=1)
-    assert_matches("dspark_features", gb.to_host(out_g.features), want)
+    assert_matches("dspark_features", feats, want)
     cb.append_context(cs, out_c.features, np.arange(n))
     gb.draft.append_context(gs, out_c.features, np.arange(n))
     W = cfg.window_size
@@ -156,12 +186,13 @@ def _check_draft(cpu, cuda, prompt, anchor, with_pick):
 
 
 @pytest.mark.slow
-def test_micro_draft_matches_cpu(spec_micro):
+def test_micro_draft_matches_cpu(spec_micro, spec_micro_prompt):
     """The stage weights uploaded from the base file (VQ-12 experts), the DSpark features of the forward, the context
-    rows, and the proposal (head, Markov bias, confidence, greedy drafts and the host-pick path)."""
+    rows, and the proposal (head, Markov bias, confidence, greedy drafts and the host-pick path). The prompt's
+    prefill is the module's shared one."""
     cpu, cuda = spec_micro
     assert cuda.base.bits[cuda.cfg.n_layers] == 12
-    assert _check_draft(cpu, cuda, [5, 9, 11, 40, 2, 17, 33], 21, with_pick=True) >= 1
+    assert _check_draft(cpu, cuda, MICRO_PROMPT, 21, with_pick=True, prefilled=spec_micro_prompt) >= 1
 
 
 # --------------------------------------------------------------------------------------------- real GPU only
