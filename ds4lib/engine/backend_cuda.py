@@ -279,8 +279,29 @@ class CudaBackend:
         return self.draft.propose(state, anchor, start_pos, pick)
 
     def append_context(self, state, features, positions):
-        """DSpark context rows of fed positions from their features (ForwardOut.features) (cuda_dspark)."""
-        self.draft.append_context(state, features, positions)
+        """DSpark context rows of fed positions from their features (ForwardOut.features) (cuda_dspark); a decode
+        step's row is deferred (copied aside, appended with the next rows before a proposal)."""
+        if features is self.d_feat_decode and len(positions) == 1:
+            self.draft.defer(state, features, int(positions[0]))
+        else:
+            self.draft.append_context(state, features, positions)
+
+    # ------------------------------------------------------------------ prefix cache (ds4lib.engine.prefix_cache)
+    def copy_state(self, state):
+        """A device copy of a session state (cuda_state.clone): the prefix cache hands these out; graphs are
+        captured again for the copy on its first decode step."""
+        return cuda_state.clone(state, self.stream)
+
+    def state_nbytes(self, state) -> int:
+        return cuda_state.nbytes(state)
+
+    def park_state(self, state):
+        """A finished session's state handed to the prefix cache, which only copies it from now on: its decode graphs
+        are released."""
+        for g in state.graphs.values():
+            if g is not None:
+                g.close()
+        state.graphs = {}
 
     def mark(self, state):
         """Before a call whose rows may be partly rolled back (cuda_state.mark: snapshots what a call of up to

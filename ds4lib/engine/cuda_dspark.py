@@ -9,6 +9,9 @@ Owns `CudaDraft`, bound to a CudaBackend whose weights include the stages (cuda_
   backbone forward's `ForwardOut.features`): main_x = main_norm(main_proj(features)) (stage 0's weights), then each
   stage's window key of main_x written into its ring (the window_kv path of the backbone's attention); only the last W
   rows can reach a ring.
+- `defer(st, feature_row, position)`: a decode step's features copied to the state's pending rows (one device copy
+  instead of a context append's ~10 launches per plain step); the pending rows are appended in one call (two where
+  the slots wrap) before anything reads or writes the rings (`flush`: propose, append_context).
 - `propose(st, anchor, start_pos, pick)`: the stages over the block [anchor, noise...] at start_pos + 1 ..
   start_pos + B, each block row attending to every context row of the ring (in position order, as the reference
   concatenates them) and to every block row, the rings read, not written; then the draft head: base logits
@@ -76,8 +79,36 @@ class CudaDraft:
         st.dwin_all = cuda.device_array((n, W + self.B, cfg.head_dim), np.uint16, stream=s)
         st.dring_pos_all = cuda.to_device(np.full((n, W), -1, dtype=np.int64), stream=s)
         st.dring_host = np.full(W, -1, dtype=np.int64)
+        st.dfeat_pend = cuda.device_array((W, self.be.n_feat), np.float32, stream=s)
+        st.dpend = []
+
+    def defer(self, st, feature_row, position: int) -> None:
+        """Keep a decode step's features [1, F] (a device buffer the next step overwrites: copied now, on the stream)
+        as the pending context row of `position` (module docstring)."""
+        p = int(position)
+        if st.dpend and st.dpend[-1] + 1 != p:
+            self.flush(st)
+        W = self.cfg.window_size
+        st.dfeat_pend[p % W:p % W + 1].copy_to_device(feature_row, stream=self.be.stream)
+        st.dpend.append(p)
+
+    def flush(self, st) -> None:
+        """Append the pending context rows (`defer`), in position order."""
+        if not st.dpend:
+            return
+        W = self.cfg.window_size
+        P = np.asarray(st.dpend[-W:], dtype=np.int64)
+        st.dpend = []
+        slots = P % W
+        for seg in np.split(np.arange(len(P)), np.nonzero(np.diff(slots) != 1)[0] + 1):
+            a, b = int(slots[seg[0]]), int(slots[seg[-1]]) + 1
+            self._append(st, st.dfeat_pend[a:b], P[seg])
 
     def append_context(self, st, features, positions) -> None:
+        self.flush(st)
+        self._append(st, features, positions)
+
+    def _append(self, st, features, positions) -> None:
         be, cfg, s = self.be, self.cfg, self.be.stream
         W = cfg.window_size
         P = np.asarray(positions, dtype=np.int64)[-W:]
@@ -143,6 +174,7 @@ class CudaDraft:
         `logits` and `base_logits` of the Proposal stay on the device."""
         be, cfg, s = self.be, self.cfg, self.be.stream
         B, V, R = self.B, cfg.vocab_size, cfg.dspark_markov_rank
+        self.flush(st)
         y = self.hidden(st, anchor, start_pos)
         wl = be.L[cfg.n_all_layers - 1]
         yn = rms_norm.rms_norm(y, wl["norm.weight"], cfg.norm_eps, out=be._buf("d_yn", (B, cfg.dim)), stream=s)

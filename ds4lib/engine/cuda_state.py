@@ -32,7 +32,7 @@ from numba import cuda
 
 from kernels import compressor, window_snapshot
 
-__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone"]
+__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone", "nbytes"]
 
 MIN_ROWS = 16                      # first capacity of a compressed-row cache
 
@@ -80,6 +80,8 @@ class CudaState:
     dwin_all: object = None        # DSpark stages' context rings (cuda_dspark.CudaDraft.add_rings), or None
     dring_pos_all: object = None
     dring_host: np.ndarray | None = None
+    dfeat_pend: object = None      # float32 [W, F]: features of decode steps not yet appended (slot p % W)
+    dpend: list = field(default_factory=list)      # their positions, consecutive (cuda_dspark.CudaDraft.defer)
 
 
 @dataclass
@@ -177,12 +179,29 @@ def host_arrays(st: CudaState, ratios: dict) -> dict:
         out["dring"] = st.dwin_all.copy_to_host()[:, :len(st.dring_host)]
         out["dring_pos"] = st.dring_pos_all.copy_to_host()
         out["dring_host"] = st.dring_host.copy()
+        out["dpend"] = np.array(st.dpend, dtype=np.int64)
+        if st.dpend:
+            W = st.dfeat_pend.shape[0]
+            out["dfeat_pend"] = st.dfeat_pend.copy_to_host()[np.array(st.dpend[-W:]) % W]
     return out
 
 
+def nbytes(st: CudaState) -> int:
+    """Bytes a state holds (device buffers, each counted once, and the host Engram history): what the prefix cache
+    budgets a stored state at. Snapshot buffers of a mark and captured graphs are not counted (a stored state has
+    neither: ds4lib.engine.backend_cuda.CudaBackend.park_state)."""
+    bufs = [st.win_all, st.ring_pos_all, *st.pend_kv.values(), *st.pend_sc.values(),
+            *(r.buf for r in st.ckv.values()), *(r.buf for r in st.idxk.values()),
+            st.dwin_all, st.dring_pos_all, st.dfeat_pend]
+    total = sum(int(b.nbytes) for b in bufs if b is not None)
+    if st.hist is not None:
+        total += int(np.asarray(st.hist).nbytes)
+    return total
+
+
 def clone(st: CudaState, stream) -> CudaState:
-    """A device copy of a state (tests and diagnostics; an open mark's snapshot and row log are shared, not copied).
-    Decode graphs are not carried over: they point at the original's buffers."""
+    """A device copy of a state (the prefix cache's copies; tests and diagnostics). An open mark's snapshot and row
+    log are shared, not copied. Decode graphs are not carried over: they point at the original's buffers."""
     def dup(a):
         b = cuda.device_array(a.shape, a.dtype, stream=stream)
         b.copy_to_device(a, stream=stream)
@@ -204,4 +223,5 @@ def clone(st: CudaState, stream) -> CudaState:
                     log=None if st.log is None else dict(st.log), calls=st.calls, snap=st.snap)
     if st.dwin_all is not None:
         out.dwin_all, out.dring_pos_all, out.dring_host = dup(st.dwin_all), dup(st.dring_pos_all), st.dring_host.copy()
+        out.dfeat_pend, out.dpend = dup(st.dfeat_pend), list(st.dpend)
     return out

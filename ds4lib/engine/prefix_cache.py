@@ -127,10 +127,13 @@ class CacheEntry:
     """One stored session: the tokens its state holds, the state, the DSpark features of its prefill calls."""
     __slots__ = ("tokens", "state", "features", "nbytes")
 
-    def __init__(self, tokens, state, features):
+    def __init__(self, tokens, state, features, state_bytes: int | None = None):
+        """`state_bytes`: the state's size where it is not a tree of host arrays (a device state); else summed from
+        its arrays."""
         self.tokens, self.state, self.features = tuple(tokens), state, list(features)
-        self.nbytes = (sum(a.nbytes for a in state_arrays(state).values())
-                       + sum(np.asarray(f).nbytes for f in self.features) + 8 * len(self.tokens))
+        if state_bytes is None:
+            state_bytes = sum(a.nbytes for a in state_arrays(state).values())
+        self.nbytes = int(state_bytes) + sum(np.asarray(f).nbytes for f in self.features) + 8 * len(self.tokens)
 
 
 def _key(fingerprint: str, tokens) -> str:
@@ -285,11 +288,13 @@ class PrefixCache:
     """LRU of finished sessions' states under `max_bytes`, optionally backed by a KvDiskStore.
 
     `new_state()` makes a fresh backend state (the template a disk snapshot is loaded into), `copy_state(s)` a deep
-    copy. Thread-safe (one lock), though the engine calls it from one thread."""
+    copy, `state_nbytes(s)` (optional) a state's size where it is not a tree of host arrays (the CUDA backend's
+    device states; they have no disk tier). Thread-safe (one lock), though the engine calls it from one thread."""
 
-    def __init__(self, *, max_bytes: int, new_state, copy_state, disk: KvDiskStore | None = None):
+    def __init__(self, *, max_bytes: int, new_state, copy_state, disk: KvDiskStore | None = None,
+                 state_nbytes=None):
         self.max_bytes, self.disk = int(max_bytes), disk
-        self._new_state, self._copy_state = new_state, copy_state
+        self._new_state, self._copy_state, self._state_nbytes = new_state, copy_state, state_nbytes
         self._entries: OrderedDict = OrderedDict()         # tokens tuple -> CacheEntry, least recently used first
         self._lock = threading.Lock()
         self.bytes = 0
@@ -330,7 +335,8 @@ class PrefixCache:
         """Take ownership of a finished session's state holding `tokens`."""
         if not tokens:
             return
-        entry = CacheEntry(tokens, state, features)
+        entry = CacheEntry(tokens, state, features,
+                           None if self._state_nbytes is None else self._state_nbytes(state))
         with self._lock:
             self._put(entry)
         if self.disk is not None:

@@ -150,9 +150,11 @@ class Scheduler:
     """Chooses k per round: k* = argmax_k (1 + sum_{j<=k} a_j) / (c_draft + c_v1 + c_tok * (1 + k)), survival
     a_j = rho * prod_{i<=j} sigmoid(c_i) (clipped to 1), against a plain step (rate 1 / c_plain; no draft).
 
-    All costs are this request's wall clock: c_draft of the draft rounds, c_plain of the plain steps, and the line
-    c_v1 + c_tok * rows fitted by least squares to the mean verify time at each row count (a plain step counts as
-    one row). rho = (first-position hits + 1) / (sum of sigmoid(c_1) over the request's rounds + 1): one pseudo-round
+    All costs are this request's wall clock, each the least of its last RECENT observations (a step's cost is a
+    floor plus one-off delays: the first step of a new cache bucket captures a CUDA graph, a kernel compiles, the
+    collector runs; a mean let one such step make plain decoding look slow for the rest of a request): c_draft of
+    the draft rounds, c_plain of the plain steps, and the line c_v1 + c_tok * rows fitted by least squares to the
+    verify time at each row count (a plain step counts as one row). rho = (first-position hits + 1) / (sum of sigmoid(c_1) over the request's rounds + 1): one pseudo-round
     that hit keeps a first miss from setting rho to 0 for good. Warm-up: the first round verifies the longest block,
     then a plain step gives the line its second point. Exploration: once the plain steps since the last round have
     cost `explore` times a one-draft round, a round is drafted anyway (rho would otherwise never be measured again
@@ -163,6 +165,7 @@ class Scheduler:
 
     EXPLORE = 4.0
     EXPLORE_MAX = 1024.0
+    RECENT = 8
 
     def __init__(self, block: int, fixed_k: int | None = None):
         self.block, self.fixed_k = block, fixed_k
@@ -194,6 +197,10 @@ class Scheduler:
             self.explore = self.EXPLORE if kept > 0 else min(2.0 * self.explore, self.EXPLORE_MAX)
 
     # -------------------------------------------------------------- model
+    def _cost(self, samples) -> float:
+        """The least of the last RECENT observations (class docstring)."""
+        return float(min(samples[-self.RECENT:]))
+
     @property
     def rho(self) -> float:
         return (self.hits + 1.0) / (self.sigma0 + 1.0)
@@ -206,8 +213,8 @@ class Scheduler:
         if len(self.verify_s) < 2:
             return None
         rows = np.array(sorted(self.verify_s), dtype=np.float64)
-        t = np.array([np.mean(self.verify_s[r]) for r in sorted(self.verify_s)])
-        w = np.array([len(self.verify_s[r]) for r in sorted(self.verify_s)], dtype=np.float64)
+        t = np.array([self._cost(self.verify_s[r]) for r in sorted(self.verify_s)])
+        w = np.array([min(len(self.verify_s[r]), self.RECENT) for r in sorted(self.verify_s)], dtype=np.float64)
         A = np.stack([np.ones_like(rows), rows], axis=1) * np.sqrt(w)[:, None]
         c_v1, c_tok = np.linalg.lstsq(A, t * np.sqrt(w), rcond=None)[0]
         return max(float(c_v1), 0.0), max(float(c_tok), 1e-9)
@@ -215,7 +222,7 @@ class Scheduler:
     def _best(self, a, kmax: int):
         """(k, tokens per second) of the best k in 1..kmax for survival a."""
         c_v1, c_tok = self.line()
-        c_draft = float(np.mean(self.draft_s))
+        c_draft = self._cost(self.draft_s)
         ks = np.arange(1, kmax + 1)
         rate = (1 + np.cumsum(a[:kmax])) / (c_draft + c_v1 + c_tok * (1 + ks))
         i = int(np.argmax(rate))
@@ -233,11 +240,11 @@ class Scheduler:
         if self.line() is None:
             return False
         c_v1, c_tok = self.line()
-        c_plain = float(np.mean(self.plain_s)) if self.plain_s else c_v1 + c_tok
+        c_plain = self._cost(self.plain_s) if self.plain_s else c_v1 + c_tok
         a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
         if self._best(a, kmax)[1] > 1.0 / c_plain:
             return True
-        round1 = float(np.mean(self.draft_s)) + c_v1 + 2.0 * c_tok      # a one-draft round
+        round1 = self._cost(self.draft_s) + c_v1 + 2.0 * c_tok           # a one-draft round
         return self.plain_since >= self.explore * round1
 
     def choose(self, conf, kmax: int) -> int:
@@ -267,13 +274,14 @@ def generate_speculative(engine, s, logits, params, seed: int, sched: Scheduler,
             engine._check_room(s, 1)
             t0 = _now()
             out = backend.forward(s.state, [tok], last_only=True)
-            row = backend.to_host(out.logits)[-1]
-            sched.observe_plain(_now() - t0)
-            backend.append_context(s.state, out.features, [s.position])
-            s.tokens.append(tok)
-            stats.plain_steps += 1
+            row = out.logits[-1]                   # sampled where it lives, as plain decoding does (no host copy)
+            pos, fed = s.position, tok
             tok = backend.sample(row, params, seed, emitted) if params.temperature == 0 else \
-                _bonus(backend, params, seed)(row, s.position)
+                _bonus(backend, params, seed)(row, pos + 1)
+            sched.observe_plain(_now() - t0)       # the step's cost up to its token (sampling waits for the step)
+            backend.append_context(s.state, out.features, [pos])
+            s.tokens.append(fed)
+            stats.plain_steps += 1
             emitted += 1
             yield tok
             continue

@@ -21,14 +21,14 @@ def add_engine_args(p, model_required: bool = True):
 
 
 def add_prefix_cache_args(p, default_mb: float = 0.0):
-    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server). The default
-    applies to the CPU backend; the CUDA backend has no state snapshots yet, so there it defaults to off."""
+    """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server). With --cuda the
+    states stay in device memory, and there is no disk tier yet."""
     p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=None,
-                   help=f"memory for recent sessions' states, reused by requests that extend them (default "
-                        f"{default_mb:g} on the CPU backend, off with --cuda; 0 = off)")
+                   help=f"memory for recent sessions' states (device memory with --cuda), reused by requests that "
+                        f"extend them (default {default_mb:g}; 0 = off)")
     p.set_defaults(prefix_cache_default_mb=default_mb)
     p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
-                                                       "survives restarts)")
+                                                       "survives restarts; CPU backend)")
     p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
                    help="size cap of --kv-disk-dir (default 4096)")
 
@@ -40,7 +40,7 @@ def open_engine(args, *, warm_up: bool = True):
     from ds4lib.engine import Engine
     cache = {k: getattr(args, k) for k in ("prefix_cache_mb", "kv_disk_dir", "kv_disk_mb") if hasattr(args, k)}
     if cache and cache["prefix_cache_mb"] is None:
-        cache["prefix_cache_mb"] = 0.0 if args.cuda else args.prefix_cache_default_mb
+        cache["prefix_cache_mb"] = args.prefix_cache_default_mb
     engine = Engine(args.model, zchain=args.zchain, posttrain=args.posttrain, engram_dir=args.engram_dir,
                     backend="cuda" if args.cuda else "cpu", mem_budget_mb=args.mem_budget_mb,
                     dspark=not getattr(args, "no_dspark", False), **cache)

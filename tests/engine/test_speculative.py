@@ -154,6 +154,30 @@ def test_scheduler_picks_from_measured_costs():
     assert not spec.Scheduler(4, fixed_k=0).want_draft(4)
 
 
+def test_one_slow_step_does_not_decide_the_request():
+    """Costs are the least of the recent observations: a first plain step that captured a CUDA graph (or compiled a
+    kernel) at 10 times the steady cost must not make drafting look cheaper for the rest of the request, and one slow
+    verify call must not make it look dearer."""
+    s = spec.Scheduler(4)
+    s.observe_draft(0.01, np.zeros(4))
+    s.observe_verify(5, 0.05, np.zeros(4), 1)
+    s.observe_plain(0.1)                                              # the step that captured the graph
+    s.observe_plain(0.01)
+    assert not s.want_draft(4)                # best k: 1.67 tokens per 0.03 s < 1 per 0.01 s (a mean: 1 per 0.055 s)
+    assert s._cost(s.plain_s) == 0.01
+    fast = spec.Scheduler(4)
+    fast.observe_draft(0.001, np.full(4, 8.0))
+    fast.observe_verify(5, 0.012, np.full(4, 8.0), 4)
+    fast.observe_plain(0.01)
+    assert fast.want_draft(4)
+    fast.observe_verify(5, 1.0, np.full(4, 8.0), 4)                  # one stalled verify call
+    assert fast.line()[1] == pytest.approx(0.0005) and fast.want_draft(4)
+    fast.plain_s = [0.01] * 9 + [0.02]                               # only the last RECENT observations count
+    assert fast._cost(fast.plain_s) == 0.01
+    fast.plain_s = [0.001] + [0.02] * 8
+    assert fast._cost(fast.plain_s) == 0.02
+
+
 def test_a_first_miss_does_not_end_drafting():
     """rho keeps a prior pseudo-hit, and plain steps worth `explore` one-draft rounds trigger a round anyway; the
     interval doubles while first drafts keep failing and resets on a hit."""

@@ -25,12 +25,12 @@ def _run(args, timeout=120, **kw):
                           timeout=timeout, **kw)
 
 
-def test_prefix_cache_default_follows_the_backend(monkeypatch):
+def test_prefix_cache_is_on_by_default_on_both_backends(monkeypatch):
     import ds4lib.engine
     from ds4lib.tools.engine_args import open_engine
     seen = {}
     monkeypatch.setattr(ds4lib.engine, "Engine", lambda *a, **kw: seen.update(kw))
-    for flags, mb in (([], 1024.0), (["--cuda"], 0.0), (["--cuda", "--prefix-cache-mb", "5"], 5.0),
+    for flags, mb in (([], 1024.0), (["--cuda"], 1024.0), (["--cuda", "--prefix-cache-mb", "5"], 5.0),
                       (["--prefix-cache-mb", "0"], 0.0)):
         open_engine(build_parser().parse_args(["-m", "b", *flags]), warm_up=False)
         assert seen["prefix_cache_mb"] == mb, flags

@@ -1,0 +1,193 @@
+"""Session states of the CUDA backend beyond a forward: the deferred DSpark context rows of speculative decoding
+(ds4lib.engine.cuda_dspark.CudaDraft.defer / flush; issue 13) and device copies for the prefix cache
+(CudaBackend.copy_state / state_nbytes / park_state; issue 15).
+
+- Deferred rows: a plain decode step inside speculative decoding copies its features aside instead of appending them
+  (about ten launches a step), and the pending rows are appended before a proposal reads the rings. Deferred then
+  flushed must leave the rings exactly as appending every row at once.
+- Prefix cache: a stored state is copied out whole (live content array for array, no shared buffer), budgeted at its
+  device bytes; the disk tier is refused on this backend; a second turn resumes with exactly a cold prefill's logits
+  (GPU tier, ds4-tiny).
+The `test_micro_*` tests run under the simulator in CI (no backbone forward: appends, proposals, synthetic states) on
+the micro model with a DSpark stage; `test_gpu_*` need a real GPU.
+"""
+import numpy as np
+import pytest
+
+from ds4lib.engine import Engine, EngineError, SamplingParams, cuda_state
+from ds4lib.engine.prefix_cache import PrefixCache
+from tests.engine.test_engine_cuda import TINY_BASE, TINY_CKPT, TOKENIZER, gpu  # noqa: F401
+from tests.engine.test_speculative_cuda import spec_micro_config
+
+
+@pytest.fixture(scope="module")
+def micro_stack(tmp_path_factory):
+    """(base file, checkpoint, CUDA backend) of the micro model with a DSpark stage."""
+    from ds4lib.quant.base_file import quantize_checkpoint
+    from ds4lib.synth import write_random_checkpoint
+    root = tmp_path_factory.mktemp("defer_micro")
+    ckpt = write_random_checkpoint(root / "ckpt", spec_micro_config(), seed=1)
+    quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
+    be = Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda").backend
+    return root / "base.gguf", ckpt, be
+
+
+@pytest.fixture(scope="module")
+def draft_backend(micro_stack):
+    return micro_stack[2]
+
+
+def _rings(be, st):
+    a = cuda_state.host_arrays(st, be._ratios)
+    return {k: v for k, v in a.items() if k.startswith("dring") or k.startswith("dpend") or k == "dfeat_pend"}
+
+
+def test_micro_deferred_rows_flush_to_the_rings_of_one_append(draft_backend, monkeypatch):
+    """A prompt's rows appended at once, then decode-step rows deferred one by one across the ring's wrap (W = 8:
+    positions 5..17 wrap at 8 and 16): after a flush, rings and positions equal those of appending the rows
+    directly. A proposal flushes before it reads the rings, and a verify call's rows appended after deferred ones keep
+    position order (the pending rows go first)."""
+    be = draft_backend
+    from numba import cuda
+    F = be.n_feat
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((24, F)).astype(np.float32)
+    row = cuda.device_array((1, F), np.float32)
+    direct, lazy = be.new_state(), be.new_state()
+    be.draft.append_context(direct, feats[:5], np.arange(5))
+    be.draft.append_context(lazy, feats[:5], np.arange(5))
+    be.draft.append_context(direct, feats[5:18], np.arange(5, 18))
+    for p in range(5, 18):
+        row.copy_to_device(feats[p:p + 1])
+        be.draft.defer(lazy, row, p)                     # the source buffer is overwritten by the next step
+    assert lazy.dpend == list(range(5, 18))
+    assert _rings(be, direct)["dring_pos"].tolist() != _rings(be, lazy)["dring_pos"].tolist()
+
+    class Read(Exception):
+        pass
+
+    def hidden(st, anchor, start_pos):                   # what a proposal reads first: the rings
+        assert st.dpend == []
+        for k, v in _rings(be, direct).items():
+            np.testing.assert_array_equal(_rings(be, st)[k], v, err_msg=k)
+        raise Read
+    monkeypatch.setattr(be.draft, "hidden", hidden)
+    with pytest.raises(Read):
+        be.propose(lazy, 3, 17)
+    monkeypatch.undo()
+    for p in (18, 19):                                   # deferred rows, then a verify call's rows
+        row.copy_to_device(feats[p:p + 1])
+        be.draft.defer(lazy, row, p)
+    be.draft.append_context(direct, feats[18:23], np.arange(18, 23))
+    be.append_context(lazy, feats[20:23], [20, 21, 22])   # a host array: appended at once, after the pending
+    for k, v in _rings(be, direct).items():
+        np.testing.assert_array_equal(_rings(be, lazy)[k], v, err_msg=k)
+
+
+def test_micro_a_gap_in_deferred_positions_flushes_first(draft_backend):
+    """Deferred positions must be consecutive: a later position after a gap (a round's rows went straight to the
+    rings) flushes what is pending before it is kept."""
+    be = draft_backend
+    from numba import cuda
+    F = be.n_feat
+    rng = np.random.default_rng(1)
+    feats = rng.standard_normal((12, F)).astype(np.float32)
+    row = cuda.device_array((1, F), np.float32)
+    direct, lazy = be.new_state(), be.new_state()
+    for st in (direct, lazy):
+        be.draft.append_context(st, feats[:3], np.arange(3))
+    for p in (3, 4, 9):
+        be.draft.append_context(direct, feats[p:p + 1], [p])
+        row.copy_to_device(feats[p:p + 1])
+        be.draft.defer(lazy, row, p)
+    assert lazy.dpend == [9]
+    be.draft.flush(lazy)
+    for k, v in _rings(be, direct).items():
+        np.testing.assert_array_equal(_rings(be, lazy)[k], v, err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------------- prefix cache
+def _live(be, st):
+    return cuda_state.host_arrays(st, be._ratios)
+
+
+def test_micro_stored_states_are_copied_out_whole_and_budgeted(draft_backend):
+    """A state with content in every part (synthetic rings and caches, pending draft rows) stored in the prefix cache
+    and looked up: the copy has the same live content and shares no buffer (writing the copy leaves the stored
+    state as it was); the entry is budgeted at the state's device bytes, and the LRU keeps within its budget."""
+    be = draft_backend
+    from numba import cuda
+    st = be.synthetic_state(13, seed=3)
+    row = cuda.device_array((1, be.n_feat), np.float32)
+    row.copy_to_device(np.random.default_rng(2).standard_normal((1, be.n_feat)).astype(np.float32))
+    be.draft.defer(st, row, 13)
+    want = _live(be, st)
+    n = cuda_state.nbytes(st)
+    assert n >= sum(a.nbytes for k, a in want.items() if k.startswith(("ring", "ckv", "dring")))
+    cache = PrefixCache(max_bytes=3 * n, new_state=be.new_state, copy_state=be.copy_state,
+                        state_nbytes=be.state_nbytes)
+    tokens = list(range(5, 19))
+    be.park_state(st)
+    cache.store(tokens, st)
+    assert cache.bytes == n + 8 * len(tokens)
+    got, _, reused = cache.lookup(tokens + [7, 8])
+    assert reused == len(tokens) and got is not st
+    for k, v in want.items():
+        np.testing.assert_array_equal(_live(be, got)[k], v, err_msg=k)
+    from kernels import step
+    for a in (got.win_all, got.dwin_all):                                       # the copy is written ...
+        step.fill_bits(a.reshape(a.shape[0], -1), 99, 1.0)
+    got.dfeat_pend.copy_to_device(np.zeros(got.dfeat_pend.shape, np.float32))
+    be.draft.flush(got)
+    for k, v in want.items():                                                   # ... the stored state is not
+        np.testing.assert_array_equal(_live(be, st)[k], v, err_msg=k)
+    for i in range(4):                                                          # an LRU of 3 entries' bytes
+        cache.store([100 + i] * (i + 1), be.synthetic_state(5 + i, seed=i))
+    assert cache.bytes <= cache.max_bytes and len(cache) <= 3
+
+
+def test_micro_kv_disk_tier_is_refused_on_the_cuda_backend(micro_stack, tmp_path):
+    base, ckpt, _ = micro_stack
+    with pytest.raises(EngineError, match="kv-disk-dir.*device memory"):
+        Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=8,
+               kv_disk_dir=tmp_path / "kv")
+    assert not (tmp_path / "kv").exists()
+
+
+P1_TEXT = "The capital of France is Paris. The capital of Germany is"
+MORE_TEXT = " Berlin. And the capital of Italy is"
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(gpu, request):  # noqa: F811
+    """(cold CUDA engine, CUDA engine with a prefix cache) of ds4-tiny when present, else of the random tiny stack."""
+    if TINY_BASE.exists() and TINY_CKPT.is_dir():
+        base, ckpt = TINY_BASE, TINY_CKPT
+    else:
+        ckpt, base = request.getfixturevalue("tiny_stack")
+    return (Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"),
+            Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=256,
+                   prefill_block=8))
+
+
+@pytest.mark.cuda
+def test_gpu_second_turn_resumes_with_the_logits_of_a_cold_prefill(tiny_engines):
+    """The CPU test's contract (tests/engine/test_prefix_cache.py) on the CUDA backend: a greedy first turn (decoded
+    speculatively, the default) is stored; the next turn (its reply and a new message) resumes from it, and the
+    logits after the rest of the prompt equal a cold prefill's bit for bit; the entry is copied out, not consumed;
+    seeded sampled and greedy generations equal the cold engine's."""
+    cold, e = tiny_engines
+    p1 = [0] + e.encode(P1_TEXT)
+    out = list(e.generate_ids(p1, SamplingParams(temperature=0, max_tokens=6)))
+    assert len(e.prefix_cache) == 1
+    p2 = p1 + out + e.encode(MORE_TEXT)
+    s = e.resume(p2)
+    assert s.reused == s.position == len(p1) + len(out) - 1
+    warm = e.backend.to_host(e.prefill(s, p2[s.position:]))
+    np.testing.assert_array_equal(warm, cold.logits(p2)[-1])
+    again = e.resume(p2)
+    np.testing.assert_array_equal(e.backend.to_host(e.prefill(again, p2[again.position:])), warm)
+    for params in (SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=5),
+                   SamplingParams(temperature=0, max_tokens=8)):
+        assert list(e.generate_ids(p2, params)) == list(cold.generate_ids(p2, params))
+    assert e.prefix_cache.hits >= 3
