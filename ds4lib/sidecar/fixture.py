@@ -53,20 +53,23 @@ def _key(checkpoint_hash: str, seqs) -> str:
     return f"{checkpoint_hash[:16]}_{hashlib.sha256(np.ascontiguousarray(seqs).tobytes()).hexdigest()[:16]}"
 
 
-def build_fixture(checkpoint, windows, cache_dir, *, progress=None) -> TeacherFixture:
+def build_fixture(checkpoint, windows, cache_dir, *, progress=None, n_layers: int | None = None) -> TeacherFixture:
     """Build (or reuse) the fixture of token windows [W, T] for the checkpoint. `progress(l)` is called after each
-    layer is on disk."""
+    layer is on disk. `n_layers` builds only the first n layers (what a partial solve reads: layer l's rows depend
+    only on layers <= l, so they are the same bytes as a whole build's); meta.json is written by a whole build only,
+    and a later build of more layers runs the teacher from layer 0 again."""
     model = ReferenceModel.load(checkpoint)
     seqs = fixture_sequences(windows)
     model_hash = model.reader.content_hash()
     root = Path(cache_dir) / "sidecar_fixture" / _key(model_hash, seqs)
     L = model.cfg.n_layers
+    last = L if n_layers is None else min(L, int(n_layers))
     fix = TeacherFixture(root, L, seqs)
-    if all((root / f"L{l:02d}.npz").exists() for l in range(L)):
+    if all((root / f"L{l:02d}.npz").exists() for l in range(last)):
         return fix
     root.mkdir(parents=True, exist_ok=True)
     calls = [model.begin(s, model.new_state()) for s in seqs]
-    for l in range(L):
+    for l in range(last):
         got: dict = {"x": [], "y": [], "ids": []}
 
         def observe(layer, name, value, got=got):
@@ -83,6 +86,8 @@ def build_fixture(checkpoint, windows, cache_dir, *, progress=None) -> TeacherFi
             os.replace(tmp, f)
         if progress:
             progress(l)
+    if last < L:
+        return fix
     meta = {"model": model_hash, "tokens": root.name.split("_")[1], "windows": len(seqs),
             "seq_len": int(seqs.shape[1]), "layers": L}
     (root / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -209,14 +209,14 @@ def solve_sidecar(*, base, out, domain: str, fit=("finance/fit",), checkpoint=No
     layers = _prepare_out(out, cfg, notes, fresh)
     rep = SidecarReport(out=out, domain=domain, fit=fit, params={k: v for k, v in notes.items() if k != "status"})
     t0 = time.perf_counter()
-    fix = build_fixture(checkpoint, toks, cache_dir or Env.read().cache_dir)
+    last = cfg.n_layers if n_layers is None else min(cfg.n_layers, n_layers)
+    fix = build_fixture(checkpoint, toks, cache_dir or Env.read().cache_dir, n_layers=last)
     rep.fixture_seconds = time.perf_counter() - t0
     train = ~heldout_mask(len(fix.seqs), fix.seqs.shape[1])
     block = max(512, fix.seqs.shape[1])
 
     def eng_for(mounted):
         return _open_engine(base, checkpoint, out, mounted, backend, block, tokenizer)
-    last = cfg.n_layers if n_layers is None else min(cfg.n_layers, n_layers)
     bar = tqdm(range(last), desc=f"ds4 sidecar {domain}", unit="layer", disable=not progress)
     for l in bar:
         if l in layers:

@@ -99,6 +99,19 @@ def test_fixture_is_reused(micro, tmp_path):
     assert build_fixture(ckpt, TOKENS[:3], tmp_path).root != fix.root
 
 
+def test_fixture_of_the_first_layers_equals_a_whole_builds(micro, tmp_path):
+    """build_fixture(n_layers=1), as a partial solve calls it: layer 0 only, the same arrays as a whole build's, and no
+    meta.json; a whole build in the same place completes it."""
+    ckpt, _ = micro
+    part = build_fixture(ckpt, TOKENS[:2], tmp_path / "part", n_layers=1)
+    assert sorted(p.name for p in part.root.iterdir()) == ["L00.npz"]
+    whole = build_fixture(ckpt, TOKENS[:2], tmp_path / "whole")
+    for k, v in whole.layer(0).items():
+        np.testing.assert_array_equal(part.layer(0)[k], v, err_msg=k)
+    again = build_fixture(ckpt, TOKENS[:2], tmp_path / "part")
+    assert sorted(p.name for p in again.root.iterdir()) == sorted(p.name for p in whole.root.iterdir())
+
+
 def test_solve_writes_what_the_engine_reads_and_resumes(micro, tmp_path):
     ckpt, base = micro
     out = tmp_path / "sc"
