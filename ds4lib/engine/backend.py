@@ -19,13 +19,16 @@ BACKENDS = {"cpu": "ds4lib.engine.backend_cpu:CpuBackend", "cuda": "ds4lib.engin
 class BackendContext:
     """What a backend needs from the engine that owns it: the model config, the base file (None when a backend is
     given its weights directly, as the real-size benchmark does), the Engram token map and table reader (None
-    without Engram layers), the prefill block and the context length."""
+    without Engram layers), the prefill block, the context length, and whether speculative decoding may use the
+    DSpark draft stages (False: a backend may leave them out, as the CUDA backend does: no stage weights on the
+    device, no context features computed)."""
     cfg: object
     base: object
     token_map: object
     engram_reader: object
     prefill_block: int
     context_length: int
+    dspark: bool = True
 
 
 def make_backend(name: str, engine, gains, bias):

@@ -142,7 +142,8 @@ class CudaBackend:
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
         self.W = weights if weights is not None else upload_base(cfg, ctx.base, gains or {}, bias or {},
-                                                                 stages=cfg.n_all_layers > cfg.n_layers)
+                                                                 stages=cfg.n_all_layers > cfg.n_layers
+                                                                 and ctx.dspark)
         self.g, self.L = self.W.g, self.W.L
         self.stages = len(self.L) == cfg.n_all_layers > cfg.n_layers     # the DSpark draft stages are on the device
         targets = sorted(cfg.dspark_target_layer_ids) if self.stages else []

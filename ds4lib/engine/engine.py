@@ -210,7 +210,7 @@ class Engine:
         self.tokenizer = self._open_tokenizer(tokenizer_path)
         self.constrainer = Constrainer(self.tokenizer.to_str(), n_vocab=cfg.vocab_size, eos=EOS)
         ctx = BackendContext(cfg, self.base, self.token_map, self.engram_reader, self.prefill_block,
-                             self.context_length)
+                             self.context_length, dspark=bool(dspark))
         self.backend = make_backend(backend, ctx, gains, bias)
         self.speculative = bool(dspark) and supports(self.backend, cfg)
         self.spec_stats = SpecStats(cfg.dspark_block_size) if self.speculative else None

@@ -106,6 +106,18 @@ def test_micro_a_gap_in_deferred_positions_flushes_first(draft_backend):
         np.testing.assert_array_equal(_rings(be, lazy)[k], v, err_msg=k)
 
 
+def test_micro_no_dspark_leaves_the_stages_off_the_device(micro_stack):
+    """`--no-dspark` (Engine(dspark=False)): no stage weights uploaded, no context features computed, no rings, and
+    the engine decodes plainly."""
+    base, ckpt, be = micro_stack
+    e = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", dspark=False)
+    off = e.backend
+    assert off.draft is None and off.n_feat == 0 and not off.can_draft and not e.speculative
+    assert off.new_state().dwin_all is None
+    assert be.draft is not None and off.weight_bytes < be.weight_bytes
+    assert off.memory_plan().state < be.memory_plan().state
+
+
 # ------------------------------------------------------------------------------------------------- prefix cache
 def _live(be, st):
     return cuda_state.host_arrays(st, be._ratios)
