@@ -144,8 +144,9 @@ class CudaDraft:
         row[len(slots):len(slots) + B] = W + np.arange(B)
         return cuda.to_device(np.ascontiguousarray(np.broadcast_to(row, (B, W + B))), stream=self.be.stream)
 
-    def hidden(self, st, anchor: int, start_pos: int):
-        """The stages over the block [anchor, noise...] at start_pos + 1 ..: the collapsed state y [B, D] (device)."""
+    def hidden(self, st, anchor: int, start_pos: int, observer=None):
+        """The stages over the block [anchor, noise...] at start_pos + 1 ..: the collapsed state y [B, D] (device).
+        `observer(layer, name, host array)`: the backbone layer step's observation points (diagnostics)."""
         be, cfg, s = self.be, self.cfg, self.be.stream
         B, W, S, D = self.B, cfg.window_size, cfg.hc_mult, cfg.dim
         P = np.arange(start_pos + 1, start_pos + 1 + B, dtype=np.int64)
@@ -166,16 +167,16 @@ class CudaDraft:
                 keys = st.dwin_all[i]
                 attention.cache_write(be._window_kv(l, c, xq), rows, keys, stream=s)
                 return be._output(l, c, be._attend(l, q3, keys, idx, None, None))
-            be._layer(l, st, c, h, None, attend=attend)
+            be._layer(l, st, c, h, observer, attend=attend)
         return hc.hc_pre(h, c.pre, out=be._buf("d_y", (B, D)), stream=s)
 
-    def propose(self, st, anchor: int, start_pos: int, pick=None) -> Proposal:
+    def propose(self, st, anchor: int, start_pos: int, pick=None, observer=None) -> Proposal:
         """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (module docstring).
-        `logits` and `base_logits` of the Proposal stay on the device."""
+        `logits` and `base_logits` of the Proposal stay on the device. `observer`: as `hidden`'s."""
         be, cfg, s = self.be, self.cfg, self.be.stream
         B, V, R = self.B, cfg.vocab_size, cfg.dspark_markov_rank
         self.flush(st)
-        y = self.hidden(st, anchor, start_pos)
+        y = self.hidden(st, anchor, start_pos, observer)
         wl = be.L[cfg.n_all_layers - 1]
         yn = rms_norm.rms_norm(y, wl["norm.weight"], cfg.norm_eps, out=be._buf("d_yn", (B, cfg.dim)), stream=s)
         base = be._linear(yn, be.g["head"], quantize=False, bf16=False, out=be._buf("d_base", (B, V)))
