@@ -4,8 +4,9 @@ Each call publishes the lane's value in a per-block table keyed by thread id, wa
 reads the source lane, and waits again. Semantics therefore need every live thread of the block to
 reach the call, which holds for the warp-synchronous kernels of this project.
 
-install() also fixes two costs and a race of the simulator itself: blocks run on a reused pool of threads, one
-simulated thread at a time, handing a baton on at each barrier (block_scheduler_with_baton: numba starts an OS thread
+install() also fixes two costs and a race of the simulator itself: blocks run one simulated thread at a time, each a
+greenlet on one OS thread that switches at each barrier (block_scheduler_with_greenlets; without the greenlet package,
+a reused pool of OS threads handing a baton on at each barrier, block_scheduler_with_baton: numba starts an OS thread
 per simulated thread and polls them all in a busy loop, so a launch paid ~0.3 ms per thread and a barrier cost many
 GIL hand-offs), and shared arrays are allocated under a lock (lock_simulator_shared_arrays).
 """
@@ -255,6 +256,112 @@ def block_scheduler_with_baton():
     kernel.BlockManager = BlockManager
 
 
+class _GreenletRunner(threading.Thread):
+    """The one OS thread on which `block_scheduler_with_greenlets` runs every simulated thread, each a greenlet. It
+    carries the attributes numba's simulator reads from `threading.current_thread()` (threadIdx, blockIdx, thread_id,
+    syncthreads, ...), set to the running simulated thread's before each switch into it."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.job = None
+        self.ready = threading.Lock()
+        self.ready.acquire()
+        self.finished = threading.Lock()
+        self.finished.acquire()
+
+    def run(self):
+        while True:
+            self.ready.acquire()                     # a block to run (run_block)
+            try:
+                self.job()
+            finally:
+                self.finished.release()
+
+    def syncthreads(self):
+        m = self._manager
+        if m.failed is not None:
+            raise RuntimeError("abort flag set on syncthreads call")
+        self._scheduler.switch()                     # back to run_block, which resumes threads in thread-id order
+        if m.failed is not None:
+            raise RuntimeError("abort flag set on syncthreads clear")
+
+
+_RUNNER = []        # the one _GreenletRunner, started at the first launch
+
+
+def block_scheduler_with_greenlets():
+    """Replace the simulator's block scheduler (numba-cuda 0.30.4 `BlockManager`) with one that runs each simulated
+    thread as a greenlet on one OS thread, switching at each barrier: a switch costs ~1 us where handing a baton
+    between OS threads (block_scheduler_with_baton) costs ~10-30 us, and the barriers of warp shuffles dominate
+    simulated kernels. Same semantics and order as block_scheduler_with_baton: threads run in thread-id order between
+    barriers, a barrier waits for the threads that are still running (a thread that has returned no longer counts),
+    and an exception in one thread aborts the block's other threads at their next barrier (threads not yet started
+    do not start) and is raised by the launch. Returns False (and installs nothing) without the greenlet package.
+    Installed by install()."""
+    try:
+        import greenlet
+    except ImportError:
+        return False
+    from numba.cuda.simulator import kernel
+    from numba.cuda.simulator.kernelapi import Dim3
+    if getattr(kernel.BlockManager, "_ds4_greenlets", False):
+        return True
+    for name in ("syncthreads_count", "syncthreads_and", "syncthreads_or"):
+        setattr(_GreenletRunner, name, getattr(kernel.BlockThread, name))
+
+    class BlockManager(kernel.BlockManager):
+        _ds4_greenlets = True
+
+        def run(self, grid_point, *args):
+            if not _RUNNER:
+                _RUNNER.append(_GreenletRunner())
+                _RUNNER[0].start()
+            runner = _RUNNER[0]
+            self.failed = None
+            runner.job = lambda: self.run_block(runner, grid_point, args)
+            runner.ready.release()
+            runner.finished.acquire()
+            if self.failed is not None:
+                raise self.failed[0].with_traceback(self.failed[1])
+
+        def run_block(self, runner, grid_point, args):
+            bd = self._block_dim
+            block_idx = Dim3(*grid_point)
+            runner._manager, runner.blockIdx = self, block_idx
+            runner._scheduler = greenlet.getcurrent()
+            points = list(np.ndindex(*bd))
+            ids = [Dim3(*p) for p in points]
+
+            def body(thread_idx):
+                if self.failed is not None:          # a thread before this one failed: this one never starts
+                    return
+                try:
+                    self._f(*args)
+                except BaseException as e:           # the simulator's message: the thread and block ids first
+                    msg = f"tid={list(thread_idx)} ctaid={list(block_idx)}" + (f": {e}" if str(e) else "")
+                    try:
+                        exc = type(e)(msg)
+                    except Exception:                # an exception type that does not take one message
+                        exc = e
+                    if self.failed is None:
+                        self.failed = (exc, sys.exc_info()[2])
+
+            live = [(greenlet.greenlet(body), t, t.x + bd[0] * (t.y + bd[1] * t.z)) for t in ids]
+            first = True
+            while live:
+                for g, t, tid in live:
+                    runner.threadIdx, runner.thread_id = t, tid
+                    if first:
+                        g.switch(t)
+                    else:
+                        g.switch()
+                first = False
+                live = [x for x in live if not x[0].dead]
+
+    kernel.BlockManager = BlockManager
+    return True
+
+
 def install():
     global _installed
     if _installed:
@@ -264,5 +371,6 @@ def install():
                  "any_sync", "syncwarp", "activemask"):
         setattr(kernelapi.FakeCUDAModule, name, staticmethod(globals()[name]))
     lock_simulator_shared_arrays()
-    block_scheduler_with_baton()
+    if not block_scheduler_with_greenlets():
+        block_scheduler_with_baton()
     _installed = True
