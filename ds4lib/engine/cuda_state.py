@@ -176,7 +176,9 @@ def host_arrays(st: CudaState, ratios: dict) -> dict:
     if st.hist is not None:
         out["hist"] = np.asarray(st.hist).copy()
     if st.dwin_all is not None:
-        out["dring"] = st.dwin_all.copy_to_host()[:, :len(st.dring_host)]
+        ring = st.dwin_all.copy_to_host()[:, :len(st.dring_host)]
+        ring[:, st.dring_host < 0] = 0                 # slots never written hold whatever the allocation held
+        out["dring"] = ring
         out["dring_pos"] = st.dring_pos_all.copy_to_host()
         out["dring_host"] = st.dring_host.copy()
         out["dpend"] = np.array(st.dpend, dtype=np.int64)

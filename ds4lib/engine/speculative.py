@@ -156,16 +156,21 @@ class Scheduler:
     the draft rounds, c_plain of the plain steps, and the line c_v1 + c_tok * rows fitted by least squares to the
     verify time at each row count (a plain step counts as one row). rho = (first-position hits + 1) / (sum of sigmoid(c_1) over the request's rounds + 1): one pseudo-round
     that hit keeps a first miss from setting rho to 0 for good. Warm-up: the first round verifies the longest block,
-    then a plain step gives the line its second point. Exploration: once the plain steps since the last round have
+    then MIN_PLAIN plain steps give the line its second point (several: the first plain step of a session captures
+    its CUDA graph, and a lone outlier would be c_plain for as long as drafting kept winning, since drafting rounds
+    add no plain observations). Exploration: once the plain steps since the last round have
     cost `explore` times a one-draft round, a round is drafted anyway (rho would otherwise never be measured again
     after the rate turns against drafting); `explore` starts at EXPLORE, doubles after each round whose first draft
     is rejected and resets on a hit, so exploring costs at most 1 / (1 + EXPLORE) of the time and less and less while
-    drafts keep failing. `fixed_k` bypasses all of it (0 = plain decoding). Timing only ever changes k, and k never
+    drafts keep failing. No exploring where the costs alone decide: when a round whose every draft were accepted
+    would still be slower than plain steps (a backend whose verify call costs many plain steps), only plain steps
+    follow the warm-up. `fixed_k` bypasses all of it (0 = plain decoding). Timing only ever changes k, and k never
     changes a greedy token."""
 
     EXPLORE = 4.0
     EXPLORE_MAX = 1024.0
     RECENT = 8
+    MIN_PLAIN = 3
 
     def __init__(self, block: int, fixed_k: int | None = None):
         self.block, self.fixed_k = block, fixed_k
@@ -237,13 +242,15 @@ class Scheduler:
             return self.fixed_k > 0
         if not self.draft_s:
             return True
-        if self.line() is None:
+        if self.line() is None or len(self.plain_s) < self.MIN_PLAIN:
             return False
         c_v1, c_tok = self.line()
         c_plain = self._cost(self.plain_s) if self.plain_s else c_v1 + c_tok
         a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
         if self._best(a, kmax)[1] > 1.0 / c_plain:
             return True
+        if self._best(np.ones(self.block), kmax)[1] <= 1.0 / c_plain:
+            return False                     # every draft accepted would still lose: nothing to explore for
         round1 = self._cost(self.draft_s) + c_v1 + 2.0 * c_tok           # a one-draft round
         return self.plain_since >= self.explore * round1
 

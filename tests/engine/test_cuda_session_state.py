@@ -66,7 +66,7 @@ def test_micro_deferred_rows_flush_to_the_rings_of_one_append(draft_backend, mon
     class Read(Exception):
         pass
 
-    def hidden(st, anchor, start_pos):                   # what a proposal reads first: the rings
+    def hidden(st, anchor, start_pos, observer=None):    # what a proposal reads first: the rings
         assert st.dpend == []
         for k, v in _rings(be, direct).items():
             np.testing.assert_array_equal(_rings(be, st)[k], v, err_msg=k)

@@ -156,19 +156,22 @@ def test_scheduler_picks_from_measured_costs():
 
 def test_one_slow_step_does_not_decide_the_request():
     """Costs are the least of the recent observations: a first plain step that captured a CUDA graph (or compiled a
-    kernel) at 10 times the steady cost must not make drafting look cheaper for the rest of the request, and one slow
+    kernel) at 8 times the steady cost must not make drafting look cheaper for the rest of the request, and one slow
     verify call must not make it look dearer."""
     s = spec.Scheduler(4)
     s.observe_draft(0.01, np.zeros(4))
     s.observe_verify(5, 0.05, np.zeros(4), 1)
-    s.observe_plain(0.1)                                              # the step that captured the graph
+    s.observe_plain(0.08)                                             # the step that captured the graph
+    assert not s.want_draft(4)                                        # warm-up: MIN_PLAIN plain steps first
     s.observe_plain(0.01)
-    assert not s.want_draft(4)                # best k: 1.67 tokens per 0.03 s < 1 per 0.01 s (a mean: 1 per 0.055 s)
+    s.observe_plain(0.01)
+    assert not s.want_draft(4)                # best k: 1.67 tokens per 0.03 s < 1 per 0.01 s (a mean: 1 per 0.033 s)
     assert s._cost(s.plain_s) == 0.01
     fast = spec.Scheduler(4)
     fast.observe_draft(0.001, np.full(4, 8.0))
     fast.observe_verify(5, 0.012, np.full(4, 8.0), 4)
-    fast.observe_plain(0.01)
+    for _ in range(spec.Scheduler.MIN_PLAIN):
+        fast.observe_plain(0.01)
     assert fast.want_draft(4)
     fast.observe_verify(5, 1.0, np.full(4, 8.0), 4)                  # one stalled verify call
     assert fast.line()[1] == pytest.approx(0.0005) and fast.want_draft(4)
@@ -202,6 +205,25 @@ def test_a_first_miss_does_not_end_drafting():
     s.observe_draft(0.01, np.zeros(4))
     s.observe_verify(2, 0.03, np.zeros(4), 1)                         # a hit: back to the first interval
     assert s.explore == s.EXPLORE < explore
+
+
+def test_no_exploring_where_perfect_acceptance_would_still_lose():
+    """A round costing ten plain steps cannot pay off with a block of 4 even if every draft were accepted: after the
+    warm-up only plain steps follow, however long the request (exploring there would only cost time)."""
+    s = spec.Scheduler(4)
+    s.observe_draft(0.02, np.full(4, 8.0))
+    s.observe_verify(5, 0.08, np.full(4, 8.0), 4)                    # a hit: rho stays high
+    steps = 0
+    while steps < 1000 and not s.want_draft(4):
+        s.observe_plain(0.01)
+        steps += 1
+    assert steps == 1000
+    cheap = spec.Scheduler(4)                                          # the same acceptance with a cheaper round
+    cheap.observe_draft(0.002, np.full(4, 8.0))
+    cheap.observe_verify(5, 0.012, np.full(4, 8.0), 4)
+    for _ in range(spec.Scheduler.MIN_PLAIN):
+        cheap.observe_plain(0.01)
+    assert cheap.want_draft(4)
 
 
 def test_draft_k_is_validated():
