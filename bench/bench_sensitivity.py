@@ -1,9 +1,9 @@
 """How chaotic is ds4-tiny's forward? Perturb the CPU reference by one BF16 ulp at a few elements and count how many
 top-1 choices move: the floor under any CUDA-vs-CPU agreement figure whose arithmetic is not bit-identical.
 
-    python bench/bench_sensitivity.py [--windows 2] [--fractions 1e-5,1e-4,1e-3]
+    python bench/bench_sensitivity.py [--windows 2] [--fractions 1e-5,1e-4,1e-3] [--slices english,code]
 
-For each judging window (BOS + 511 tokens of english/judge and code/judge) the CPU backend runs once as is and once
+For each judging window (BOS + 511 tokens of each slice's judge split, english and code by default) the CPU backend runs once as is and once
 per fraction f with the output of the first mHC post-mix of the forward (layer 0, after attention: [T, 4, D]) moved
 by one BF16 ulp at a random f of its elements (seeded). Prints one JSON line per (window, fraction): top-1
 agreement with the unperturbed run, mean |Δlogit|, the unperturbed run's median top-1 margin, the agreement
@@ -54,11 +54,12 @@ def main(argv=None):
     ap.add_argument("--engram-dir", default=str(ROOT / "models" / "ds4-tiny"))
     ap.add_argument("--windows", type=int, default=2, help="windows per slice")
     ap.add_argument("--fractions", default="1e-5,1e-4,1e-3")
+    ap.add_argument("--slices", default="english,code", help="judging slices (domain names)")
     args = ap.parse_args(argv)
     eng = Engine(args.base, engram_dir=args.engram_dir, tokenizer_path=ROOT / "data" / "tokenizer" / "tokenizer.json")
     wrap = _FirstPostMix(ref_model.hc_post)
     ref_model.hc_post = wrap
-    for name in ("english/judge", "code/judge"):
+    for name in (f"{d}/judge" for d in args.slices.split(",")):
         for wi, w in enumerate(load_slice(name).tokens[:args.windows]):
             seq = [0] + [int(t) for t in w[:-1]]
             wrap.arm(0.0, 0)

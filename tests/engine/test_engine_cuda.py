@@ -134,8 +134,11 @@ def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
     layer-0 intermediate moves the CPU reference itself to 93-96% top-1 agreement with its unperturbed run), and
     half its positions are near-ties (median top-1 margin 0.47 logits). Measured on the H200 (BENCHMARKS.md):
     94.6% over all positions, 99.96% over the positions whose CPU margin is >= 0.5 logits, every disagreement's
-    CPU margin <= 0.76. So this test asserts the part that is a property of the kernels: >= 99% where the CPU
-    top-1 is not a near-tie, no disagreement with a CPU margin above 1.5 logits, and >= 90% overall."""
+    CPU margin <= 0.76 (v1). ds4-tiny v2 is as chaotic with wider margins: 52 or 524 one-ulp changes move the CPU
+    reference's own top-1 at positions whose margin reaches 1.36 logits (bench/bench_sensitivity.py), and CUDA vs CPU
+    gave 93.3% overall, 99.15% where not a near-tie and a worst margin of 1.54 (2026-12-02). So this test asserts the
+    part that is a property of the kernels: >= 99% where the CPU top-1 is not a near-tie, no disagreement with a CPU
+    margin above 2.0 logits (one and a half times the perturbation floor's), and >= 90% overall."""
     cpu, cuda = engines
     same = n = clear_same = clear_n = 0
     worst = 0.0
@@ -153,7 +156,7 @@ def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
             worst = max(worst, float((a[dis, ta[dis]] - a[dis, tb[dis]]).max()))
     assert clear_n > n // 4
     assert clear_same / clear_n >= 0.99, f"top-1 agreement {clear_same / clear_n:.4f} where not a near-tie"
-    assert worst <= 1.5, f"a disagreement where the CPU's top-1 led by {worst:.3f} logits"
+    assert worst <= 2.0, f"a disagreement where the CPU's top-1 led by {worst:.3f} logits"
     assert same / n >= 0.90, f"top-1 agreement {same / n:.4f} over {n} positions"
 
 
