@@ -296,6 +296,14 @@ class CudaBackend:
     def state_nbytes(self, state) -> int:
         return cuda_state.nbytes(state)
 
+    def state_to_arrays(self, state) -> dict:
+        """Named host arrays of a session state (the prefix cache's disk tier; cuda_state.snapshot)."""
+        return cuda_state.snapshot(state)
+
+    def state_from_arrays(self, arrays: dict):
+        """A new session state from `state_to_arrays`' arrays; ValueError if they are not this backend's layout."""
+        return cuda_state.restore(self.new_state(), arrays, self.stream)
+
     def park_state(self, state):
         """A finished session's state handed to the prefix cache, which only copies it from now on: its decode graphs
         are released."""

@@ -32,7 +32,8 @@ from numba import cuda
 
 from kernels import compressor, window_snapshot
 
-__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone", "nbytes"]
+__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone", "nbytes",
+           "snapshot", "restore"]
 
 MIN_ROWS = 16                      # first capacity of a compressed-row cache
 
@@ -199,6 +200,88 @@ def nbytes(st: CudaState) -> int:
     if st.hist is not None:
         total += int(np.asarray(st.hist).nbytes)
     return total
+
+
+def snapshot(st: CudaState) -> dict:
+    """A state as named host arrays, for the prefix cache's disk tier (`restore` makes the state again): the ring rows
+    and positions, the incomplete groups, the cache rows in use, the Engram history, the DSpark rings and pending rows.
+    A call's scratch rows after the ring, captured graphs and an open mark are not part of it."""
+    if st.log is not None:
+        raise ValueError("snapshot: the state has an open mark")
+    W = st.ring_pos_all.shape[1]
+    out = {"pos": np.array([st.pos], np.int64), "ring": st.win_all.copy_to_host()[:, :W],
+           "ring_pos": st.ring_pos_all.copy_to_host()}
+    for l in st.pend_kv:
+        out[f"pend_kv.{l}"] = st.pend_kv[l].copy_to_host()
+        out[f"pend_sc.{l}"] = st.pend_sc[l].copy_to_host()
+    for name, caches in (("ckv", st.ckv), ("idxk", st.idxk)):
+        for l, rows in caches.items():
+            out[f"{name}.{l}"] = rows.buf[:max(rows.n, 1)].copy_to_host()[:rows.n]
+    if st.hist is not None:
+        out["hist"] = np.asarray(st.hist, np.int64).copy()
+    if st.dwin_all is not None:
+        out["dring"] = st.dwin_all.copy_to_host()[:, :W]
+        out["dring_pos"] = st.dring_pos_all.copy_to_host()
+        out["dring_host"] = st.dring_host.copy()
+        out["dfeat_pend"] = st.dfeat_pend.copy_to_host()
+        out["dpend"] = np.array(st.dpend, np.int64)
+    return out
+
+
+def restore(template: CudaState, arrays: dict, stream) -> CudaState:
+    """`template` (a new state of the same backend) filled from `snapshot`'s arrays; ValueError naming the first array
+    that is missing, extra or of another shape or dtype (an entry of another model or layout)."""
+    st = template
+    W = st.ring_pos_all.shape[1]
+    want = {"pos": ((1,), np.int64), "ring": ((st.win_all.shape[0], W, st.win_all.shape[2]), np.uint16),
+            "ring_pos": (tuple(st.ring_pos_all.shape), np.int64)}
+    for l, a in st.pend_kv.items():
+        want[f"pend_kv.{l}"] = want[f"pend_sc.{l}"] = (tuple(a.shape), np.float32)
+    for name, caches in (("ckv", st.ckv), ("idxk", st.idxk)):
+        for l, rows in caches.items():
+            want[f"{name}.{l}"] = ((None, rows.buf.shape[1]), np.uint16)
+    if st.hist is not None:
+        want["hist"] = (tuple(np.shape(st.hist)), np.int64)
+    if st.dwin_all is not None:
+        want["dring"] = ((st.dwin_all.shape[0], W, st.dwin_all.shape[2]), np.uint16)
+        want["dring_pos"] = (tuple(st.dring_pos_all.shape), np.int64)
+        want["dring_host"] = (st.dring_host.shape, np.int64)
+        want["dfeat_pend"] = (tuple(st.dfeat_pend.shape), np.float32)
+        want["dpend"] = ((None,), np.int64)
+    extra = sorted(set(arrays) - set(want))
+    if extra:
+        raise ValueError(f"state snapshot has arrays this state does not: {extra[:3]}")
+    for k, (shape, dt) in want.items():
+        if k not in arrays:
+            raise ValueError(f"state snapshot lacks {k}")
+        a = arrays[k]
+        if a.dtype != dt or a.ndim != len(shape) or any(w is not None and w != g for w, g in zip(shape, a.shape)):
+            raise ValueError(f"state snapshot {k}: {a.dtype}{list(a.shape)} does not fit {np.dtype(dt)}{list(shape)}")
+    st.pos = int(arrays["pos"][0])
+    for i in range(st.win_all.shape[0]):               # [:, :W] of [L, W + C, Dh] is not one region: per layer
+        st.win_all[i, :W].copy_to_device(np.ascontiguousarray(arrays["ring"][i]), stream=stream)
+    st.ring_pos_all.copy_to_device(np.ascontiguousarray(arrays["ring_pos"]), stream=stream)
+    for l in st.pend_kv:
+        st.pend_kv[l].copy_to_device(np.ascontiguousarray(arrays[f"pend_kv.{l}"]), stream=stream)
+        st.pend_sc[l].copy_to_device(np.ascontiguousarray(arrays[f"pend_sc.{l}"]), stream=stream)
+    for name, caches in (("ckv", st.ckv), ("idxk", st.idxk)):
+        for l, rows in caches.items():
+            a = np.ascontiguousarray(arrays[f"{name}.{l}"])
+            rows.reserve(max(len(a), 1), stream)
+            if len(a):
+                rows.buf[:len(a)].copy_to_device(a, stream=stream)
+            rows.n = len(a)
+    if st.hist is not None:
+        st.hist = np.array(arrays["hist"], np.int64)
+    if st.dwin_all is not None:
+        for i in range(st.dwin_all.shape[0]):
+            st.dwin_all[i, :W].copy_to_device(np.ascontiguousarray(arrays["dring"][i]), stream=stream)
+        st.dring_pos_all.copy_to_device(np.ascontiguousarray(arrays["dring_pos"]), stream=stream)
+        st.dring_host = np.array(arrays["dring_host"], np.int64)
+        st.dfeat_pend.copy_to_device(np.ascontiguousarray(arrays["dfeat_pend"]), stream=stream)
+        st.dpend = [int(p) for p in arrays["dpend"]]
+    stream.synchronize()                               # the host arrays may be freed once this returns
+    return st
 
 
 def clone(st: CudaState, stream) -> CudaState:

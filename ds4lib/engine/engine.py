@@ -8,8 +8,8 @@ history) that grows with the positions actually used, up to the context bound fr
 Prefill runs in blocks, decode one token at a time, both on the same forward; scoring uses the same
 paths (`logits(..., split=P)`: P tokens by prefill, the rest one at a time).
 With `prefix_cache_mb`, generation without an explicit session resumes from the longest cached prefix of its
-prompt and stores its finished session back (prefix_cache.py; on the CUDA backend device copies of its states, no
-disk tier); logits are those of a cold prefill.
+prompt and stores its finished session back (prefix_cache.py; on the CUDA backend device copies of its states, and
+host snapshots of them in the disk tier); logits are those of a cold prefill.
 With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
 backend's sampler; without it the unmasked path runs, unchanged.
 Speculative decoding with the DSpark draft stages (speculative.py) is on by default (`dspark=True`) wherever the
@@ -263,16 +263,15 @@ class Engine:
             raise EngineError("prefix cache sizes must be >= 0 MB (memory) and > 0 MB (disk)")
         disk = None
         nbytes = getattr(self.backend, "state_nbytes", None)
-        if disk_dir and nbytes is not None:
-            raise EngineError(f"--kv-disk-dir: the {self.backend.name} backend keeps session states in device memory "
-                              f"and has no disk snapshots yet; use --prefix-cache-mb alone")
         if disk_dir:
             try:
-                disk = KvDiskStore(disk_dir, fingerprint=self.fingerprint(), max_bytes=int(disk_mb * _MB))
+                disk = KvDiskStore(disk_dir, fingerprint=self.fingerprint(), max_bytes=int(disk_mb * _MB),
+                                   to_arrays=getattr(self.backend, "state_to_arrays", None))
             except OSError as e:
                 raise EngineError(f"--kv-disk-dir {disk_dir}: {e}") from None
         return PrefixCache(max_bytes=int(mb * _MB), new_state=self.backend.new_state,
-                           copy_state=self.backend.copy_state, disk=disk, state_nbytes=nbytes)
+                           copy_state=self.backend.copy_state, disk=disk, state_nbytes=nbytes,
+                           from_arrays=getattr(self.backend, "state_from_arrays", None))
 
     def fingerprint(self) -> str:
         """What a cached state depends on: the stack's files, the backend, the snapshot layout version."""

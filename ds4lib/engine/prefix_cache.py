@@ -179,8 +179,11 @@ def verify_entry(path) -> dict:
 class KvDiskStore:
     """The disk tier: checksummed entry files under `root`, at most `max_bytes` in all (oldest use first out)."""
 
-    def __init__(self, root, *, fingerprint: str, max_bytes: int):
+    def __init__(self, root, *, fingerprint: str, max_bytes: int, to_arrays=None):
+        """`to_arrays(state)`: the named host arrays written for a state (default `state_arrays`, for states that
+        are trees of host arrays; the CUDA backend passes its device snapshot)."""
         self.root, self.fingerprint, self.max_bytes = Path(root), fingerprint, int(max_bytes)
+        self._to_arrays = to_arrays or state_arrays
         self.root.mkdir(parents=True, exist_ok=True)
         self.lengths: dict = {}                       # key -> n_tokens of the entries found valid-looking
         for p in self.root.glob("*" + SUFFIX):
@@ -195,6 +198,10 @@ class KvDiskStore:
         log.warning("kv disk cache: removing %s (%s)", path.name, why)
         path.unlink(missing_ok=True)
         self.lengths.pop(path.stem, None)
+
+    def forget(self, key: str, why: str):
+        """Remove an entry that verified but does not load into this stack's state (another layout)."""
+        self._drop(self.root / (key + SUFFIX), why)
 
     def _read_header(self, path: Path):
         header, start = _parse_header(path)
@@ -243,7 +250,7 @@ class KvDiskStore:
         if key in self.lengths:
             os.utime(self.root / (key + SUFFIX))
             return
-        arrays = dict(state_arrays(entry.state))
+        arrays = dict(self._to_arrays(entry.state))
         arrays.update({f"features/{i}": np.asarray(f) for i, f in enumerate(entry.features)})
         tokens = np.asarray(entry.tokens, dtype=np.int32).tobytes()
         table, offset = [], len(tokens)
@@ -288,13 +295,16 @@ class PrefixCache:
     """LRU of finished sessions' states under `max_bytes`, optionally backed by a KvDiskStore.
 
     `new_state()` makes a fresh backend state (the template a disk snapshot is loaded into), `copy_state(s)` a deep
-    copy, `state_nbytes(s)` (optional) a state's size where it is not a tree of host arrays (the CUDA backend's
-    device states; they have no disk tier). Thread-safe (one lock), though the engine calls it from one thread."""
+    copy, `state_nbytes(s)` (optional) a state's size where it is not a tree of host arrays, and `from_arrays(arrays)`
+    (optional) a state from a disk entry's arrays where loading them into `new_state()` by name does not apply (the
+    CUDA backend's device states, with the disk tier's `to_arrays`). Thread-safe (one lock), though the engine calls
+    it from one thread."""
 
     def __init__(self, *, max_bytes: int, new_state, copy_state, disk: KvDiskStore | None = None,
-                 state_nbytes=None):
+                 state_nbytes=None, from_arrays=None):
         self.max_bytes, self.disk = int(max_bytes), disk
         self._new_state, self._copy_state, self._state_nbytes = new_state, copy_state, state_nbytes
+        self._from_arrays = from_arrays or (lambda arrays: load_state_arrays(self._new_state(), arrays))
         self._entries: OrderedDict = OrderedDict()         # tokens tuple -> CacheEntry, least recently used first
         self._lock = threading.Lock()
         self.bytes = 0
@@ -316,8 +326,13 @@ class PrefixCache:
             if disk_key is not None and n_disk > (len(best.tokens) if best else 0):
                 try:
                     arrays, feats = self.disk.load(disk_key, tokens[:n_disk])
-                    state = load_state_arrays(self._new_state(), arrays)
-                    best = CacheEntry(tokens[:n_disk], state, feats)
+                    try:
+                        state = self._from_arrays(arrays)
+                    except ValueError as e:                  # another layout: not ours to trust
+                        self.disk.forget(disk_key, str(e))
+                        raise KvCacheError(str(e)) from None
+                    best = CacheEntry(tokens[:n_disk], state, feats,
+                                      None if self._state_nbytes is None else self._state_nbytes(state))
                     self._put(best)
                 except KvCacheError as e:
                     log.warning("kv disk cache: entry for %d tokens not used: %s", n_disk, e)

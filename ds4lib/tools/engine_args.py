@@ -22,13 +22,13 @@ def add_engine_args(p, model_required: bool = True):
 
 def add_prefix_cache_args(p, default_mb: float = 0.0):
     """Prefix KV reuse (ds4lib.engine.prefix_cache): for tools that serve conversations (ds4-server). With --cuda the
-    states stay in device memory, and there is no disk tier yet."""
+    states stay in device memory and the disk tier holds host snapshots of them."""
     p.add_argument("--prefix-cache-mb", type=finite_float(0.0), default=None,
                    help=f"memory for recent sessions' states (device memory with --cuda), reused by requests that "
                         f"extend them (default {default_mb:g}; 0 = off)")
     p.set_defaults(prefix_cache_default_mb=default_mb)
     p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
-                                                       "survives restarts; CPU backend)")
+                                                       "survives restarts)")
     p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
                    help="size cap of --kv-disk-dir (default 4096)")
 

@@ -6,7 +6,8 @@
   (about ten launches a step), and the pending rows are appended before a proposal reads the rings. Deferred then
   flushed must leave the rings exactly as appending every row at once.
 - Prefix cache: a stored state is copied out whole (live content array for array, no shared buffer), budgeted at its
-  device bytes; the disk tier is refused on this backend; a second turn resumes with exactly a cold prefill's logits
+  device bytes; its host snapshot round-trips through the disk tier, and an entry of another layout is refused and
+  removed; a second turn, and one after a restart from the disk tier, resumes with exactly a cold prefill's logits
   (GPU tier, ds4-tiny).
 The `test_micro_*` tests run under the simulator in CI (no backbone forward: appends, proposals, synthetic states) on
 the micro model with a DSpark stage; `test_gpu_*` need a real GPU.
@@ -158,16 +159,65 @@ def test_micro_stored_states_are_copied_out_whole_and_budgeted(draft_backend):
     assert cache.bytes <= cache.max_bytes and len(cache) <= 3
 
 
-def test_micro_kv_disk_tier_is_refused_on_the_cuda_backend(micro_stack, tmp_path):
-    base, ckpt, _ = micro_stack
-    with pytest.raises(EngineError, match="kv-disk-dir.*device memory"):
-        Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=8,
-               kv_disk_dir=tmp_path / "kv")
-    assert not (tmp_path / "kv").exists()
+def test_micro_snapshots_round_trip_through_the_disk_tier(micro_stack, tmp_path):
+    """The disk tier on this backend (`--kv-disk-dir`): a state's host snapshot written by KvDiskStore, read back by a
+    new cache (a restarted server) into a fresh device state with the same live content; an entry whose arrays do not
+    fit this backend's state (another layout) is refused and removed, never used."""
+    from ds4lib.engine.prefix_cache import CacheEntry, KvDiskStore
+    base, ckpt, be = micro_stack
+    from numba import cuda
+    st = be.synthetic_state(11, seed=5)
+    row = cuda.device_array((1, be.n_feat), np.float32)
+    row.copy_to_device(np.random.default_rng(4).standard_normal((1, be.n_feat)).astype(np.float32))
+    be.draft.defer(st, row, 11)
+    want = _live(be, st)
+    back = be.state_from_arrays(be.state_to_arrays(st))
+    for k, v in want.items():
+        np.testing.assert_array_equal(_live(be, back)[k], v, err_msg=k)
+    tokens = list(range(3, 14))
+    disk = KvDiskStore(tmp_path, fingerprint="micro", max_bytes=1 << 30, to_arrays=be.state_to_arrays)
+    disk.save(CacheEntry(tokens, st, [], be.state_nbytes(st)))
+    cache = PrefixCache(max_bytes=1 << 30, new_state=be.new_state, copy_state=be.copy_state, state_nbytes=be.state_nbytes,
+                        disk=KvDiskStore(tmp_path, fingerprint="micro", max_bytes=1 << 30,
+                                         to_arrays=be.state_to_arrays),
+                        from_arrays=be.state_from_arrays)
+    got, _, n = cache.lookup(tokens + [9])
+    assert n == len(tokens)
+    for k, v in want.items():
+        np.testing.assert_array_equal(_live(be, got)[k], v, err_msg=k)
+
+    def other_layout(state):
+        a = be.state_to_arrays(state)
+        a["ring"] = a["ring"][:, :-1]
+        return a
+    odd = KvDiskStore(tmp_path / "odd", fingerprint="micro", max_bytes=1 << 30, to_arrays=other_layout)
+    odd.save(CacheEntry(tokens, st, [], be.state_nbytes(st)))
+    assert len(list((tmp_path / "odd").glob("*.ds4kv"))) == 1
+    cache = PrefixCache(max_bytes=1 << 30, new_state=be.new_state, copy_state=be.copy_state,
+                        disk=KvDiskStore(tmp_path / "odd", fingerprint="micro", max_bytes=1 << 30,
+                                         to_arrays=be.state_to_arrays),
+                        state_nbytes=be.state_nbytes, from_arrays=be.state_from_arrays)
+    assert cache.lookup(tokens + [9]) == (None, [], 0)
+    assert not list((tmp_path / "odd").glob("*.ds4kv"))
+    with pytest.raises(ValueError, match="open mark"):
+        mk = be.mark(st)
+        try:
+            be.state_to_arrays(st)
+        finally:
+            be.rollback(st, mk, [])
 
 
 P1_TEXT = "The capital of France is Paris. The capital of Germany is"
 MORE_TEXT = " Berlin. And the capital of Italy is"
+
+
+def _texts(e):
+    """(first turn, new message) as ids: the texts on ds4-tiny, random ids of the random tiny stack's vocabulary."""
+    if e.cfg.vocab_size >= 8192:
+        return [0] + e.encode(P1_TEXT), e.encode(MORE_TEXT)
+    rng = np.random.default_rng(3)
+    return [0] + [int(t) for t in rng.integers(9, e.cfg.vocab_size - 1, 14)], \
+        [int(t) for t in rng.integers(9, e.cfg.vocab_size - 1, 7)]
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +239,10 @@ def test_gpu_second_turn_resumes_with_the_logits_of_a_cold_prefill(tiny_engines)
     logits after the rest of the prompt equal a cold prefill's bit for bit; the entry is copied out, not consumed;
     seeded sampled and greedy generations equal the cold engine's."""
     cold, e = tiny_engines
-    p1 = [0] + e.encode(P1_TEXT)
+    p1, more = _texts(e)
     out = list(e.generate_ids(p1, SamplingParams(temperature=0, max_tokens=6)))
     assert len(e.prefix_cache) == 1
-    p2 = p1 + out + e.encode(MORE_TEXT)
+    p2 = p1 + out + more
     s = e.resume(p2)
     assert s.reused == s.position == len(p1) + len(out) - 1
     warm = e.backend.to_host(e.prefill(s, p2[s.position:]))
@@ -203,3 +253,22 @@ def test_gpu_second_turn_resumes_with_the_logits_of_a_cold_prefill(tiny_engines)
                    SamplingParams(temperature=0, max_tokens=8)):
         assert list(e.generate_ids(p2, params)) == list(cold.generate_ids(p2, params))
     assert e.prefix_cache.hits >= 3
+
+
+@pytest.mark.cuda
+def test_gpu_a_restarted_engine_resumes_from_the_disk_tier(tiny_engines, tmp_path):
+    """--kv-disk-dir on the CUDA backend: a first engine stores its finished session on disk; a second engine on the
+    same directory (a restarted server, nothing in memory) resumes the next turn from it with a cold prefill's logits."""
+    cold, e = tiny_engines
+    base, ckpt = e.base.path, e.engram_dir
+    first = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=64,
+                   kv_disk_dir=tmp_path)
+    p1, more = _texts(first)
+    out = list(first.generate_ids(p1, SamplingParams(temperature=0, max_tokens=5)))
+    assert len(list(tmp_path.glob("*.ds4kv"))) == 1
+    again = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=64,
+                   kv_disk_dir=tmp_path)
+    p2 = p1 + out + more
+    s = again.resume(p2)
+    assert s.reused == len(p1) + len(out) - 1
+    np.testing.assert_array_equal(again.backend.to_host(again.prefill(s, p2[s.position:])), cold.logits(p2)[-1])
