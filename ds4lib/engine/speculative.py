@@ -154,8 +154,11 @@ class Scheduler:
     floor plus one-off delays: the first step of a new cache bucket captures a CUDA graph, a kernel compiles, the
     collector runs; a mean let one such step make plain decoding look slow for the rest of a request): c_draft of
     the draft rounds, c_plain of the plain steps, and the line c_v1 + c_tok * rows fitted by least squares to the
-    verify time at each row count (a plain step counts as one row). rho = (first-position hits + 1) / (sum of sigmoid(c_1) over the request's rounds + 1): one pseudo-round
-    that hit keeps a first miss from setting rho to 0 for good. Warm-up: the first round verifies the longest block,
+    verify time at each row count (a plain step counts as one row). rho = (first-position hits + m) / (sum of
+    sigmoid(c_1) over the request's rounds + m), m the request's mean sigmoid(c_1): one pseudo-round at the request's
+    own confidence keeps a first miss from setting rho to 0 for good and weighs as one round (a pseudo-round of
+    confidence 1 weighed 1 / m rounds, 2-6 with ds4-tiny's underconfident heads, and held rho near 1 for the few
+    rounds a request drafts). Warm-up: the first round verifies the longest block,
     then MIN_PLAIN plain steps give the line its second point (several: the first plain step of a session captures
     its CUDA graph, and a lone outlier would be c_plain for as long as drafting kept winning, since drafting rounds
     add no plain observations). Exploration: once the plain steps since the last round have
@@ -208,7 +211,10 @@ class Scheduler:
 
     @property
     def rho(self) -> float:
-        return (self.hits + 1.0) / (self.sigma0 + 1.0)
+        if not self.rounds:
+            return 1.0
+        m = float(self.prod_sum[0]) / self.rounds          # mean sigmoid(c_1) of the drafted rounds
+        return (self.hits + m) / (self.sigma0 + m)
 
     def survival(self, conf) -> np.ndarray:
         return np.minimum(self.rho * np.cumprod(_sigmoid(conf)), 1.0)

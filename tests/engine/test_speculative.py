@@ -226,6 +226,22 @@ def test_no_exploring_where_perfect_acceptance_would_still_lose():
     assert cheap.want_draft(4)
 
 
+def test_rho_follows_the_hits_of_underconfident_heads_within_a_few_rounds():
+    """ds4-tiny's confidence heads say sigmoid(c_1) ~ 0.2 where half the first drafts are kept (BENCHMARKS.md,
+    "Speculative decoding"): after 4 rounds with 2 hits rho is within 20 % of the observed 2.5 (the prior pseudo-round
+    weighs as one round at the request's own confidence), and a first miss leaves it above 0."""
+    s = spec.Scheduler(4)
+    conf = np.full(4, np.log(0.2 / 0.8))                             # sigmoid(c_j) = 0.2
+    for hit in (1, 0, 1, 0):
+        s.observe_draft(0.01, conf)
+        s.observe_verify(5, 0.05, conf, hit)
+    assert s.rho == pytest.approx(2.5, rel=0.2)                       # (2 + 0.2) / (0.8 + 0.2) = 2.2
+    miss = spec.Scheduler(4)
+    miss.observe_draft(0.01, conf)
+    miss.observe_verify(5, 0.05, conf, 0)
+    assert 0 < miss.rho < 1
+
+
 def test_draft_k_is_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="draft_k"):
