@@ -19,7 +19,9 @@ Disk tier (`--kv-disk-dir`): `<sha256 of fingerprint and tokens>.ds4kv` files, w
 renamed. Layout: magic `DS4KV001`, u64 header length, UTF-8 JSON header {fingerprint, n_tokens, arrays: [{name,
 dtype, shape, offset, nbytes}], sha256}, then the int32 tokens and the arrays; `sha256` covers everything after
 the header. An entry whose magic, header, sizes, fingerprint (another model stack: stale) or checksum does not
-match is ignored and deleted, never trusted. Oldest-used entries go first when the directory passes its cap.
+match, or whose arrays do not fit this backend's state, is ignored and deleted, never trusted. The arrays are the
+state's own tree of host arrays (`state_arrays`; the CPU backend) or what the backend's `state_to_arrays` gives (the
+CUDA backend's host snapshot of a device state). Oldest-used entries go first when the directory passes its cap.
 
 Does not own: when sessions are stored or resumed (engine.py), the backend's state layout.
 Shapes: T tokens.
