@@ -18,7 +18,8 @@ of other windows (128 a window, top-1 against 16 rivals, not solved on): a linea
 it was not given (choose windows the ordinary rows do not use; 1,024 positions of a 24-window slice use windows 0, 2,
 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18, 20, 21, 23). Each --solver (dense, or cg/<preconditioner>) × --lam × --keep-rho
 runs ds4lib.solvers.margins.solve_margins with the CLI's defaults otherwise and prints one JSON line: CG iterations
-and residual per lattice round, solve seconds, predicted flipped / kept.
+and residual per lattice round, solve seconds, predicted flipped / kept. The rows alone carry no capture, so the
+rival pass (ds4lib.posttrain.rivals, `ds4 posttrain --rival-passes`) is not run here: its figures need the CLI.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from ds4lib.solvers.margins import MarginProblem, make_problem, matvec
 
 __all__ = ["PositionCapture", "RowMeta", "RowCheck", "CaptureError", "capture_positions", "capture_text",
            "capture_rows",
-           "rows_from_capture", "check_rows", "NORM_MODES", "MARGIN_RTOL"]
+           "rows_from_capture", "pair_coefficients", "check_rows", "NORM_MODES", "MARGIN_RTOL"]
 
 NORM_MODES = ("fixed", "linear")
 MARGIN_RTOL = 1e-3            # rebuilt margin vs the engine's: relative to |ℓ_a| + |ℓ_b| (exact on CPU: ~1e-7)
@@ -303,28 +303,13 @@ def _check_rivals(rivals, V: int) -> int:
     return int(rivals)
 
 
-def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_eps: float, cfg, constraints=None,
-                      norm: str = "linear", sidecar_fnv=None, rivals: int = 1):
-    """The margin rows of a capture (capture_rows without running the engine): (MarginProblem, RowMeta). head [V, D]
-    and norm_weight [D] as the engine holds them; cfg the model config."""
-    n_experts = cfg.moe_shape(cap.layer)[0]
-    if norm not in NORM_MODES:
-        raise ValueError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
-    P, G = len(cap.prompt_ids), len(cap.generated_ids)
-    V = cap.logits.shape[1]
-    M = _check_rivals(rivals, V)
-    dpos, da = _check_points(points, P, G, V)
-    cpos = _check_constraints(constraints, dpos, P, G)
-    drow, crow = dpos - P, cpos - P
+def pair_coefficients(cap: PositionCapture, row, a, b, *, head, norm_weight, norm_eps: float,
+                      norm: str = "linear"):
+    """The linear rows of (token a over token b) at captured positions `row` (indices into cap's G positions), as
+    rows_from_capture builds them (module docstring "Linear rows"): (R [N, K, D], m [N] = ℓ_a − ℓ_b, la [N], lb [N],
+    margin_err). Raises CaptureError when a margin rebuilt from the collapsed vector departs from the engine's."""
+    P = len(cap.prompt_ids)
     lg = cap.logits
-    db = _other_top(lg[drow], da, M)                                                    # [nd, M]
-    ct1 = lg[crow].argmax(-1)
-    ct2 = _other_top(lg[crow], ct1, M)                                                  # [nc, M]
-    row = np.repeat(np.concatenate([drow, crow]), M)
-    a = np.repeat(np.concatenate([da, ct1]), M).astype(np.int64)
-    b = np.concatenate([db, ct2]).reshape(-1).astype(np.int64)
-    kind = np.repeat(np.arange(len(drow) + len(crow)) < len(drow), M)
-    group = np.repeat(np.arange(len(drow) + len(crow), dtype=np.int64), M)
     la, lb = lg[row, a], lg[row, b]
     m = la.astype(np.float64) - lb.astype(np.float64)
 
@@ -351,9 +336,36 @@ def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_e
         u = c - (inv ** 2 * np.einsum("nd,nd->n", c, z) / D)[:, None] * z
     u = (alpha * inv)[:, None] * u
     R = u[:, None, :] * (cap.weights[row].astype(np.float64)[:, :, None] * cap.ye[row].astype(np.float64))
+    return R, m, la, lb, margin_err
+
+
+def rows_from_capture(cap: PositionCapture, points, *, head, norm_weight, norm_eps: float, cfg, constraints=None,
+                      norm: str = "linear", sidecar_fnv=None, rivals: int = 1):
+    """The margin rows of a capture (capture_rows without running the engine): (MarginProblem, RowMeta). head [V, D]
+    and norm_weight [D] as the engine holds them; cfg the model config."""
+    n_experts = cfg.moe_shape(cap.layer)[0]
+    if norm not in NORM_MODES:
+        raise ValueError(f"norm must be one of {', '.join(NORM_MODES)}, got {norm!r}")
+    P, G = len(cap.prompt_ids), len(cap.generated_ids)
+    V = cap.logits.shape[1]
+    M = _check_rivals(rivals, V)
+    dpos, da = _check_points(points, P, G, V)
+    cpos = _check_constraints(constraints, dpos, P, G)
+    drow, crow = dpos - P, cpos - P
+    lg = cap.logits
+    db = _other_top(lg[drow], da, M)                                                    # [nd, M]
+    ct1 = lg[crow].argmax(-1)
+    ct2 = _other_top(lg[crow], ct1, M)                                                  # [nc, M]
+    row = np.repeat(np.concatenate([drow, crow]), M)
+    a = np.repeat(np.concatenate([da, ct1]), M).astype(np.int64)
+    b = np.concatenate([db, ct2]).reshape(-1).astype(np.int64)
+    kind = np.repeat(np.arange(len(drow) + len(crow)) < len(drow), M)
+    group = np.repeat(np.arange(len(drow) + len(crow), dtype=np.int64), M)
+    R, m, la, lb, margin_err = pair_coefficients(cap, row, a, b, head=head, norm_weight=norm_weight,
+                                                 norm_eps=norm_eps, norm=norm)
     problem = make_problem(ids=cap.ids[row], R=R, m=m, kind=kind, n_experts=n_experts, group=group)
     meta = RowMeta(layer=cap.layer, positions=P + row, row=row, path=cap.path[row], a=a, b=b, la=la, lb=lb, m=m,
-                   kind=kind, alpha=alpha, inv=cap.inv[row], norm=norm, prompt_ids=cap.prompt_ids,
+                   kind=kind, alpha=cap.alpha[row], inv=cap.inv[row], norm=norm, prompt_ids=cap.prompt_ids,
                    generated_ids=cap.generated_ids, sidecar_fnv=sidecar_fnv, n_experts=n_experts, cfg=cfg,
                    margin_err=margin_err, group=group, rivals=M)
     return problem, meta

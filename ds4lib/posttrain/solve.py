@@ -30,7 +30,10 @@ Solve and gates. Each captured position gives `rivals` rows: the right token (de
 overtake both: on day 1 of data/posttrain/general, with one row per position, 8 of 29 decision points whose right
 token beat the written one in a real forward were still not the top-1). All requests' rows are stacked into one
 MarginProblem of the last backbone MoE layer and solved by ds4lib.solvers.margins.solve_margins (row-space CG, the
-FP4 active set, rows the rounding pushes below κ held at κ); flipped and kept are counted per position. A
+FP4 active set, rows the rounding pushes below κ held at κ), then up to `rival_passes` times again with the tokens
+outside a position's rows that the solved δ is predicted to bring near its token added as rows of that position
+(ds4lib.posttrain.rivals; collect_rows keeps each request's capture for it); flipped and kept are counted per
+position over all of a position's rows. A
 candidate whose predicted flipped share is below `min_flip` or whose kept share is below `min_kept` is not
 installed: it is written, as a complete ③ directory with its report.json, to
 `<out parent>/rejected/<out name>-<UTC timestamp>/` and never deleted. A candidate that passes is written into
@@ -81,11 +84,12 @@ from pathlib import Path
 import numpy as np
 
 from ds4lib.posttrain.judge import MAX_TOP1_DROP
+from ds4lib.posttrain.rivals import RIVAL_PASSES
 from ds4lib.report.summary import to_jsonable
 
 __all__ = ["PosttrainError", "NoDecisionPoints", "Request", "PosttrainReport", "read_requests", "solve_posttrain",
            "format_report", "RequestRows", "collect_rows", "TAU", "KEEP_POSITIONS", "KEEP_RIVALS", "KEEP_RHO",
-           "MAX_TOP1_DROP", "RHO", "LAM", "KAPPA", "RIVALS", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
+           "MAX_TOP1_DROP", "RIVAL_PASSES", "RHO", "LAM", "KAPPA", "RIVALS", "ROUNDS", "MIN_FLIP", "MIN_KEPT", "REPORT"]
 
 TAU = 2.0              # target margin ℓ_a − ℓ_b of a decision point
 RHO = 1.0              # weight of a constraint row (a decision point weighs 1)
@@ -270,6 +274,7 @@ class _Item:
     skip: str | None = None           # why the request gives no rows (_judge)
     rows: slice | None = None         # this request's rows in the stacked problem
     meta: object = None               # its RowMeta
+    cap: object = None                # its PositionCapture (the rival pass predicts every token there)
     after: list | None = None         # the tokens generated again with the candidate mounted (verification)
     after_j: int | None = None        # where those leave the right answer (None: right)
 
@@ -365,14 +370,16 @@ def _first_rows(meta) -> np.ndarray:
 def _capture(engine, it: _Item, norm: str, rivals: int):
     """Rows of one request that is right (constraint rows on every generated position) or wrong (its decision point
     and constraint rows before it), `rivals` rows per position, checked to reproduce the generation."""
-    from ds4lib.posttrain.capture import capture_rows
+    from ds4lib.formats.names import HEAD, NORM
+    from ds4lib.posttrain.capture import _check_engine, _global, capture_positions, rows_from_capture
+    _check_engine(engine)
     P = len(it.prompt_ids)
-    if it.j is None:
-        gen = it.generated
-        prob, meta = capture_rows(engine, it.prompt_ids, gen, [], norm=norm, rivals=rivals)
-    else:
-        gen = it.generated[:it.j + 1]
-        prob, meta = capture_rows(engine, it.prompt_ids, gen, [(P + it.j, it.a)], norm=norm, rivals=rivals)
+    gen = it.generated if it.j is None else it.generated[:it.j + 1]
+    points = [] if it.j is None else [(P + it.j, it.a)]
+    it.cap = capture_positions(engine, it.prompt_ids, gen)       # capture_rows, keeping the capture
+    prob, meta = rows_from_capture(it.cap, points, head=_global(engine, HEAD), norm_weight=_global(engine, NORM),
+                                   norm_eps=engine.cfg.norm_eps, cfg=engine.cfg, norm=norm, rivals=rivals,
+                                   sidecar_fnv=engine.sidecar.fingerprint if engine.sidecar is not None else None)
     # the capture must reproduce the generation: top-1 = the written token on each constraint position; on the
     # decision point the strongest token other than the right one is the one the model wrote
     first = _first_rows(meta)
@@ -573,6 +580,39 @@ def _day_solution(sol, full, n_day: int, tau: float):
                               kept_share=kept / n_con if n_con else 1.0, n_decisions=n_dec, n_constraints=n_con)
 
 
+def _solve_with_rivals(engine, items, full, passes: int, norm: str, solve):
+    """solve(full), then up to `passes` rival passes (ds4lib.posttrain.rivals): tokens outside a day position's rows
+    that the solved δ brings within RIVAL_MARGIN of its token become rows of that position (its group, appended
+    after every other row, so the day's own rows keep their indices) and the problem is solved again. Returns
+    (the problem solved last, its solution, rows added per pass)."""
+    from ds4lib.formats.names import HEAD, NORM
+    from ds4lib.posttrain.capture import _global, pair_coefficients
+    from ds4lib.posttrain.rivals import rival_pairs
+    from ds4lib.solvers.margins import make_problem
+    head, gamma = _global(engine, HEAD), _global(engine, NORM)
+    sol, added, taken = solve(full), [], {}
+    for _ in range(passes):
+        parts = []
+        for it in items:
+            if it.meta is None or it.rows.stop == it.rows.start:
+                continue
+            off = int(full.group[it.rows.start]) - int(it.meta.group[0])          # the request's first group
+            seen = taken.setdefault(id(it), {})
+            row, a, b, kind, grp = rival_pairs(it.cap, it.meta, seen, sol.delta, head=head, norm_weight=gamma)
+            if len(row):
+                R, m, _, _, _ = pair_coefficients(it.cap, row, a, b, head=head, norm_weight=gamma,
+                                                  norm_eps=engine.cfg.norm_eps, norm=norm)
+                parts.append((it.cap.ids[row], R, m, kind, grp + off))
+        added.append(sum(len(x[2]) for x in parts))
+        if not parts:
+            break
+        cat = {f: np.concatenate([getattr(full, f)] + [x[i] for x in parts])
+               for i, f in enumerate(("ids", "R", "m", "kind", "group"))}
+        full = make_problem(**cat, n_experts=full.n_experts)
+        sol = solve(full)
+    return full, sol, added
+
+
 def _judge_gate(open_engine, candidate, base: Path, engine, slices, max_drop: float, original, cache_dir) -> dict:
     from ds4lib.config import Env
     from ds4lib.posttrain.judge import judge_candidate
@@ -591,7 +631,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
                     min_flip: float = MIN_FLIP, min_kept: float = MIN_KEPT, norm: str = "linear",
                     backend: str = "cpu", tokenizer=None, prefill_block: int = 512, verify: bool = True,
                     keep_positions: int = KEEP_POSITIONS, keep_slices=None, keep_rivals: int = KEEP_RIVALS,
-                    keep_rho: float = KEEP_RHO, keep_as_rows: bool = False,
+                    keep_rho: float = KEEP_RHO, keep_as_rows: bool = False, rival_passes: int = RIVAL_PASSES,
                     judge_slices=(), max_top1_drop: float = MAX_TOP1_DROP, original=None, cache_dir=None,
                     progress: bool = False) -> PosttrainReport:
     """Solve a ③ post-training directory for the ① `base` + ② `zchain` stack from `requests` (a JSON-lines path,
@@ -618,7 +658,8 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
             raise PosttrainError(f"{name} must be a finite number {'> 0' if positive else '≥ 0'}, got {v!r}")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise PosttrainError(f"rounds must be an integer ≥ 1, got {rounds!r}")
-    for name, v, lo in (("rivals", rivals, 1), ("keep_rivals", keep_rivals, 1), ("keep_positions", keep_positions, 0)):
+    for name, v, lo in (("rivals", rivals, 1), ("keep_rivals", keep_rivals, 1), ("keep_positions", keep_positions, 0),
+                        ("rival_passes", rival_passes, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise PosttrainError(f"{name} must be an integer ≥ {lo}, got {v!r}")
     if norm not in NORM_MODES:
@@ -648,8 +689,10 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
     t0 = time.perf_counter()
     full = problem if keep is None or not keep_as_rows else stack_problems([problem, keep.problem])
     ridge = None if keep is None or keep_as_rows else ordinary_ridge(keep.problem, lam, keep_rho)
-    sol = _day_solution(solve_margins(full, tau, rho, lam, kappa=kappa, rounds=rounds, ridge=ridge), full,
-                        len(problem.m), tau)
+    full, sol, added = _solve_with_rivals(engine, items, full, rival_passes, norm,
+                                          lambda q: solve_margins(q, tau, rho, lam, kappa=kappa, rounds=rounds,
+                                                                  ridge=ridge))
+    sol = _day_solution(sol, full, len(problem.m), tau)
     solve_seconds = time.perf_counter() - t0
     ordinary = {"positions": 0, "kept": 0, "rows": 0}
     if keep is not None:
@@ -667,7 +710,7 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
               "rivals": int(rivals), "rounds": int(rounds), "min_flip": float(min_flip),
               "min_kept": float(min_kept), "norm": norm, "backend": backend, "layer": int(layer),
               "keep_positions": int(keep_positions), "keep_rivals": int(keep_rivals), "keep_rho": float(keep_rho),
-              "keep_as_rows": bool(keep_as_rows), "keep_slices": None if keep is None else keep.slices, "judge_slices": list(judge_slices or ()),
+              "keep_as_rows": bool(keep_as_rows), "rival_passes": int(rival_passes), "keep_slices": None if keep is None else keep.slices, "judge_slices": list(judge_slices or ()),
               "max_top1_drop": float(max_top1_drop),
               "generation": "greedy, chat-encoded, plain decode (draft_k=0)"}
     predicted = {"flipped": sol.flipped, "flipped_share": sol.flipped_share, "reached_tau": sol.reached_tau,
@@ -677,11 +720,13 @@ def solve_posttrain(*, base, zchain, requests, out, engram_dir=None, tau: float 
                  "delta_rms": float(np.sqrt(np.mean(np.square(sol.delta, dtype=np.float64)))),
                  "channels_changed": int(np.count_nonzero(sol.delta)), "solver": sol.rounds[0]["method"],
                  "ordinary_positions": ordinary["positions"], "ordinary_kept": ordinary["kept"],
-                 "ordinary_rows": ordinary["rows"], "ordinary_seconds": 0.0 if keep is None else keep.seconds}
+                 "ordinary_rows": ordinary["rows"], "ordinary_seconds": 0.0 if keep is None else keep.seconds,
+                 "rival_rows": added}
     notes = {"purpose": "ds4 posttrain", "tau": float(tau), "rho": float(rho), "lam": float(lam),
              "kappa": float(kappa), "rivals": int(rivals), "rounds": int(rounds), "norm": norm, "requests": len(items),
              "keep_positions": int(keep_positions), "keep_rivals": int(keep_rivals), "keep_rho": float(keep_rho),
-             "keep_as_rows": bool(keep_as_rows), "decision_points": sol.n_decisions,
+             "keep_as_rows": bool(keep_as_rows), "rival_passes": int(rival_passes),
+             "decision_points": sol.n_decisions,
              "constraint_rows": sol.n_constraints, "predicted_flipped_share": round(sol.flipped_share, 6),
              "predicted_kept_share": round(sol.kept_share, 6), "sidecar_fnv": engine.sidecar.fingerprint}
 

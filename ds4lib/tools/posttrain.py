@@ -30,7 +30,7 @@ def _run(args) -> int:
                               kappa=args.kappa, rivals=args.rivals, rounds=args.rounds, min_flip=args.min_flip,
                               min_kept=args.min_kept, keep_positions=args.keep_positions,
                               keep_slices=args.keep_slice, keep_rivals=args.keep_rivals, keep_rho=args.keep_rho,
-                              keep_as_rows=args.keep_as_rows,
+                              keep_as_rows=args.keep_as_rows, rival_passes=args.rival_passes,
                               judge_slices=args.judge_slice or (), max_top1_drop=args.max_top1_drop / 100,
                               original=args.original, backend="cuda" if args.cuda else "cpu", progress=not args.quiet)
     except (PosttrainError, EngineError, SidecarError, CaptureError) as e:
@@ -42,7 +42,7 @@ def _run(args) -> int:
 
 def register(sub):
     from ds4lib.posttrain.solve import (KAPPA, KEEP_POSITIONS, KEEP_RHO, KEEP_RIVALS, LAM, MAX_TOP1_DROP, MIN_FLIP, MIN_KEPT,
-                                        RHO, RIVALS, ROUNDS, TAU)
+                                        RHO, RIVAL_PASSES, RIVALS, ROUNDS, TAU)
     p = sub.add_parser("posttrain", help="solve a ③ post-training file from requests with right answers")
     p.add_argument("--base", required=True, help="the ① base GGUF file")
     p.add_argument("--zchain", required=True, help="the ② sidecar directory the ③ stacks on")
@@ -60,6 +60,9 @@ def register(sub):
     p.add_argument("--rivals", type=int_at_least(1), default=RIVALS,
                    help=f"rows per position: the right (or top) token against its M strongest others "
                         f"(default {RIVALS})")
+    p.add_argument("--rival-passes", type=int_at_least(0), default=RIVAL_PASSES,
+                   help=f"passes that add the tokens the solved gains are predicted to bring within reach of a "
+                        f"position's token as rows of that position, then re-solve (default {RIVAL_PASSES}; 0: none)")
     p.add_argument("--rounds", type=int_at_least(1), default=ROUNDS, help=f"FP4 lattice rounds (default {ROUNDS})")
     p.add_argument("--min-flip", type=finite_float(0.0), default=MIN_FLIP,
                    help=f"gate: predicted flipped share of the decision points (default {MIN_FLIP:g})")

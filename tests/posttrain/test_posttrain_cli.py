@@ -16,7 +16,7 @@ import pytest
 from ds4lib.chat import encode_chat
 from ds4lib.engine import Engine, SamplingParams
 from ds4lib.formats.sidecar import directory_fingerprint, read_sidecar, write_sidecar
-from ds4lib.posttrain.solve import NoDecisionPoints, PosttrainError, read_requests, solve_posttrain
+from ds4lib.posttrain.solve import RIVAL_PASSES, NoDecisionPoints, PosttrainError, read_requests, solve_posttrain
 from ds4lib.tools.cli import main as ds4_main
 from tests.engine.test_engine_cuda import TOKENIZER
 from tests.sidecar.test_solve import micro_config
@@ -88,8 +88,9 @@ def cases(stack):
 
 
 # the solve parameters the micro cases were built around (5 decision points a few tenths behind, 15 other positions);
-# the defaults are chosen on ds4-tiny's request days (BENCHMARKS.md)
-MICRO = {"tau": 1.0, "rivals": 4, "lam": 1e-3}
+# the defaults are chosen on ds4-tiny's request days (BENCHMARKS.md). Without the rival pass the real forward loses a
+# kept position the prediction keeps (test (2) needs one); test_the_rival_pass_keeps_it runs the default pass.
+MICRO = {"tau": 1.0, "rivals": 4, "lam": 1e-3, "rival_passes": 0}
 
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -200,6 +201,22 @@ def test_a_candidate_the_real_forward_fails_is_rejected(stack, cases, solved, tm
     assert rep.real is not None and rep.real["kept_share"] == real and rep.predicted["kept_share"] == pred
     assert json.loads((rep.out / "report.json").read_text())["status"] == "rejected"
     assert read_sidecar(rep.out, CFG, expect_kind="posttrain").fingerprint == rep.fingerprint
+
+
+def test_the_rival_pass_keeps_it(stack, cases, solved, tmp_path):
+    """The position the real forward loses without the rival pass is lost to a token outside its rows; the default
+    pass adds the tokens the solved δ brings near as rows of their positions, and the real forward keeps every
+    position while the flips stay."""
+    rep0, _ = solved
+    reqs = _write_jsonl(tmp_path / "requests.jsonl", cases[0])
+    rep = _run(stack, tmp_path / "pt", reqs, rival_passes=RIVAL_PASSES)
+    print(f"\n[rival pass] rows added per pass {rep.predicted['rival_rows']}; real kept {rep0.real['kept']} -> "
+          f"{rep.real['kept']}/{rep.constraint_rows}, flipped {rep0.real['flipped']} -> {rep.real['flipped']}")
+    assert rep0.real["kept_pair"] == rep0.constraint_rows > rep0.real["kept"]     # every captured pair held
+    assert rep.predicted["rival_rows"][0] > 0 and rep.params["rival_passes"] == RIVAL_PASSES
+    assert rep.predicted["rows"] == rep0.predicted["rows"]                          # the day's own rows unchanged
+    assert rep.real["kept"] == rep.constraint_rows and rep.real["flipped"] >= rep0.real["flipped"]
+    assert rep.installed
 
 
 def test_gate_failure_goes_to_rejected_and_leaves_out_untouched(stack, cases, solved, tmp_path):
@@ -393,7 +410,7 @@ def test_refusals_write_nothing(stack, cases, tmp_path, monkeypatch):
 def _argv(stack, requests, out, *extra):
     return ["posttrain", "--base", str(stack["base"]), "--zchain", str(stack["sc"]), "--requests", str(requests),
             "--out", str(out), "--engram-dir", str(stack["ckpt"]), "--quiet", "--keep-positions", "0",
-            *(a for k, v in MICRO.items() for a in (f"--{k}", str(v))), *extra]
+            *(a for k, v in MICRO.items() for a in (f"--{k.replace('_', '-')}", str(v))), *extra]
 
 
 def test_cli_exit_codes(stack, cases, tmp_path, capsys):
