@@ -280,6 +280,8 @@ class Engine:
                  self.sidecar.fingerprint if self.sidecar else "-", self.posttrain.fingerprint if self.posttrain else "-",
                  str(self.engram_dir.resolve()) if self.engram_reader is not None else "-", self.backend.name,
                  f"snapshot {SNAPSHOT_VERSION}"]
+        if hasattr(self.backend, "draft"):       # a CUDA state holds DSpark rings only with the stages on the device
+            parts.append("dspark" if self.backend.draft is not None else "no-dspark")
         return "|".join(parts)
 
     # ------------------------------------------------------------------ sessions and forward

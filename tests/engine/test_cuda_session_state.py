@@ -117,6 +117,8 @@ def test_micro_no_dspark_leaves_the_stages_off_the_device(micro_stack):
     assert off.new_state().dwin_all is None
     assert be.draft is not None and off.weight_bytes < be.weight_bytes
     assert off.memory_plan().state < be.memory_plan().state
+    on = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
+    assert e.fingerprint() != on.fingerprint()          # disk entries of the other layout count as stale
 
 
 # ------------------------------------------------------------------------------------------------- prefix cache
