@@ -42,6 +42,8 @@ def test_shipped_posttrain_reads_and_is_fingerprinted_to_the_finance_sidecar(cfg
     assert rep["fingerprint"] == pt.fingerprint == directory_fingerprint(SHIPPED)
     assert rep["base_fnv"] == sc.fingerprint
     assert rep["real"]["flipped_share"] >= 0.9 and rep["real"]["kept_share"] >= 0.997   # the real numbers too
+    assert rep["judge"]["passed"] and rep["judge"]["max_drop_pp"] <= 0.2                 # the judging slices too
+    assert all(s["drop_pp"] <= 0.2 for s in rep["judge"]["slices"].values())
     assert sum(f.stat().st_size for f in SHIPPED.iterdir()) < 1 << 20                  # small
 
 
