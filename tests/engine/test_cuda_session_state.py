@@ -17,7 +17,7 @@ import pytest
 
 from ds4lib.engine import Engine, EngineError, SamplingParams, cuda_state
 from ds4lib.engine.prefix_cache import PrefixCache
-from tests.engine.test_engine_cuda import TINY_BASE, TINY_CKPT, TOKENIZER, gpu  # noqa: F401
+from tests.engine.test_engine_cuda import TOKENIZER, gpu, tiny_or_random  # noqa: F401
 from tests.engine.test_speculative_cuda import spec_micro_config
 
 
@@ -43,20 +43,24 @@ def _rings(be, st):
     return {k: v for k, v in a.items() if k.startswith("dring") or k.startswith("dpend") or k == "dfeat_pend"}
 
 
+def _two_states(be, *, seed, n, prompt):
+    """(features [n, F] of positions 0..n-1, a device row [1, F] for deferring, two states whose rings hold the
+    first `prompt` rows appended at once)."""
+    from numba import cuda
+    feats = np.random.default_rng(seed).standard_normal((n, be.n_feat)).astype(np.float32)
+    states = be.new_state(), be.new_state()
+    for st in states:
+        be.draft.append_context(st, feats[:prompt], np.arange(prompt))
+    return (feats, cuda.device_array((1, be.n_feat), np.float32)) + states
+
+
 def test_micro_deferred_rows_flush_to_the_rings_of_one_append(draft_backend, monkeypatch):
     """A prompt's rows appended at once, then decode-step rows deferred one by one across the ring's wrap (W = 8:
     positions 5..17 wrap at 8 and 16): after a flush, rings and positions equal those of appending the rows
     directly. A proposal flushes before it reads the rings, and a verify call's rows appended after deferred ones keep
     position order (the pending rows go first)."""
     be = draft_backend
-    from numba import cuda
-    F = be.n_feat
-    rng = np.random.default_rng(0)
-    feats = rng.standard_normal((24, F)).astype(np.float32)
-    row = cuda.device_array((1, F), np.float32)
-    direct, lazy = be.new_state(), be.new_state()
-    be.draft.append_context(direct, feats[:5], np.arange(5))
-    be.draft.append_context(lazy, feats[:5], np.arange(5))
+    feats, row, direct, lazy = _two_states(be, seed=0, n=24, prompt=5)
     be.draft.append_context(direct, feats[5:18], np.arange(5, 18))
     for p in range(5, 18):
         row.copy_to_device(feats[p:p + 1])
@@ -89,14 +93,7 @@ def test_micro_a_gap_in_deferred_positions_flushes_first(draft_backend):
     """Deferred positions must be consecutive: a later position after a gap (a round's rows went straight to the
     rings) flushes what is pending before it is kept."""
     be = draft_backend
-    from numba import cuda
-    F = be.n_feat
-    rng = np.random.default_rng(1)
-    feats = rng.standard_normal((12, F)).astype(np.float32)
-    row = cuda.device_array((1, F), np.float32)
-    direct, lazy = be.new_state(), be.new_state()
-    for st in (direct, lazy):
-        be.draft.append_context(st, feats[:3], np.arange(3))
+    feats, row, direct, lazy = _two_states(be, seed=1, n=12, prompt=3)
     for p in (3, 4, 9):
         be.draft.append_context(direct, feats[p:p + 1], [p])
         row.copy_to_device(feats[p:p + 1])
@@ -225,10 +222,7 @@ def _texts(e):
 @pytest.fixture(scope="module")
 def tiny_engines(gpu, request):  # noqa: F811
     """(cold CUDA engine, CUDA engine with a prefix cache) of ds4-tiny when present, else of the random tiny stack."""
-    if TINY_BASE.exists() and TINY_CKPT.is_dir():
-        base, ckpt = TINY_BASE, TINY_CKPT
-    else:
-        ckpt, base = request.getfixturevalue("tiny_stack")
+    base, ckpt = tiny_or_random(request)
     return (Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"),
             Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=256,
                    prefill_block=8))

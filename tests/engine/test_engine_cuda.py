@@ -103,6 +103,14 @@ def gpu():
     return True
 
 
+def tiny_or_random(request):
+    """(base file, checkpoint) of ds4-tiny if built (models/), else of the random tiny stack (the tiny_stack fixture)."""
+    if TINY_BASE.exists() and TINY_CKPT.is_dir():
+        return TINY_BASE, TINY_CKPT
+    ckpt, base = request.getfixturevalue("tiny_stack")
+    return base, ckpt
+
+
 @pytest.fixture(scope="module")
 def stack(gpu, request):
     """(base, engram_dir, tokens for judging windows [W, N]) of ds4-tiny if built, else the random tiny stack."""

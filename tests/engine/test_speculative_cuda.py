@@ -12,7 +12,7 @@ import pytest
 
 from ds4lib.engine import Engine, cuda_state
 from ds4lib.formats.floats import bf16_bits_to_f32, round_bf16
-from tests.engine.test_engine_cuda import TINY_BASE, TINY_CKPT, TOKENIZER, gpu, micro_config  # noqa: F401
+from tests.engine.test_engine_cuda import TOKENIZER, gpu, micro_config, tiny_or_random  # noqa: F401
 from tests.kernels.tolerances import assert_matches
 
 MICRO_PROMPT = [5, 9, 11, 40, 2, 17, 33]
@@ -201,10 +201,7 @@ def test_micro_draft_matches_cpu(spec_micro, spec_micro_prompt):
 @pytest.fixture(scope="module")
 def tiny_pair(gpu, request):  # noqa: F811
     """(CPU engine, CUDA engine) of ds4-tiny when present, else of the random tiny stack (as test_engine_cuda)."""
-    if TINY_BASE.exists() and TINY_CKPT.is_dir():
-        base, ckpt = TINY_BASE, TINY_CKPT
-    else:
-        ckpt, base = request.getfixturevalue("tiny_stack")
+    base, ckpt = tiny_or_random(request)
     return (Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER),
             Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda"))
 

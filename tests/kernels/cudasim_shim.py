@@ -165,13 +165,8 @@ class _SimThread(threading.Thread):
             if m.failed is None:
                 try:
                     self.job()
-                except BaseException as e:       # the simulator's message: the thread and block ids first
-                    msg = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}" + (f": {e}" if str(e) else "")
-                    try:
-                        exc = type(e)(msg)
-                    except Exception:            # an exception type that does not take one message
-                        exc = e
-                    self.exception = (exc, sys.exc_info()[2])
+                except BaseException as e:
+                    self.exception = (_named(e, self.threadIdx, self.blockIdx), sys.exc_info()[2])
                     if m.failed is None:
                         m.failed = self.exception
             self.done = True
@@ -190,6 +185,16 @@ class _SimThread(threading.Thread):
 
 _POOL = []          # worker threads, reused by every block of every launch (launches never overlap: the simulator
                     # asserts one kernel context at a time)
+
+
+def _named(e, thread_idx, block_idx):
+    """`e` re-made with the simulator's message, the thread and block ids first (`e` itself for an exception type
+    that does not take one message)."""
+    msg = f"tid={list(thread_idx)} ctaid={list(block_idx)}" + (f": {e}" if str(e) else "")
+    try:
+        return type(e)(msg)
+    except Exception:
+        return e
 
 
 def block_scheduler_with_baton():
@@ -337,14 +342,9 @@ def block_scheduler_with_greenlets():
                     return
                 try:
                     self._f(*args)
-                except BaseException as e:           # the simulator's message: the thread and block ids first
-                    msg = f"tid={list(thread_idx)} ctaid={list(block_idx)}" + (f": {e}" if str(e) else "")
-                    try:
-                        exc = type(e)(msg)
-                    except Exception:                # an exception type that does not take one message
-                        exc = e
+                except BaseException as e:
                     if self.failed is None:
-                        self.failed = (exc, sys.exc_info()[2])
+                        self.failed = (_named(e, thread_idx, block_idx), sys.exc_info()[2])
 
             live = [(greenlet.greenlet(body), t, t.x + bd[0] * (t.y + bd[1] * t.z)) for t in ids]
             first = True
