@@ -16,9 +16,10 @@ per-request state at full context x --max-running (the plan counts one request's
 interpreter and its libraries.
 
 Restart check: one more long stream; the server is killed with SIGKILL once its first tokens arrive; every
-`*.ds4kv` file left in the disk cache is verified (magic, sizes, sha256: `verify_entry`), a `.partial` left by a
-write the kill cut is reported (the restarted server removes it); the restarted server answers, and a follow-up of a
-conversation finished before the kill resumes from the disk tier (cached tokens > 0).
+`*.ds4kv` file left in the disk cache (in its stack's subdirectory) is verified (magic, sizes, sha256:
+`verify_entry`), a `.partial` left by a write the kill cut is reported (the restarted server removes it: its lock
+died with the writer); the restarted server answers, and a follow-up of a conversation finished before the kill
+resumes from the disk tier (cached tokens > 0).
 
     .venv/bin/python bench/bench_soak.py --clients 32 --seconds 300          # ds4-tiny ① base, CPU
 """
@@ -271,7 +272,7 @@ def kill_mid_stream_and_restart(server: Server, restart, kv_dir: Path, *, max_to
                                 timeout: float = 600.0) -> dict:
     """SIGKILL `server` once a long stream has sent its first tokens, verify every disk-cache file, restart it
     (`restart()` returns the new Server, which the caller stops) and check that it serves and resumes from disk."""
-    from ds4lib.engine.prefix_cache import KvCacheError, verify_entry
+    from ds4lib.engine.kv_disk import KvCacheError, verify_entry
     first = [{"role": "user", "content": QUESTIONS[0]}]
     done = stream_turn(server.url, first, api="openai", max_tokens=4, timeout=timeout)   # finished: on disk
     killed = threading.Event()
@@ -283,19 +284,19 @@ def kill_mid_stream_and_restart(server: Server, restart, kv_dir: Path, *, max_to
     cut = stream_turn(server.url, [{"role": "user", "content": "Write a long story about the sea."}],
                       api="anthropic", max_tokens=max_tokens, timeout=timeout, on_first_token=kill)
     server.proc.wait(timeout=60)
-    entries, corrupt = list(kv_dir.glob("*.ds4kv")), []
+    entries, corrupt = list(kv_dir.rglob("*.ds4kv")), []
     for p in entries:
         try:
             verify_entry(p)
         except KvCacheError as e:
             corrupt.append(f"{p.name}: {e}")
-    partial = [p.name for p in kv_dir.glob(".*.partial")]
+    partial = [p.name for p in kv_dir.rglob(".*.partial")]
     new = restart()
     follow = first + [{"role": "assistant", "content": done.text}, {"role": "user", "content": FOLLOW_UPS[0]}]
     again = stream_turn(new.url, follow, api="openai", max_tokens=4, timeout=timeout)
     return {"killed_mid_stream": killed.is_set() and not cut.ok, "stream_error_seen_by_client": cut.error,
             "disk_entries_after_kill": len(entries), "corrupt_entries": corrupt, "partial_files_after_kill": partial,
-            "partial_files_after_restart": [p.name for p in kv_dir.glob(".*.partial")],
+            "partial_files_after_restart": [p.name for p in kv_dir.rglob(".*.partial")],
             "restart_serves": again.ok and done.ok, "restart_cached_tokens": again.cached_tokens,
             "restart_resumed_from_disk": again.cached_tokens > 0,
             "ok": bool(done.ok and killed.is_set() and not corrupt and again.ok and again.cached_tokens > 0)}

@@ -42,7 +42,7 @@ __all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "M
 
 EOS = 1
 _MB = 1 << 20
-SNAPSHOT_VERSION = 1          # bump when a state's meaning changes: older disk entries then count as stale
+SNAPSHOT_VERSION = 1          # bump when a state's meaning changes: older disk entries are then another stack's
 
 
 class EngineError(RuntimeError):

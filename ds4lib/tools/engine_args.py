@@ -28,9 +28,11 @@ def add_prefix_cache_args(p, default_mb: float = 0.0):
                         f"extend them (default {default_mb:g}; 0 = off)")
     p.set_defaults(prefix_cache_default_mb=default_mb)
     p.add_argument("--kv-disk-dir", default=None, help="also keep those states on disk here (checksummed files; "
-                                                       "survives restarts)")
+                                                       "survives restarts; servers of other model stacks or backends "
+                                                       "may share it: each keeps its own subdirectory)")
     p.add_argument("--kv-disk-mb", type=finite_float(0.0, lo_open=True), default=4096.0,
-                   help="size cap of --kv-disk-dir (default 4096)")
+                   help="size cap of this model stack's subdirectory of --kv-disk-dir, not of the whole directory "
+                        "(default 4096)")
 
 
 def open_engine(args, *, warm_up: bool = True):

@@ -191,13 +191,13 @@ def test_micro_snapshots_round_trip_through_the_disk_tier(micro_stack, tmp_path)
         return a
     odd = KvDiskStore(tmp_path / "odd", fingerprint="micro", max_bytes=1 << 30, to_arrays=other_layout)
     odd.save(CacheEntry(tokens, st, [], be.state_nbytes(st)))
-    assert len(list((tmp_path / "odd").glob("*.ds4kv"))) == 1
+    assert len(list(odd.dir.glob("*.ds4kv"))) == 1
     cache = PrefixCache(max_bytes=1 << 30, new_state=be.new_state, copy_state=be.copy_state,
                         disk=KvDiskStore(tmp_path / "odd", fingerprint="micro", max_bytes=1 << 30,
                                          to_arrays=be.state_to_arrays),
                         state_nbytes=be.state_nbytes, from_arrays=be.state_from_arrays)
     assert cache.lookup(tokens + [9]) == (None, [], 0)
-    assert not list((tmp_path / "odd").glob("*.ds4kv"))
+    assert not list(odd.dir.glob("*.ds4kv"))
     with pytest.raises(ValueError, match="open mark"):
         mk = be.mark(st)
         try:
@@ -261,7 +261,7 @@ def test_gpu_a_restarted_engine_resumes_from_the_disk_tier(tiny_engines, tmp_pat
                    kv_disk_dir=tmp_path)
     p1, more = _texts(first)
     out = list(first.generate_ids(p1, SamplingParams(temperature=0, max_tokens=5)))
-    assert len(list(tmp_path.glob("*.ds4kv"))) == 1
+    assert len(list(tmp_path.rglob("*.ds4kv"))) == 1
     again = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda", prefix_cache_mb=64,
                    kv_disk_dir=tmp_path)
     p2 = p1 + out + more

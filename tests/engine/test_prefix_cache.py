@@ -1,13 +1,15 @@
 """Prefix KV reuse (ds4lib/engine/prefix_cache.py) on the CPU backend: a resumed session gives exactly the logits
-of a cold prefill, the memory tier stays within its budget, and the disk tier survives a restart but never trusts
-a corrupt, truncated, stale or half-written entry."""
+of a cold prefill, the memory tier stays within its budget, and the disk tier survives a restart, never trusts a
+corrupt, truncated or half-written entry, and keeps (unused) another stack's entries in the same directory
+(the disk tier on its own: tests/engine/test_kv_disk.py)."""
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ds4lib.engine import Engine, SamplingParams
-from ds4lib.engine.prefix_cache import SUFFIX, CacheEntry, KvCacheError, KvDiskStore, verify_entry
+from ds4lib.engine.kv_disk import PARTIAL, SUFFIX, KvCacheError, KvDiskStore, verify_entry
+from ds4lib.engine.prefix_cache import CacheEntry
 
 TOK = Path(__file__).resolve().parents[2] / "data" / "tokenizer" / "tokenizer.json"
 P1 = [int(t) for t in np.random.default_rng(11).integers(9, 1000, 23)]
@@ -87,8 +89,8 @@ def test_a_failed_forward_is_never_cached(tiny_stack, monkeypatch):
 def test_disk_tier_survives_a_restart(tiny_stack, cold, tmp_path):
     e = _engine(tiny_stack, kv_disk_dir=tmp_path, kv_disk_mb=64)
     out = list(e.generate_ids(P1, GREEDY))
-    files = list(tmp_path.glob("*" + SUFFIX))
-    assert len(files) == 1 and not list(tmp_path.glob(".*"))
+    files = list(e.prefix_cache.disk.dir.glob("*" + SUFFIX))
+    assert len(files) == 1 and not list(e.prefix_cache.disk.dir.glob(".*"))
     p2 = P1 + out + MORE
     e2 = _engine(tiny_stack, kv_disk_dir=tmp_path, kv_disk_mb=64)     # a new process would do the same
     s = e2.resume(p2)
@@ -99,7 +101,7 @@ def test_disk_tier_survives_a_restart(tiny_stack, cold, tmp_path):
 def _one_entry(tiny_stack, tmp_path):
     e = _engine(tiny_stack, kv_disk_dir=tmp_path, kv_disk_mb=64)
     out = list(e.generate_ids(P1, GREEDY))
-    (path,) = tmp_path.glob("*" + SUFFIX)
+    (path,) = e.prefix_cache.disk.dir.glob("*" + SUFFIX)
     return e, path, P1 + out + MORE
 
 
@@ -124,18 +126,19 @@ def test_a_damaged_entry_is_ignored_and_removed(tiny_stack, cold, tmp_path, dama
     np.testing.assert_array_equal(e.prefill(s, p2), cold.logits(p2)[-1])
 
 
-def test_stale_and_half_written_entries_are_removed(tiny_stack, tmp_path):
+def test_another_stacks_entries_are_kept_and_half_written_ones_removed(tiny_stack, tmp_path):
+    """Another stack (a CUDA server, DSpark off, other files) sharing --kv-disk-dir: its entry for the same tokens
+    is neither used nor deleted; a .partial no process is writing any more is removed."""
     e, path, p2 = _one_entry(tiny_stack, tmp_path)
-    other = KvDiskStore(tmp_path / "other", fingerprint="another stack", max_bytes=1 << 30)
-    other.save(CacheEntry(P1, e.resume(P1 + MORE).state, []))
-    (stale,) = (tmp_path / "other").glob("*" + SUFFIX)
-    moved = tmp_path / stale.name
-    stale.rename(moved)
-    partial = tmp_path / ".abc.partial"
+    other = KvDiskStore(tmp_path, fingerprint="another stack", max_bytes=1 << 30)
+    other.save(CacheEntry(p2[:-1], e.resume(P1 + MORE).state, []))           # would be the longer prefix
+    (theirs,) = other.dir.glob("*" + SUFFIX)
+    partial = e.prefix_cache.disk.dir / (".abc" + PARTIAL)
     partial.write_bytes(b"DS4KV001 cut short")
     e2 = _engine(tiny_stack, kv_disk_dir=tmp_path, kv_disk_mb=64)
-    assert not moved.exists() and not partial.exists() and path.exists()
-    assert e2.resume(p2).reused == len(p2) - len(MORE) - 1
+    assert theirs.exists() and not partial.exists() and path.exists()
+    assert e2.resume(p2).reused == len(p2) - len(MORE) - 1                    # its own entry, not the other's
+    assert theirs.exists()
 
 
 def test_disk_tier_keeps_to_its_size_cap(tiny_stack, tmp_path):
@@ -144,8 +147,8 @@ def test_disk_tier_keeps_to_its_size_cap(tiny_stack, tmp_path):
     e.prefix_cache.disk.max_bytes = int(2.5 * size)
     for k in range(4):
         list(e.generate_ids([20 + k] + P1, SamplingParams(temperature=0, max_tokens=1)))
-        assert sum(p.stat().st_size for p in tmp_path.glob("*" + SUFFIX)) <= e.prefix_cache.disk.max_bytes
-    assert len(list(tmp_path.glob("*" + SUFFIX))) == 2
+        assert sum(p.stat().st_size for p in path.parent.glob("*" + SUFFIX)) <= e.prefix_cache.disk.max_bytes
+    assert len(list(path.parent.glob("*" + SUFFIX))) == 2
 
 
 @pytest.mark.parametrize("damage", [None, "flip", "truncate", "magic"])

@@ -28,7 +28,7 @@ def test_a_few_clients_for_seconds_then_a_kill_mid_stream_and_a_restart(tiny_sta
         assert r["completed"] >= 3 and r["ttft_p50_s"] is not None and r["aggregate_tokens_per_s"] > 0, r
         assert r["within_budget"], r
         assert r["turns_with_cached_tokens"] > 0, "follow-up turns should resume from the prefix cache"
-        assert list(kv.glob("*.ds4kv")), "finished sessions are written to the disk tier"
+        assert list(kv.rglob("*.ds4kv")), "finished sessions are written to the disk tier"
         check = kill_mid_stream_and_restart(servers[0], restart, kv, timeout=120.0)
         assert check["killed_mid_stream"] and check["stream_error_seen_by_client"], check
         assert check["corrupt_entries"] == [] and check["partial_files_after_restart"] == [], check
