@@ -30,19 +30,30 @@ it (Nsight Compute: ~24 per weight), so it indexes flat arrays with unsigned int
 strides per load), converts the f16 header with the hardware, takes nibbles and scale bytes with 32-bit operations,
 and selects the two scale layouts instead of branching on the lane's sub-block.
 
+The tensor-core path (`q4k_mma_kernel`): when x holds act_quant_fp8 values (quantize=True, or fp8_input=True from a
+caller that quantised it), q4_K rows are multiplied on the tensor cores with FP8 MMAs: each block of 32 activations
+becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the E4M3 code of q * 2^-9, and a
+sub-block's 32 products are one MMA; the sub-block's factors dd and dm and the block's scale are applied in FP32
+afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
+against the reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched
+call give the same bits. The head (FP32 activations) and grouped wo_a (BF16 activations) keep the FMA kernels.
+
 Shapes: T tokens, N rows, K row length (per group), G groups, NB = K/256 super-blocks (q4_K) or K/32 blocks (Q8_0).
 """
 import math
 
 import numpy as np
 from numba import cuda
+from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
-from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
-from kernels.gemv import act_quant_fp8
+from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.gemv import E4M3_MAX, act_quant_fp8, e4m3_round_device, pow2_ceil_device
+from kernels.mma import MMA_EX_WORDS, e4m3_encode_device, mma_e4m3_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["q4k_gemv", "q4k_rows", "warp_sum_device", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
+           "q4k_mma_kernel", "q4k_mma_t1_kernel", "mma_splits",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -56,6 +67,17 @@ QK8_0 = 32
 Q8_0_HALVES = 17               # 34 bytes = 17 uint16 per block
 KINDS = {"q4_K": (QK_K, 144), "q8_0": (QK8_0, 34)}
 MAGIC = np.float32(8388608.0)  # 2^23
+MMA_WARPS = 4                  # tensor-core path: warps per block,
+MMA_ROWS = 16                  # rows per warp (the MMA's M),
+MMA_TOK = 8                    # tokens per pass (its N),
+MMA_STAGE_SB = 32              # token x super-blocks of activations staged in shared memory at a time,
+MMA_STAGE_BLK = MMA_STAGE_SB * QK_K // 32       # their blocks of 32 (a scale and a code sum each),
+MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their code words (32 bytes of padding a token row)
+MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many blocks (a function of its shape)
+INV448 = np.float32(1.0) / np.float32(448.0)     # act_quant_fp8's constant
+MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
+MMA_MIN_BLOCKS = 2             # the batched kernel's
+USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
 
 
 if SIM:
@@ -340,6 +362,322 @@ def _make_q4k_deep_kernel(warps):
 q4k_gemv_deep_kernel = _make_q4k_deep_kernel(WARPS_PER_BLOCK)
 
 
+# ------------------------------------------------------------------------------ the tensor-core path (FP8 inputs)
+if SIM:
+    @cuda.jit(device=True)
+    def _quad_sum_device(v, red):
+        """((v_0 + v_1) + (v_2 + v_3)) over the four lanes 4g..4g+3 of each quad, in every lane of it; `red` is the
+        warp's float32 [32] slice of a shared array (the simulator: one exchange in shared memory)."""
+        lane = cuda.threadIdx.x % WARP
+        red[lane] = v
+        cuda.syncwarp(0xFFFFFFFF)
+        q = lane - lane % 4
+        s = (red[q] + red[q + 1]) + (red[q + 2] + red[q + 3])
+        cuda.syncwarp(0xFFFFFFFF)
+        return s
+
+    @cuda.jit(device=True)
+    def _quad_max_device(v, red):
+        """max of v over the lanes of each quad (the simulator: shared memory)."""
+        lane = cuda.threadIdx.x % WARP
+        red[lane] = v
+        cuda.syncwarp(0xFFFFFFFF)
+        q = lane - lane % 4
+        s = max(max(red[q], red[q + 1]), max(red[q + 2], red[q + 3]))
+        cuda.syncwarp(0xFFFFFFFF)
+        return s
+else:
+    @cuda.jit(device=True, inline=True)
+    def _quad_sum_device(v, red):
+        """((v_0 + v_1) + (v_2 + v_3)) over the lanes of each quad (two butterfly shuffles; `red` unused). Lane 4g
+        gets exactly that order; the others the same sums with commuted operands, so the same bits."""
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def _quad_max_device(v, red):
+        """max of v over the lanes of each quad (two butterfly shuffles)."""
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
+        return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
+
+
+@cuda.jit(device=True, inline=True)
+def _fp8_block_scale_device(amax):
+    """The least power of two P with amax <= 448 P (1 for amax == 0): FP8-grid values of a block divided by P are
+    E4M3 codes exactly (P never exceeds the block's quantisation scale, so no code loses a bit)."""
+    if amax == np.float32(0.0):
+        return np.float32(1.0)
+    u = f32_bits(amax)
+    e = np.int32(u >> np.uint32(23)) - 127                 # amax = 1.f * 2^e (normal)
+    if (u & np.uint32(0x7FFFFF)) > np.uint32(0x600000):   # 1.f > 1.75: 448 * 2^(e-8) < amax
+        e += 1
+    e = max(e - 8, -126)
+    return bits_f32(np.uint32(e + 127) << np.uint32(23))
+
+
+@cuda.jit(device=True, inline=True)
+def _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, inv):
+    """(8 E4M3 codes of v_i * inv packed low byte first, the exact FP32 sum of the 8 scaled values)."""
+    c0, c1, c2, c3 = v0 * inv, v1 * inv, v2 * inv, v3 * inv
+    c4, c5, c6, c7 = v4 * inv, v5 * inv, v6 * inv, v7 * inv
+    lo = (e4m3_encode_device(c0) | (e4m3_encode_device(c1) << np.uint32(8)) | (e4m3_encode_device(c2) << np.uint32(16))
+          | (e4m3_encode_device(c3) << np.uint32(24)))
+    hi = (e4m3_encode_device(c4) | (e4m3_encode_device(c5) << np.uint32(8)) | (e4m3_encode_device(c6) << np.uint32(16))
+          | (e4m3_encode_device(c7) << np.uint32(24)))
+    return np.uint64(lo) | (np.uint64(hi) << np.uint64(32)), ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
+
+
+@cuda.jit(device=True, inline=True)
+def _aq_device(v, q):
+    """act_quant_fp8_kernel's value: e4m3_round(clamp(v / q, +-448)) * q."""
+    return e4m3_round_device(min(max(v / q, -E4M3_MAX), E4M3_MAX)) * q
+
+
+@cuda.jit(device=True)
+def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw):
+    """Tokens t0..t0+nt-1, inputs k0 .. k0 + 256*n_sb - 1 of x (FP8-grid float32; x1 its flat uint64 words, kx
+    floats a row) -> E4M3 codes in shared memory (8 per word, token row r at word r*stride, inputs in order) and
+    per token and block of 32 (index r*pitch + b) the power-of-two scale P (scl) and the exact FP32 sum of the
+    block's codes (xsum: at most 32 * 448 in steps of 2^-9, so every partial sum is exact, in any order). `raw`:
+    x holds unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel,
+    so the codes are those of the quantised x (the activation rule of linear_q without a launch of its own). A thread
+    takes 8 inputs, the four threads of a quad one block (its max and sum over the quad). Every thread runs the
+    same number of steps (the simulator's quad exchange is a block barrier)."""
+    nblk = 8 * n_sb
+    n_jobs = 4 * nblk * nt                                # a multiple of 32: whole warps are in or out
+    step = cuda.blockDim.x
+    for j0 in range(0, n_jobs, step):
+        j = j0 + cuda.threadIdx.x
+        ok = j < n_jobs
+        jj = j if ok else n_jobs - 1
+        r = jj // (4 * nblk)
+        b = (jj // 4) % nblk
+        part = jj % 4
+        base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
+        w0 = x1[base]
+        w1 = x1[base + np.uint64(1)]
+        w2 = x1[base + np.uint64(2)]
+        w3 = x1[base + np.uint64(3)]
+        v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
+        v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
+        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+        am = _quad_max_device(am, red)
+        if raw:                                           # act_quant_fp8's rule first, the same operations
+            q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
+            v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
+            v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
+            am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
+                     max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+            am = _quad_max_device(am, red)
+        p = _fp8_block_scale_device(am)
+        word, sm = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
+        sm = _quad_sum_device(sm, red)
+        if ok:
+            codes[r * stride + 4 * b + part] = word
+            if part == 0:
+                scl[r * pitch + b] = p
+                xsum[r * pitch + b] = sm
+
+
+@cuda.jit(device=True, inline=True)
+def _sub_block_term_device(dd, dm, d, xs, p, acc):
+    """acc + (dd * 512 * d - dm * xs) * p: one sub-block's contribution to a row sum. d = sum of (q * 2^-9) *
+    code over its 32 inputs (the MMA), xs = the sum of the codes, p = the block's scale, dd / dm its factors."""
+    return cuda.fma(cuda.fma(dd * np.float32(512.0), d, -(dm * xs)), p, acc)
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_words_device(w1, wa, wb, sb, lw, live):
+    """(header words of rows a and b, their nibble words of groups c = 0..3 for the lane) of super-block sb, zeros
+    when not `live`."""
+    z = np.uint64(0)
+    if not live:
+        return z, z, z, z, z, z, z, z, z, z, z, z
+    ba = wa + np.uint64(Q4K_WORDS * sb)
+    bb = wb + np.uint64(Q4K_WORDS * sb)
+    return (w1[ba], w1[ba + np.uint64(1)], w1[bb], w1[bb + np.uint64(1)],
+            w1[ba + lw], w1[ba + lw + np.uint64(4)], w1[ba + lw + np.uint64(8)], w1[ba + lw + np.uint64(12)],
+            w1[bb + lw], w1[bb + lw + np.uint64(4)], w1[bb + lw + np.uint64(8)], w1[bb + lw + np.uint64(12)])
+
+
+@cuda.jit(device=True, inline=True)
+def _pick4(c, v0, v1, v2, v3):
+    return v0 if c == 0 else (v1 if c == 1 else (v2 if c == 2 else v3))
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_sub_device(la, lb, ha, hb, sh, xw, ex):
+    """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the codes word xw."""
+    m = np.uint32(0x0F0F0F0F)
+    return mma_e4m3_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m,
+                           np.uint32(xw & np.uint64(0xFFFFFFFF)), np.uint32(xw >> np.uint64(32)), 0.0, 0.0, 0.0, 0.0,
+                           ex)
+
+
+def _make_mma_kernel(decode, min_blocks):
+    """q4k_mma_kernel for one-token calls (`decode`: the batched branch compiled out, fewer registers) or any
+    token count; `min_blocks` resident blocks per SM bound its registers (launch_bounds)."""
+    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(MMA_WARPS * WARP, min_blocks), cache=True)
+
+    @jit
+    def q4k_mma_kernel(x1, kx, w1, n_words, sps, n_slices, out_bf16, raw, part, counters, out):
+        """q4_K GEMV / GEMM on the tensor cores for activations on the FP8 grid (act_quant_fp8 values; x1 = x [T, kx]
+        as flat uint64 words), or for raw activations that it quantises itself by the same rule (`raw`).
+
+        Block (bx, slice): rows bx*64 .. +63 (16 per warp: the MMA's M), super-blocks slice*sps .. +sps-1 of K, tokens
+        in passes of up to 8 (the MMA's N; a pass's missing columns repeat its last token and are dropped). The
+        activations of a pass are staged in shared memory as E4M3 codes (_stage_fp8_device; a one-token pass stages up
+        to 32 super-blocks at once, 8 tokens 4). Lane (g, t) loads 8 nibble bytes of rows g and g+8 per 32-byte group
+        c of a super-block (the next super-block's loads go out before this one's MMAs): bytes 32c+8t .. +7 hold
+        inputs 8t..8t+7 of sub-blocks 2c (low nibbles) and 2c+1 (high nibbles); a nibble byte masked to 0x0F is the
+        E4M3 code of q * 2^-9 exactly (a subnormal for q < 8), so the MMA over a sub-block's 32 inputs gives d = sum of
+        q * code * 2^-9, and the row sum is the sum over sub-blocks of (dd * 512 * d - dm * sum(code)) * P.
+
+        Per row and token the terms go into four partial sums, p_c over the sub-blocks 2c and 2c+1 of the slice's
+        super-blocks in order, combined as (p_0 + p_1) + (p_2 + p_3). A one-token pass has lane t form p_t (its
+        factors dd, dm computed once per super-block, the MMA results of group c == t kept); a wider pass has each lane
+        form all four for its two columns. The same operations in the same order, so a token's result does not depend
+        on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
+        (counters, reset to 0 by it); a single slice writes directly."""
+        codes = cuda.shared.array(MMA_CODES_WORDS, nb_uint64)
+        scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
+        xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
+        ex = cuda.shared.array((MMA_WARPS, WARP, MMA_EX_WORDS), np.uint32)
+        red = cuda.shared.array((MMA_WARPS, WARP), np.float32)
+        last = cuda.shared.array(1, np.int32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane // 4
+        t = lane % 4
+        n_tok, n_rows = out.shape
+        nb = n_words // Q4K_WORDS
+        r0 = cuda.blockIdx.x * (MMA_WARPS * MMA_ROWS) + warp * MMA_ROWS
+        ra = r0 + g
+        rb = r0 + g + 8
+        wa = np.uint64(min(ra, n_rows - 1)) * np.uint64(n_words)
+        wb = np.uint64(min(rb, n_rows - 1)) * np.uint64(n_words)
+        lw = np.uint64(2 + t)
+        sl = cuda.blockIdx.y
+        sb0 = sl * sps
+        sb1 = min(nb, sb0 + sps)
+        one = decode
+        p = cuda.local.array(16, np.float32)                  # [c][row g / g+8][column 2t / 2t+1]
+        for t0 in range(0, n_tok, MMA_TOK):
+            nt = min(MMA_TOK, n_tok - t0)
+            csb = MMA_STAGE_SB // nt                           # super-blocks staged at a time
+            stride = 32 * csb + 4                              # words per staged token row (32 bytes of padding)
+            nblk = 8 * csb
+            tr = min(g, nt - 1)                                # the token of this lane's B column
+            n0 = min(2 * t, nt - 1)                            # the tokens of its two D columns
+            n1 = min(2 * t + 1, nt - 1)
+            for i in range(16):
+                p[i] = np.float32(0.0)
+            for cb in range(sb0, sb1, csb):
+                ce = min(sb1, cb + csb)
+                (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw,
+                                                                                                  True)
+                cuda.syncthreads()
+                _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
+                cuda.syncthreads()
+                for sb in range(cb, ce):
+                    (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
+                        w1, wa, wb, sb + 1, lw, sb + 1 < ce)
+                    kb = 8 * (sb - cb)                         # the super-block's first block of 32 in the stage
+                    if one:
+                        dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
+                        dda1, dma1 = _q4k_factors_hw_device(ha0, ha1, 2 * t + 1)
+                        ddb0, dmb0 = _q4k_factors_hw_device(hb0, hb1, 2 * t)
+                        ddb1, dmb1 = _q4k_factors_hw_device(hb0, hb1, 2 * t + 1)
+                        ka0 = np.float32(0.0)
+                        ka1 = np.float32(0.0)
+                        kb0 = np.float32(0.0)
+                        kb1 = np.float32(0.0)
+                        for c in range(4):
+                            qa = _pick4(c, qa0, qa1, qa2, qa3)
+                            qb = _pick4(c, qb0, qb1, qb2, qb3)
+                            la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
+                            lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
+                            xw0 = codes[4 * kb + 8 * c + t]
+                            xw1 = codes[4 * kb + 8 * c + 4 + t]
+                            d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(0), xw0, ex[warp])
+                            e0, e1, e2, e3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4), xw1, ex[warp])
+                            if c == t:
+                                ka0, kb0, ka1, kb1 = d0, d2, e0, e2
+                        bt = kb + 2 * t
+                        p[0] = _sub_block_term_device(dda0, dma0, ka0, xsum[bt], scl[bt], p[0])
+                        p[0] = _sub_block_term_device(dda1, dma1, ka1, xsum[bt + 1], scl[bt + 1], p[0])
+                        p[2] = _sub_block_term_device(ddb0, dmb0, kb0, xsum[bt], scl[bt], p[2])
+                        p[2] = _sub_block_term_device(ddb1, dmb1, kb1, xsum[bt + 1], scl[bt + 1], p[2])
+                    else:
+                        for c in range(4):
+                            qa = _pick4(c, qa0, qa1, qa2, qa3)
+                            qb = _pick4(c, qb0, qb1, qb2, qb3)
+                            la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
+                            lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
+                            for h in range(2):
+                                xw = codes[tr * stride + 4 * kb + 8 * c + 4 * h + t]
+                                d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4 * h), xw, ex[warp])
+                                dda, dma = _q4k_factors_hw_device(ha0, ha1, 2 * c + h)
+                                ddb, dmb = _q4k_factors_hw_device(hb0, hb1, 2 * c + h)
+                                blk = kb + 2 * c + h
+                                b0 = n0 * nblk + blk
+                                b1 = n1 * nblk + blk
+                                p[4 * c] = _sub_block_term_device(dda, dma, d0, xsum[b0], scl[b0], p[4 * c])
+                                p[4 * c + 1] = _sub_block_term_device(dda, dma, d1, xsum[b1], scl[b1], p[4 * c + 1])
+                                p[4 * c + 2] = _sub_block_term_device(ddb, dmb, d2, xsum[b0], scl[b0], p[4 * c + 2])
+                                p[4 * c + 3] = _sub_block_term_device(ddb, dmb, d3, xsum[b1], scl[b1], p[4 * c + 3])
+                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
+                        na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
+            if one:
+                sa = _quad_sum_device(p[0], red[warp])
+                sbv = _quad_sum_device(p[2], red[warp])
+                if t == 0:
+                    _mma_store_device(sa, t0, ra, sl, n_slices, out_bf16, part, out)
+                    _mma_store_device(sbv, t0, rb, sl, n_slices, out_bf16, part, out)
+            else:
+                for j in range(4):                                   # (row g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+                    col = 2 * t + j % 2
+                    v = (p[j] + p[4 + j]) + (p[8 + j] + p[12 + j])
+                    if col < nt:
+                        _mma_store_device(v, t0 + col, ra if j < 2 else rb, sl, n_slices, out_bf16, part, out)
+        if n_slices > 1:                                             # block-uniform
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                last[0] = 1 if cuda.atomic.add(counters, cuda.blockIdx.x, 1) == n_slices - 1 else 0
+            cuda.syncthreads()
+            if last[0] == 1:
+                cuda.threadfence()
+                rows = MMA_WARPS * MMA_ROWS
+                for i in range(tid, n_tok * rows, cuda.blockDim.x):
+                    tok = i // rows
+                    row = cuda.blockIdx.x * rows + i % rows
+                    if row < n_rows:
+                        v = part[0, tok, row]
+                        for s in range(1, n_slices):
+                            v += part[s, tok, row]
+                        out[tok, row] = round_bf16_device(v) if out_bf16 else v
+                if tid == 0:
+                    counters[cuda.blockIdx.x] = 0
+    return q4k_mma_kernel
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_store_device(v, tok, row, sl, n_slices, out_bf16, part, out):
+    """A slice's row sum: the output itself (one slice) or its slot of the slice partials."""
+    if row < out.shape[1]:
+        if n_slices == 1:
+            out[tok, row] = round_bf16_device(v) if out_bf16 else v
+        else:
+            part[sl, tok, row] = v
+
+
+q4k_mma_t1_kernel = _make_mma_kernel(True, MMA_MIN_BLOCKS_T1)
+q4k_mma_kernel = _make_mma_kernel(False, MMA_MIN_BLOCKS)
+
+
 @cuda.jit(device=True, inline=True)
 def _q8_0_weight_device(w16, row, blk, i):
     """Weight i (0..31) of Q8_0 block `blk` of a row: f16 d * int8 q (exact)."""
@@ -424,17 +762,31 @@ def q8_0_rows_kernel(w16, ids, out):
 
 _GEMV_SIG = "void(float32[:, :], uint64[:, :], int64, boolean, float32[:, :])"
 _Q8_SIG = "void(float32[:, :], uint16[:, :], int64, boolean, float32[:, :])"
+_MMA_SIG = ("void(uint64[:], int64, uint64[:], int64, int64, int64, boolean, boolean, float32[:, :, :], int32[:], "
+            "float32[:, :])")
 SIGNATURES = {
     "q4k_gemv_t1_kernel": _GEMV_SIG,
     "q4k_gemv_t4_kernel": _GEMV_SIG,
     "q8_0_gemv_t1_kernel": _Q8_SIG,
     "q8_0_gemv_t4_kernel": _Q8_SIG,
     "q4k_gemv_deep_kernel": "void(uint64[:], uint64[:], int64, int64, boolean, float32[:, :])",
+    "q4k_mma_kernel": _MMA_SIG,
+    "q4k_mma_t1_kernel": _MMA_SIG,
     "q4k_rows_kernel": "void(uint8[:, :], int64[:], float32[:, :])",
     "q8_0_rows_kernel": "void(uint16[:, :], int64[:], float32[:, :])",
 }
 
 
+
+
+def mma_splits(n_rows, nb):
+    """(super-blocks per slice, slices) of the tensor-core path for a q4_K matrix of n_rows x nb super-blocks: K is
+    split while the matrix has fewer than MMA_TARGET_BLOCKS blocks of 64 rows. A function of the shape alone, so
+    every call on a matrix adds its slices in the same order."""
+    row_blocks = -(-n_rows // (MMA_WARPS * MMA_ROWS))
+    want = max(1, min(nb, -(-MMA_TARGET_BLOCKS // row_blocks)))
+    sps = -(-nb // want)
+    return sps, -(-nb // sps)
 
 
 def _contiguous(x):
@@ -454,12 +806,14 @@ def _row_length(w, kind, name):
 
 # ----------------------------------------------------------------------------------------------- launchers
 def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=None, out=None, scratch=None,
-             stream=0):
+             stream=0, fp8_input=False):
     """x [T, G*K] float32 (C-contiguous), w uint8 [N, K/256*144] (q4_K) or [N, K/32*34] (Q8_0) -> out [T, N] float32.
 
     `quantize` applies linear_q's activation rule (act_quant_fp8, block 32) to x first (into scratch);
     `out_bf16` rounds to BF16 (linear_q / linear_bf16), False keeps FP32 (linear_f32). `rows_per_group` (default
-    N) maps row n to the x slice n // rows_per_group (attention's grouped wo_a)."""
+    N) maps row n to the x slice n // rows_per_group (attention's grouped wo_a). `fp8_input` says that x already
+    holds act_quant_fp8 values (quantize=False): q4_K rows then take the tensor-core path, as they do with
+    quantize=True (q4k_mma_kernel); any other x must not be passed with it."""
     k = _row_length(w, kind, "q4k_gemv")
     n_rows = w.shape[0]
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2:
@@ -475,10 +829,23 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         raise ValueError(f"q4k_gemv: out {out.shape} must be {(n_tok, n_rows)}")
     if n_tok == 0 or n_rows == 0:
         return out
-    if quantize:
+    mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows and _contiguous(x)
+    if quantize and not mma:
         x = act_quant_fp8(x, out=_scratch(scratch, "xq", tuple(x.shape), np.float32, stream), stream=stream)
     grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
-    if kind == "q4_K" and n_tok == 1 and _contiguous(x):
+    if mma:
+        nb = k // QK_K
+        sps, n_slices = mma_splits(n_rows, nb)
+        row_blocks = -(-n_rows // (MMA_WARPS * MMA_ROWS))
+        part = _scratch(scratch, "mma_part", (n_slices if n_slices > 1 else 1, n_tok if n_slices > 1 else 1,
+                                              n_rows if n_slices > 1 else 1), np.float32, stream)
+        counters = _scratch(scratch, "mma_counters", (row_blocks,), np.int32, stream, zero=True)
+        w64 = w.view(np.uint64)
+        kernel = q4k_mma_t1_kernel if n_tok == 1 else q4k_mma_kernel
+        kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
+            x.view(np.uint64).reshape(n_tok * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], sps,
+            n_slices, bool(out_bf16), bool(quantize), part, counters, out)
+    elif kind == "q4_K" and n_tok == 1 and _contiguous(x):
         w64 = w.view(np.uint64)
         q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](
             x.view(np.uint64).reshape(x.shape[1] // 2), w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg,

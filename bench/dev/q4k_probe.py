@@ -3,6 +3,8 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
 
     ncu --clock-control none -k regex:q4k --launch-skip 2 --launch-count 1 python bench/dev/q4k_probe.py --shape wo_b
     python bench/dev/q4k_probe.py --time          # every shape: µs per call, cold, CUDA-graph replay (JSON lines)
+    python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
+    python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
 """
 import argparse
 import math
@@ -21,10 +23,40 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="wo_b", choices=sorted(SHAPES))
 ap.add_argument("--calls", type=int, default=6)
 ap.add_argument("--time", action="store_true")
+ap.add_argument("--mode", default="deep", choices=["deep", "mma"])
+ap.add_argument("--check", action="store_true")
 a = ap.parse_args()
 SHAPES.update({"wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a": (8192, 4096), "shared_w2": (5120, 2304)})
+if a.check:
+    import json
+
+    from ds4lib.formats.floats import round_bf16
+    from ds4lib.formats.q4k import dequantize_q4k
+    from kernels.gemv import act_quant_fp8
+    s = cuda.stream()
+    for name, (N, K) in sorted(SHAPES.items()):
+        if name == "wo_a":
+            continue                                       # grouped rows: BF16 activations, FMA kernel only
+        n = min(N, 512)
+        w = cuda.device_array((n, K // 256 * 144), np.uint8, stream=s)
+        synth_fill(w, "q4_K", key=7, sigma=K ** -0.5, k=K, stream=s)
+        x = cuda.to_device(round_bf16(np.random.default_rng(1).standard_normal((1, K)) * 3).astype(np.float32),
+                           stream=s)
+        xq = act_quant_fp8(x, stream=s)
+        mma = q4k_gemv(xq, w, quantize=False, fp8_input=True, out_bf16=False, stream=s).copy_to_host()
+        fma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
+        ref = dequantize_q4k(w.copy_to_host()).astype(np.float64) @ xq.copy_to_host()[0].astype(np.float64)
+        scale = np.sqrt(np.mean(ref ** 2))
+        row = {"name": name, "rows": n, "K": K}
+        for tag, got in (("mma", mma[0]), ("fma", fma[0])):
+            err = got.astype(np.float64) - ref
+            row[tag] = {"nmse": float(np.mean(err ** 2) / scale ** 2), "max_rel": float(np.max(np.abs(err)) / scale),
+                        "bf16_flips": float(np.mean(round_bf16(got) != round_bf16(ref.astype(np.float32))))}
+        print(json.dumps(row), flush=True)
+    sys.exit(0)
 if a.time:
     import json
+    from kernels.gemv import act_quant_fp8
     from bench.timing import graph_time
     s = cuda.stream()
     for name, (N, K) in sorted(SHAPES.items()):
@@ -38,18 +70,22 @@ if a.time:
             synth_fill(w, "q4_K", key=100 + c, sigma=K ** -0.5, k=K, stream=s)
             ws.append(w)
         x = cuda.to_device(np.random.default_rng(0).standard_normal((1, G * K)).astype(np.float32), stream=s)
+        if a.mode == "mma":
+            if rpg is not None:
+                continue                                   # grouped wo_a keeps the FMA kernel
+            x = act_quant_fp8(x, stream=s)
         out = cuda.device_array((1, N), np.float32, stream=s)
         scratch = {}
         it = [0]
 
         def call():
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
-                     scratch=scratch, stream=s)
+                     scratch=scratch, stream=s, fp8_input=a.mode == "mma")
             it[0] += 1
         call()
         s.synchronize()
         sec = graph_time(call, s, max(copies * 4, 40))
-        print(json.dumps({"name": name, "shape": [N, K], "copies": copies, "us": round(sec * 1e6, 2),
+        print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "us": round(sec * 1e6, 2),
                           "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)

@@ -247,14 +247,15 @@ class CudaBackend:
         self._rope_cap = cap
 
     # ------------------------------------------------------------------ linears
-    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None):
-        """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference."""
+    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False):
+        """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference.
+        `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize)."""
         s, T = self.stream, x.shape[0]
         if out is None:
             out = self._buf(f"lin{id(lin)}", (T, lin.rows))
         if lin.kind in ("q4_K", "q8_0"):
             return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
-                                     out=out, scratch=self.scr, stream=s)
+                                     out=out, scratch=self.scr, stream=s, fp8_input=fp8 and not quantize)
         if quantize:
             x = gemv.act_quant_fp8(x, out=self._buf("lin_xq", tuple(x.shape)), stream=s)
         return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
@@ -603,11 +604,12 @@ class CudaBackend:
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
         xq = self._aq8(x, "x_attn_q")
-        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, out=self._buf("qa", (T, cfg.q_lora_rank)))
+        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, fp8=True,
+                          out=self._buf("qa", (T, cfg.q_lora_rank)))
         qr = rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
                                stream=s)
         qrq = self._aq8(qr, "qr_q")
-        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, out=self._buf("q", (T, H * dh)))
+        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, fp8=True, out=self._buf("q", (T, H * dh)))
         q3 = q.reshape(T, H, dh)
         rope.rope(q3, c.pos, cos, sin, stream=s)
         return xq, qrq, q3
@@ -617,7 +619,7 @@ class CudaBackend:
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, dh = c.T, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
-        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, out=self._buf("kv", (T, dh)))
+        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, fp8=True, out=self._buf("kv", (T, dh)))
         kvn = rms_norm.rms_norm(kv, w["attn.kv_norm.weight"], cfg.norm_eps, out=self._buf("kvn", (T, dh)), stream=s)
         rope.rope(kvn, c.pos, cos, sin, stream=s)
         return self._aq8(kvn, "kvq")
@@ -691,7 +693,8 @@ class CudaBackend:
             return
         keys = st.idxk[role.kv_src].view(S)
         nI, di = cfg.index_n_heads, cfg.index_head_dim
-        qi = self._linear(qrq, w["attn.indexer.wq_b.weight"], quantize=False, out=self._buf("iq", (T, nI * di)))
+        qi = self._linear(qrq, w["attn.indexer.wq_b.weight"], quantize=False, fp8=True,
+                          out=self._buf("iq", (T, nI * di)))
         qi3 = qi.reshape(T, nI, di)
         rope.rope(qi3, c.pos, cos, sin, stream=s)
         qiq = gemv.act_quant_fp4_pow2(qi3, out=self._buf("iqq", (T, nI, di)), stream=s)
@@ -735,8 +738,8 @@ class CudaBackend:
                          scratch=self.scr, stream=s)
         ye = vq_gemv.vq_gemv(act, plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
-        g = self._linear(xq, w["ffn.shared_experts.w1.weight"], quantize=False, out=self._buf("sh_g", (T, F)))
-        u = self._linear(xq, w["ffn.shared_experts.w3.weight"], quantize=False, out=self._buf("sh_u", (T, F)))
+        g = self._linear(xq, w["ffn.shared_experts.w1.weight"], quantize=False, fp8=True, out=self._buf("sh_g", (T, F)))
+        u = self._linear(xq, w["ffn.shared_experts.w3.weight"], quantize=False, fp8=True, out=self._buf("sh_u", (T, F)))
         a = moe.swiglu(g, u, cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), scratch=self.scr, stream=s)
         ysh = self._linear(a, w["ffn.shared_experts.w2.weight"], quantize=True, out=self._buf("sh_y", (T, D)))
         if observer:

@@ -111,3 +111,66 @@ def test_decode_kernel_equals_the_two_step_kernel(cuda_ready, rows, k, rpg):
     wide = cuda_ready.to_device(np.repeat(x.copy_to_host(), 2, axis=1))      # a strided [1, K] view: two-step path
     strided = q4k_gemv(wide[:, ::2], d_q, quantize=False, out_bf16=False, rows_per_group=rpg).copy_to_host()
     np.testing.assert_array_equal(strided, got)
+
+
+# ------------------------------------------------------------------ the tensor-core path (FP8-grid activations)
+def _mma_taken(scratch):
+    return any(key[0] == "mma_counters" for key in scratch)
+
+
+def test_e4m3_encoder_is_exact_on_every_code(cuda_ready):
+    """e4m3_encode_device gives back the code of every finite E4M3 value (normals, subnormals, both zeros)."""
+    from ds4lib.formats.fp8 import e4m3_decode
+    from kernels.mma import e4m3_encode_kernel
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint32)     # NaN codes left out
+    vals = e4m3_decode(codes.astype(np.uint8)).astype(np.float32)
+    out = cuda_ready.device_array(len(codes), np.uint32)
+    e4m3_encode_kernel[2, 128](cuda_ready.to_device(vals), out)
+    np.testing.assert_array_equal(out.copy_to_host(), codes)
+
+
+@pytest.mark.parametrize("single_slice", [False, True])
+def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
+    """On the tensor-core path a token's result is the same bits whether it is decoded alone or shares a call with
+    9 others (two groups of 8 tokens, the last ragged), with K split in slices or not, over a row tail (24 rows
+    = 1.5 warps); and it is linear_q's within the reduction-order tolerance."""
+    import kernels.q4k_gemv as qk
+    if single_slice:
+        monkeypatch.setattr(qk, "MMA_TARGET_BLOCKS", 1)
+    assert qk.mma_splits(24, 3)[1] == (1 if single_slice else 3)
+    rng = np.random.default_rng(21)
+    q, w = _q4k(rng, 24, 256 * 3)
+    x = round_bf16(rng.standard_normal((10, 256 * 3)) * 2)
+    d_q = cuda_ready.to_device(q)
+    scratch = {}
+    many = qk.q4k_gemv(cuda_ready.to_device(x), d_q, scratch=scratch).copy_to_host()
+    assert _mma_taken(scratch)
+    for t in (0, 9):
+        one = qk.q4k_gemv(cuda_ready.to_device(x[t:t + 1]), d_q).copy_to_host()
+        np.testing.assert_array_equal(one[0], many[t])
+    assert_matches("gemv_bf16", many, linear_q(x, w, True))
+
+
+def test_mma_fp8_input_and_block_scales(cuda_ready):
+    """Pre-quantised activations with fp8_input=True give the bits of quantize=True on the raw values (8 tokens over
+    two stages of activations in shared memory); blocks of 32
+    spanning 2^-24 .. 2^12 in magnitude (subnormal codes, large scales) and an all-zero block stay exact in the
+    decomposition (code * power-of-two scale), so the FP32 result is linear_f32 of the quantised x within its
+    tolerance."""
+    from kernels.gemv import act_quant_fp8
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(22)
+    q, w = _q4k(rng, 24, 256 * 5)                 # 8 tokens stage 4 super-blocks at a time: two stages
+    x = rng.standard_normal((8, 256 * 5)).astype(np.float32)
+    x *= np.exp2(rng.integers(-24, 12, size=(8, 40))).repeat(32, axis=1).astype(np.float32)
+    x[1, 64:96] = 0.0
+    x = round_bf16(x)
+    d_x, d_q = cuda_ready.to_device(x), cuda_ready.to_device(q)
+    raw = q4k_gemv(d_x, d_q, out_bf16=False).copy_to_host()
+    xq = act_quant_fp8(d_x)
+    scratch = {}
+    pre = q4k_gemv(xq, d_q, quantize=False, fp8_input=True, out_bf16=False, scratch=scratch).copy_to_host()
+    assert _mma_taken(scratch)
+    np.testing.assert_array_equal(pre, raw)
+    assert_matches("gemv_f32", pre, linear_f32(xq.copy_to_host(), w), bf16=False)

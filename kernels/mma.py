@@ -1,0 +1,128 @@
+"""Tensor-core matrix multiply-accumulate from Numba kernels, and the exact E4M3 encoder that feeds it.
+
+Owns:
+- `mma_e4m3_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32` (sm_89 and later; inline
+  PTX, docs/toolchain.md): D [16, 8] = A [16, 32] x B [32, 8] + C, A and B E4M3 codes, C and D FP32. Every lane of
+  the warp calls it with its fragment registers (lane = 4*g + t, g = lane // 4, t = lane % 4; byte j of a register
+  is element j):
+    a0 = A[g, 4t..4t+3], a1 = A[g+8, 4t..4t+3], a2 = A[g, 16+4t..16+4t+3], a3 = A[g+8, 16+4t..16+4t+3];
+    b0 = B[4t..4t+3, g], b1 = B[16+4t..16+4t+3, g];
+    c0/d0 = (g, 2t), c1/d1 = (g, 2t+1), c2/d2 = (g+8, 2t), c3/d3 = (g+8, 2t+1).
+  The simulator has no tensor cores: there every lane publishes its registers in `ex` (the warp's uint32 [32, 6]
+  slice of a shared array; unused on the GPU), and each output is the exact float64 sum of its 32 products plus c,
+  rounded once to FP32 (the ideal MMA). The hardware accumulates its products in its own order and precision, so
+  a kernel built on it is compared with the reference within a tolerance, never bit for bit across targets; on one
+  target an output depends only on its own row of A and column of B, so the same inputs give the same bits.
+- `e4m3_encode_device`: float32 -> E4M3 byte for a value that E4M3 represents exactly (|v| <= 448 on the E4M3
+  grid; the callers divide FP8-grid activations by a power of two that makes this hold).
+Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path).
+"""
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _cuda_config
+
+from kernels.bf16 import f32_bits
+
+__all__ = ["mma_e4m3_device", "e4m3_encode_device", "e4m3_encode_kernel", "MMA_EX_WORDS", "SIGNATURES"]
+
+SIM = bool(_cuda_config.ENABLE_CUDASIM)
+WARP = 32
+MMA_EX_WORDS = 6                 # uint32 registers a lane publishes in the simulator (a0..a3, b0, b1)
+
+
+def _e4m3_table():
+    """float64 values of the 256 E4M3 (FN) codes; NaN codes as NaN."""
+    v = np.zeros(256)
+    for c in range(256):
+        e, m = (c >> 3) & 0xF, c & 7
+        x = m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        if e == 0xF and m == 7:
+            x = np.nan
+        v[c] = -x if c & 0x80 else x
+    return v
+
+
+if SIM:
+    _E4M3 = _e4m3_table()
+    _A_LANE = np.array([[4 * (r % 8) + (k % 16) // 4 for k in range(32)] for r in range(16)])
+    _A_BYTE = np.array([[4 * ((2 if k >= 16 else 0) + (1 if r >= 8 else 0)) + k % 4 for k in range(32)]
+                        for r in range(16)])
+    _B_LANE = np.array([[4 * n + (k % 16) // 4 for n in range(8)] for k in range(32)])
+    _B_BYTE = np.array([[16 + 4 * (1 if k >= 16 else 0) + k % 4 for n in range(8)] for k in range(32)])
+
+    @cuda.jit(device=True)
+    def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's ideal m16n8k32 E4M3 MMA (module docstring); `ex` the warp's uint32 [32, 6] exchange."""
+        lane = cuda.threadIdx.x % WARP
+        ex[lane, 0] = a0
+        ex[lane, 1] = a1
+        ex[lane, 2] = a2
+        ex[lane, 3] = a3
+        ex[lane, 4] = b0
+        ex[lane, 5] = b1
+        cuda.syncwarp(0xFFFFFFFF)
+        tab = np.ascontiguousarray(ex[:, :MMA_EX_WORDS]).view(np.uint8).reshape(WARP, 4 * MMA_EX_WORDS)
+        a = _E4M3[tab[_A_LANE, _A_BYTE]]
+        b = _E4M3[tab[_B_LANE, _B_BYTE]]
+        cuda.syncwarp(0xFFFFFFFF)
+        g = lane // 4
+        t = lane % 4
+        d0 = np.float32(np.dot(a[g], b[:, 2 * t]) + np.float64(c0))
+        d1 = np.float32(np.dot(a[g], b[:, 2 * t + 1]) + np.float64(c1))
+        d2 = np.float32(np.dot(a[g + 8], b[:, 2 * t]) + np.float64(c2))
+        d3 = np.float32(np.dot(a[g + 8], b[:, 2 * t + 1]) + np.float64(c3))
+        return d0, d1, d2, d3
+else:
+    from llvmlite import ir as _ir
+    from numba.core import types as _types
+    from numba.core.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _mma_e4m3(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 on one lane's registers."""
+        u, f = _types.uint32, _types.float32
+        sig = _types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, signature, args):
+            f32, i32 = _ir.FloatType(), _ir.IntType(32)
+            fnty = _ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = _ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+                                      "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, args)
+            vals = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, vals)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """m16n8k32 E4M3 x E4M3 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
+        return _mma_e4m3(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
+                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+
+@cuda.jit(device=True, inline=True)
+def e4m3_encode_device(v):
+    """The E4M3 byte of float32 v, exact for every v that E4M3 represents (|v| <= 448 on its grid): normal values
+    take the biased exponent and the top 3 fraction bits, values below 2^-6 are m * 2^-9 (m = 0..7)."""
+    bits = f32_bits(v)
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    a = bits & np.uint32(0x7FFFFFFF)
+    e = np.int32(a >> np.uint32(23)) - 127
+    if a == np.uint32(0):
+        return sign
+    if e >= -6:
+        return sign | (np.uint32(e + 7) << np.uint32(3)) | ((a >> np.uint32(20)) & np.uint32(7))
+    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    return sign | (mant >> np.uint32(14 - e))           # e = -7..-9: m = 1.f * 2^(e+9) = mant >> (23 - (e + 9))
+
+
+@cuda.jit(cache=True)
+def e4m3_encode_kernel(v, out):
+    """out[i] = e4m3_encode_device(v[i]) (tests: the encoder on every code)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < v.shape[0]:
+        out[i] = e4m3_encode_device(v[i])
+
+
+SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])"}
