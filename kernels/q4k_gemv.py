@@ -53,7 +53,7 @@ from kernels.mma import MMA_EX_WORDS, e4m3_encode_device, mma_e4m3_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["q4k_gemv", "q4k_rows", "warp_sum_device", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
-           "q4k_mma_kernel", "q4k_mma_t1_kernel", "mma_splits",
+           "q4k_mma_kernel", "q4k_mma_t1_kernel", "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -77,6 +77,7 @@ MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many b
 INV448 = np.float32(1.0) / np.float32(448.0)     # act_quant_fp8's constant
 MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
 MMA_MIN_BLOCKS = 2             # the batched kernel's
+MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
 
 
@@ -789,6 +790,19 @@ def mma_splits(n_rows, nb):
     return sps, -(-nb // sps)
 
 
+def mma_part_rows(n_tok):
+    """Token rows of the slice-partials scratch for a call of n_tok tokens: 1 for decode, else the next power of two
+    from 8 up to MMA_PART_TOKENS (a longer call is launched in pieces of that many tokens), so calls of many sizes
+    share a few bounded arrays instead of one each."""
+    return 1 if n_tok == 1 else min(MMA_PART_TOKENS, max(MMA_TOK, 1 << (n_tok - 1).bit_length()))
+
+
+def mma_part_bytes(n_rows, k, n_tok):
+    """Bytes of the slice-partials scratch a tensor-core call on a q4_K [n_rows, k] matrix allocates (0 unsplit)."""
+    _, n_slices = mma_splits(n_rows, k // QK_K)
+    return 0 if n_slices == 1 else n_slices * mma_part_rows(n_tok) * n_rows * 4
+
+
 def _contiguous(x):
     """Whether x can be re-viewed as uint64 words (C-contiguous rows of an even length)."""
     return x.shape[1] % 2 == 0 and bool(x.is_c_contiguous())
@@ -837,14 +851,17 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         nb = k // QK_K
         sps, n_slices = mma_splits(n_rows, nb)
         row_blocks = -(-n_rows // (MMA_WARPS * MMA_ROWS))
-        part = _scratch(scratch, "mma_part", (n_slices if n_slices > 1 else 1, n_tok if n_slices > 1 else 1,
-                                              n_rows if n_slices > 1 else 1), np.float32, stream)
+        part = _scratch(scratch, "mma_part", (n_slices, mma_part_rows(n_tok), n_rows) if n_slices > 1 else (1, 1, 1),
+                        np.float32, stream)
         counters = _scratch(scratch, "mma_counters", (row_blocks,), np.int32, stream, zero=True)
         w64 = w.view(np.uint64)
         kernel = q4k_mma_t1_kernel if n_tok == 1 else q4k_mma_kernel
-        kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
-            x.view(np.uint64).reshape(n_tok * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], sps,
-            n_slices, bool(out_bf16), bool(quantize), part, counters, out)
+        step = n_tok if n_slices == 1 else max(1, part.shape[1])          # tokens per launch
+        for t0 in range(0, n_tok, step):
+            xs, os_ = (x, out) if step == n_tok else (x[t0:t0 + step], out[t0:t0 + step])
+            kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
+                xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
+                w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
     elif kind == "q4_K" and n_tok == 1 and _contiguous(x):
         w64 = w.view(np.uint64)
         q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](

@@ -220,7 +220,10 @@ class CudaBackend:
         ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
         idx = T * (self.ctx.context_length // ratio) * 4 if ratio else 0
         act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
-        return attn + vqb + idx + act + T * cfg.vocab_size * 4
+        mma = sum(q4k_gemv.mma_part_bytes(n, k, T) for n, k in (
+            (cfg.q_lora_rank, D), (Dh, D), (H * Dh, cfg.q_lora_rank), (D, cfg.o_groups * cfg.o_lora_rank),
+            (F, D), (D, F)) if k % q4k_gemv.QK_K == 0)                   # the tensor-core path's slice partials
+        return attn + vqb + idx + act + mma + T * cfg.vocab_size * 4
 
     # ------------------------------------------------------------------ scratch
     def _buf(self, name, shape, dtype=np.float32, var=False):

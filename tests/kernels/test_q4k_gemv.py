@@ -133,9 +133,11 @@ def test_e4m3_encoder_is_exact_on_every_code(cuda_ready):
 @pytest.mark.parametrize("single_slice", [False, True])
 def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
     """On the tensor-core path a token's result is the same bits whether it is decoded alone or shares a call with
-    9 others (two groups of 8 tokens, the last ragged), with K split in slices or not, over a row tail (24 rows
-    = 1.5 warps); and it is linear_q's within the reduction-order tolerance."""
+    9 others (two groups of 8 tokens, the last ragged; with K split, two launches of at most MMA_PART_TOKENS tokens
+    sharing one slice-partials array), with K split in slices or not, over a row tail (24 rows = 1.5 warps); and it
+    is linear_q's within the reduction-order tolerance."""
     import kernels.q4k_gemv as qk
+    monkeypatch.setattr(qk, "MMA_PART_TOKENS", 8)          # a split matrix takes 10 tokens in two launches
     if single_slice:
         monkeypatch.setattr(qk, "MMA_TARGET_BLOCKS", 1)
     assert qk.mma_splits(24, 3)[1] == (1 if single_slice else 3)
@@ -146,6 +148,9 @@ def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
     scratch = {}
     many = qk.q4k_gemv(cuda_ready.to_device(x), d_q, scratch=scratch).copy_to_host()
     assert _mma_taken(scratch)
+    parts = [key for key in scratch if key[0] == "mma_part"]                  # one bounded array for both launches
+    assert [key[1] for key in parts] == [(1, 1, 1) if single_slice else (3, 8, 24)]
+    assert qk.mma_part_bytes(24, 256 * 3, 10) == (0 if single_slice else 3 * 8 * 24 * 4)
     for t in (0, 9):
         one = qk.q4k_gemv(cuda_ready.to_device(x[t:t + 1]), d_q).copy_to_host()
         np.testing.assert_array_equal(one[0], many[t])
