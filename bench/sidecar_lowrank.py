@@ -3,7 +3,12 @@ of the ② sidecar (per-expert FP4 gains + router bias). Solved and scored like 
 solved on the first W windows of the domain's fitting slice, scored on every window of its judging slice and of
 general English, against the same teacher.
 
-    .venv/bin/python bench/sidecar_lowrank.py [--domain finance] [--windows 8] [--rank 13] [--out FILE]
+    .venv/bin/python bench/sidecar_lowrank.py [--domain finance] [--windows 8] [--rank 13] [--bare] [--out FILE]
+        [--diagnose] [--factors FILE.npz] [--no-judge]
+
+Results: bench/results/sidecar_lowrank_<domain>.json, {"lowrank": row, "bare": {"eval": ...}} (the row's fields as in
+bench/results/sidecar_ablations_<domain>.json, plus per-layer ρ, gains and the full-rank ceiling), and the row of
+the ablation table (bench/sidecar_ablation_table.py's format) on stdout.
 
 The correction of layer l, on the deployment path:  y ← round_bf16(y + (x Aᵀ) W),  x [N, D] the engine's MoE
 input (the router's input), y its MoE output, A [r, D] and W [r, D] stored as E4M3 with one UE8M0 scale per 32
@@ -188,7 +193,9 @@ def check_in_path(engine, fix, corrections, train) -> list:
 
 
 def run(*, domain="finance", windows=8, rank=13, gate=0.005, base="models/ds4-tiny-base.gguf",
-        judge=None, out=None, diagnose=False, factors=None):
+        judge=None, out=None, diagnose=False, factors=None, bare=False):
+    """Solve, optionally diagnose, score; merges {"lowrank": row} (and {"bare": {"eval": ...}} with `bare`, the
+    stack without corrections on the same slices) into the JSON file `out`."""
     from ds4lib.config import Env
     from ds4lib.corpus.slices import load_slice
     from ds4lib.engine import Engine
@@ -235,11 +242,13 @@ def run(*, domain="finance", windows=8, rank=13, gate=0.005, base="models/ds4-ti
             comp, _ = evaluate_windows(CorrectedEngine(eng, c), teacher, toks)
             diag[f"fit_windows_{label}"] = comp.as_dict()
             print(f"fitting windows, {label}:", json.dumps(comp.as_dict()), file=sys.stderr)
-    slices, t2 = {}, time.perf_counter()
+    slices, slices_bare, t2 = {}, {}, time.perf_counter()
     for name in (judge if judge is not None else (f"{domain}/judge", "english/judge")):
         comp, _ = evaluate_slice(CorrectedEngine(eng, corrections), teacher, name)
         slices[name] = comp.as_dict()
         print(name, json.dumps(slices[name]), file=sys.stderr)
+        if bare:
+            slices_bare[name] = evaluate_slice(eng, teacher, name)[0].as_dict()
     D = eng.cfg.dim
     res = {"eval": {"slices": slices, "seconds": time.perf_counter() - t2, "original": str(checkpoint)},
            "wall_seconds": solve_s, "fixture_seconds": t_fix, "bytes": factor_bytes(rank, D) * len(corrections),
@@ -249,7 +258,11 @@ def run(*, domain="finance", windows=8, rank=13, gate=0.005, base="models/ds4-ti
                       "ridges": list(RIDGES), "gate": gate, "storage": "E4M3 + UE8M0 per 32 of a row",
                       "input": "moe_in", "heldout": "(quarter + window) % 4 == 3"}}
     if out:
-        Path(out).write_text(json.dumps(res, indent=1) + "\n")
+        doc = json.loads(Path(out).read_text()) if Path(out).exists() else {}
+        doc["lowrank"] = res
+        if bare:
+            doc["bare"] = {"eval": {"slices": slices_bare, "original": str(checkpoint)}}
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
     return res
 
 
@@ -273,14 +286,15 @@ def main(argv=None):
     p.add_argument("--diagnose", action="store_true", help="also: per-layer in-path gains with every correction "
                    "mounted, and the five numbers on the fitting windows themselves (bare and corrected)")
     p.add_argument("--no-judge", action="store_true", help="skip the judging slices")
+    p.add_argument("--bare", action="store_true", help="also score the bare base on the judging slices")
     a = p.parse_args(argv)
     out = a.out or f"bench/results/sidecar_lowrank_{a.domain}.json"
     res = run(domain=a.domain, windows=a.windows, rank=a.rank, out=out, diagnose=a.diagnose, factors=a.factors,
-              judge=() if a.no_judge else None)
+              judge=() if a.no_judge else None, bare=a.bare)
     print("wrote", out)
-    abl = Path(f"bench/results/sidecar_ablations_{a.domain}.json")
-    if abl.exists() and res["eval"]["slices"]:
-        print(table_row(res, json.loads(abl.read_text())["bare"]["eval"]["slices"]))
+    doc = json.loads(Path(out).read_text())
+    if "bare" in doc and res["eval"]["slices"]:
+        print(table_row(res, doc["bare"]["eval"]["slices"]))
 
 
 if __name__ == "__main__":
