@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.bf16 import f32_bits
 
 __all__ = ["mma_e4m3_device", "e4m3_encode_device", "e4m3_encode_kernel", "MMA_EX_WORDS", "SIGNATURES"]
@@ -30,20 +31,8 @@ WARP = 32
 MMA_EX_WORDS = 6                 # uint32 registers a lane publishes in the simulator (a0..a3, b0, b1)
 
 
-def _e4m3_table():
-    """float64 values of the 256 E4M3 (FN) codes; NaN codes as NaN."""
-    v = np.zeros(256)
-    for c in range(256):
-        e, m = (c >> 3) & 0xF, c & 7
-        x = m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-        if e == 0xF and m == 7:
-            x = np.nan
-        v[c] = -x if c & 0x80 else x
-    return v
-
-
 if SIM:
-    _E4M3 = _e4m3_table()
+    _E4M3 = E4M3_VALUES.astype(np.float64)
     _A_LANE = np.array([[4 * (r % 8) + (k % 16) // 4 for k in range(32)] for r in range(16)])
     _A_BYTE = np.array([[4 * ((2 if k >= 16 else 0) + (1 if r >= 8 else 0)) + k % 4 for k in range(32)]
                         for r in range(16)])
