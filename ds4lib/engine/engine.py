@@ -214,6 +214,7 @@ class Engine:
         self.backend = make_backend(backend, ctx, gains, bias)
         self.speculative = bool(dspark) and supports(self.backend, cfg)
         self.spec_stats = SpecStats(cfg.dspark_block_size) if self.speculative else None
+        self.spec_priors = {}        # greedy (True) / sampled (False) -> the last such request's Scheduler
         self.last_spec_stats = None
         self.memory = self.backend.memory_plan()
         self.memory.prefix_cache = int(prefix_cache_mb * _MB)
@@ -439,10 +440,14 @@ class Engine:
         fixed = params.draft_k
         stats = SpecStats(B)
         self.last_spec_stats = stats
+        kind = params.temperature == 0                   # greedy and sampled requests accept differently
+        sched = Scheduler(B, fixed, prior=self.spec_priors.get(kind))
         try:
-            yield from generate_speculative(self, s, logits, params, seed, Scheduler(B, fixed), stats)
+            yield from generate_speculative(self, s, logits, params, seed, sched, stats)
         finally:
             self.spec_stats.add(stats)
+            if fixed is None and sched.draft_s:
+                self.spec_priors[kind] = sched           # the next request of this kind starts from its costs
 
     def _constraint(self, params: SamplingParams):
         if params.json_format is None:

@@ -107,6 +107,7 @@ def _run_speculative(engine, prompt) -> None:
     from ds4lib.engine.engine import SamplingParams
     backend, B = engine.backend, engine.cfg.dspark_block_size
     counts = (copy.deepcopy(engine.spec_stats), engine.last_spec_stats)      # requests' counts only (/metrics)
+    priors = dict(engine.spec_priors)            # the warm-up's costs include compiling: no request starts from them
     for params in (SamplingParams(temperature=0.0, max_tokens=B + 3),
                    SamplingParams(temperature=1.0, top_k=2, top_p=0.9, min_p=0.01, max_tokens=3, seed=0, draft_k=1)):
         list(engine.generate_ids(prompt, params, session=engine.new_session()))
@@ -116,6 +117,7 @@ def _run_speculative(engine, prompt) -> None:
     backend.forward(session.state, prompt[:2])
     backend.rollback(session.state, mark, prompt[:1])
     engine.spec_stats, engine.last_spec_stats = counts
+    engine.spec_priors = priors
 
 
 def warm_up(engine, *, quiet: bool = False) -> WarmUp:

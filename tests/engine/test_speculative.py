@@ -226,6 +226,48 @@ def test_no_exploring_where_perfect_acceptance_would_still_lose():
     assert cheap.want_draft(4)
 
 
+def test_a_request_starts_from_the_previous_requests_costs():
+    """With the previous request's scheduler as its prior, a request skips the warm-up round where the costs are known:
+    on a backend whose rounds lose even with every draft accepted it never drafts, where rounds pay it drafts at once;
+    the prior's survival counts weigh as at most PRIOR_ROUNDS rounds, so this request's own hits soon decide rho."""
+    lose = spec.Scheduler(4)
+    lose.observe_draft(0.02, np.full(4, 8.0))
+    lose.observe_verify(5, 0.08, np.full(4, 8.0), 4)
+    for _ in range(spec.Scheduler.MIN_PLAIN):
+        lose.observe_plain(0.01)
+    assert spec.Scheduler(4).want_draft(4)                               # no prior: the warm-up round
+    nxt = spec.Scheduler(4, prior=lose)
+    assert not any(nxt.want_draft(4) or nxt.observe_plain(0.01) for _ in range(1000))
+    win = spec.Scheduler(4)
+    conf = np.full(4, 8.0)
+    for _ in range(40):                                                 # a long request: 40 rounds, all kept
+        win.observe_draft(0.002, conf)
+        win.observe_verify(5, 0.012, conf, 4)
+    for _ in range(spec.Scheduler.MIN_PLAIN):
+        win.observe_plain(0.01)
+    nxt = spec.Scheduler(4, prior=win)
+    assert nxt.want_draft(4) and nxt.rounds == pytest.approx(spec.Scheduler.PRIOR_ROUNDS)
+    assert nxt.rho == pytest.approx(win.rho, rel=0.01)
+    for _ in range(8):                                                  # this request's first drafts all fail
+        nxt.observe_draft(0.002, conf)
+        nxt.observe_verify(5, 0.012, conf, 0)
+    assert nxt.rho < 0.5 * win.rho
+    assert spec.Scheduler(4, fixed_k=2, prior=win).rounds == 0          # a fixed k takes nothing from a prior
+
+
+def test_the_engine_hands_each_request_the_last_ones_scheduler(engine):
+    ids = [0] + engine.encode("The ledger shows")
+    engine.spec_priors = {}
+    list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=6)))
+    first = engine.spec_priors[True]
+    list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=6)))
+    second = engine.spec_priors[True]
+    assert second is not first and False not in engine.spec_priors
+    assert len(second.plain_s) >= len(first.plain_s)                   # the second request began with the first's
+    list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=6, draft_k=2)))   # fixed k: not a prior
+    assert engine.spec_priors[True] is second
+
+
 def test_rho_follows_the_hits_of_underconfident_heads_within_a_few_rounds():
     """ds4-tiny's confidence heads say sigmoid(c_1) ~ 0.2 where half the first drafts are kept (BENCHMARKS.md,
     "Speculative decoding"): after 4 rounds with 2 hits rho is within 20 % of the observed 2.5 (the prior pseudo-round
