@@ -46,9 +46,11 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--log-dir", default="cache")
     ap.add_argument("--out", default="bench/results/serving_cpu.jsonl")
+    ap.add_argument("--cuda", action="store_true", help="serve on the CUDA backend (ds4-server --cuda)")
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.streams.split(",")]
-    proc, url = _start(args, ["--max-running", str(max(counts)), "--prefix-cache-mb", "0"])
+    proc, url = _start(args, ["--max-running", str(max(counts)), "--prefix-cache-mb", "0"]
+                       + (["--cuda"] if args.cuda else []))
     try:
         _stream(url, 0, 2)                                     # materialise the layers once
         for n in counts:
@@ -58,7 +60,8 @@ def main(argv=None):
             wall = time.perf_counter() - t0
             total = sum(r[1] for r in res)
             ttfts = [r[0] for r in res if r[0] is not None]
-            rec = {"bench": "serving_streams", "model": args.base, "cores": os.cpu_count(), "streams": n,
+            rec = {"bench": "serving_streams", "model": args.base, "backend": "cuda" if args.cuda else "cpu",
+                   "cores": os.cpu_count(), "streams": n,
                    "tokens_per_stream": args.tokens, "generated_tokens": total, "wall_s": wall,
                    "aggregate_tok_s": total / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_max_s": max(ttfts),
                    "load_avg": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
