@@ -24,10 +24,13 @@ A call's host plan (`_plan`) fixes every shape: how many compressed rows each co
 each indexer and attention reads. Kernels never receive a position as a scalar: they read the call's positions from
 the device (kernels.step), so a one-token decode step is the same sequence of launches at every position of a
 bucket. Decode steps are captured per bucket into a CUDA graph (ds4lib.engine.cuda_graph) and replayed; a bucket
-fixes the cache views (each owner's rows rounded up to a multiple of 1/8 of a power of two, `_bucket`), the buffers
-and the RoPE table: rows past a query's reach are masked by the kernels' own position rules, so a wider view gives
-the same bits. The first step of a bucket runs eagerly (it allocates the scratch), is then captured; later steps
-replay. `graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step eager.
+fixes the cache views (each owner's rows rounded up to a multiple of max(512 rows, 1/8 of a power of two),
+`_bucket`), the buffers and the RoPE table: rows past a query's reach are masked by the kernels' own position rules,
+so a wider view gives the same bits. The first step of a bucket is captured and the graph launched; where a launcher
+allocated while capturing (a session's first step, a larger scratch shape) the graph is dropped, that step runs
+eagerly and the next one captures. The device sampler over a decode step's logits row is replayed from a graph of
+its own per sampling parameter set, its seed and step read from host-mapped memory. `graphs=False` (or
+DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
 
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
 from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
@@ -74,12 +77,17 @@ _SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the
 _SIM = bool(_cuda_config.ENABLE_CUDASIM)
 
 
-def _bucket(n: int) -> int:
-    """The cache view of a decode step whose owner holds n rows: n rounded up to a multiple of max(64, 1/8 of the
-    next power of two), so a long session re-captures its graph every ~1/8 of its length."""
+BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
+
+
+def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
+    """The cache view of a decode step whose owner holds n rows: n rounded up to a multiple of max(min_rows, 1/8 of
+    the next power of two), so a long session re-captures its graph every ~1/8 of its length and a short one once
+    per min_rows rows (a capture costs about two eager steps of host time: 60-80 ms for ds4-tiny; the kernels that
+    scan a view, the indexer's scores and top-k, cost little more for a few hundred masked rows)."""
     if n <= 0:
         return 0
-    step_rows = max(64, 1 << max(0, (n - 1).bit_length() - 3))
+    step_rows = max(int(min_rows), 1 << max(0, (n - 1).bit_length() - 3))
     return -(-n // step_rows) * step_rows
 
 
@@ -165,7 +173,10 @@ class CudaBackend:
         if graphs is None:
             graphs = Env.read().cuda_graphs
         self.graphs = bool(graphs) and cuda_graph.available()
-        self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0}
+        self.bucket_min_rows = BUCKET_MIN_ROWS
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0,
+                      "sample_graph_replays": 0}
+        self._sample_graphs = {}     # sampling parameters -> the device sampler over the decode row, captured
         self._decode_io()
         self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
         self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
@@ -185,6 +196,7 @@ class CudaBackend:
         device copies, and the Engram rows' mapped staging (one table row per hash column and Engram layer)."""
         cfg, s = self.cfg, self.stream
         self.m_in = cuda.mapped_array(2, np.int64)
+        self.m_seed, self.m_step = _mapped((1,), np.int64), _mapped((1,), np.int64)   # the captured sampler's inputs
         self.d_pos = cuda.device_array(1, np.int64, stream=s)
         self.d_rep = cuda.device_array(cfg.hc_mult, np.int64, stream=s)
         self.d_dead = cuda.device_array(1, np.uint8, stream=s)
@@ -398,7 +410,7 @@ class CudaBackend:
             g = (p0 + T) // ratio - p0 // ratio
             c.gmax[l] = 1 if decode else g
             c.n_after[l] = st.ckv[l].n + g
-            c.view[l] = _bucket(c.n_after[l]) if decode else c.n_after[l]
+            c.view[l] = _bucket(c.n_after[l], self.bucket_min_rows) if decode else c.n_after[l]
             for rows in (st.ckv, st.idxk):
                 if l in rows:
                     rows[l].reserve(max(c.view[l], st.ckv[l].n + c.gmax[l], 1), self.stream)
@@ -448,17 +460,28 @@ class CudaBackend:
         key = (self._rope_cap,) + tuple((l, c.view[l], st.ckv[l].buf.shape[0],
                                          st.idxk[l].buf.shape[0] if l in st.idxk else 0) for l in sorted(c.view))
         graph = st.graphs.get(key) if self.graphs else None
+        if self.graphs and key not in st.graphs:           # a new bucket: capture first, run eagerly only if needed
+            for old in st.graphs.values():
+                if old is not None:
+                    old.close()
+            graph, retry = self._capture(st, c)
+            if retry:                                      # arrays to create: this step eagerly, then capture
+                self._decode_body(st, c)
+                self.stats["eager_steps"] += 1
+                graph, retry = self._capture(st, c)
+                if retry:
+                    warnings.warn("a launcher created an array while the decode step was captured right after an "
+                                  "eager step; decode stays eager in this bucket")
+                st.graphs = {key: graph}                   # None: this bucket stays eager
+                self._commit(st, c)
+                return self.d_logits_decode
+            st.graphs = {key: graph}
         if graph is not None:
             graph.launch()
             self.stats["graph_replays"] += 1
         else:
             self._decode_body(st, c)
             self.stats["eager_steps"] += 1
-            if self.graphs and key not in st.graphs:
-                for old in st.graphs.values():
-                    if old is not None:
-                        old.close()
-                st.graphs = {key: self._capture(st, c)}     # None: this bucket stays eager
         self._commit(st, c)
         return self.d_logits_decode
 
@@ -466,25 +489,47 @@ class CudaBackend:
         step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
         return self._body(st, c, self.d_rep, "last", self.d_logits_decode, None)
 
-    def _capture(self, st, c):
-        """The decode body captured as a graph, or None (with a warning) if capturing failed or a launcher
-        allocated while capturing (a graph must not outlive the memory it points to)."""
-        sizes = (len(self.scr), len(self.scr_var), len(self._const))
+    def _try_capture(self, run, what):
+        """(graph, False) with run()'s launches captured, or (None, retry). A launcher that created a scratch or
+        constant array while capturing (the dicts grew) makes the graph unusable: the array's initialising copy was
+        recorded, not run, and the graph must not outlive memory it points to. Those arrays are dropped again, so
+        that the eager run the caller makes instead creates them for real, and retry is True. A capture that failed
+        is (None, False), with a warning."""
+        dicts = (self.scr, self.scr_var, self._const)
+        before = [set(d) for d in dicts]
+        error = None
         try:
-            graph = cuda_graph.StepGraph.capture(self.stream, lambda: self._decode_body(st, c))
+            graph = cuda_graph.StepGraph.capture(self.stream, run)
         except Exception as e:  # noqa: BLE001 - a capture problem costs speed, never a wrong token
-            warnings.warn(f"CUDA graph capture failed, decode stays eager for this bucket: {type(e).__name__}: {e}")
+            error, graph = e, None
             self.stream.synchronize()
-            return None
-        if (len(self.scr), len(self.scr_var), len(self._const)) != sizes:
-            graph.close()
-            warnings.warn("a launcher allocated while the decode step was captured; decode stays eager here")
-            return None
+        grew = False
+        for d, keys in zip(dicts, before):
+            for k in [k for k in d if k not in keys]:
+                del d[k]
+                grew = True
+        if grew:                                           # (a copy that creates an array may also fail a capture)
+            if graph is not None:
+                graph.close()
+            return None, True
+        if error is not None:
+            warnings.warn(f"CUDA graph capture of {what} failed, it stays eager: {type(error).__name__}: {error}")
+        return graph, False
+
+    def _capture(self, st, c):
+        """(graph, retry): the decode body captured as a graph (nothing runs while capturing: the caller launches
+        it for this step), or None. retry: a launcher created an array while capturing (the first step of a process,
+        a larger scratch shape): the graph is dropped (`_try_capture`), the caller runs this step eagerly, which
+        creates the arrays for real, and captures again right after it (before any other call can prune the
+        scratch). A capture that failed (with a warning) leaves the bucket eager."""
+        graph, retry = self._try_capture(lambda: self._decode_body(st, c), "the decode step")
+        if graph is None:
+            return None, retry
         graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
                       dict(self._rope), self.m_engram]
         self.stats["graph_captures"] += 1
         self.stats["graph_nodes"] = graph.nodes
-        return graph
+        return graph, False
 
     def _body(self, st, c, rep, want, out, observer):
         """Every launch of a call (embedding, layers, head); no host state changes (a decode step's is captured)."""
@@ -767,21 +812,61 @@ class CudaBackend:
         if isinstance(logits, np.ndarray):
             logits = cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32), stream=s)
         lg = logits.reshape(1, V)
-        seeds = cuda.to_device(np.array([int(seed) & (2 ** 64 - 1)], dtype=np.uint64).view(np.int64), stream=s)
-        steps = cuda.to_device(np.array([int(step)], dtype=np.int64), stream=s)
-        d_mask = None
-        if mask is not None:
-            words = np.ascontiguousarray(mask, dtype=np.int32).reshape(1, -1)
-            d_mask = self._buf("token_mask", words.shape, np.int32)
-            d_mask.copy_to_device(words, stream=s)
-        tok = sampling.sample(lg, seeds, steps, temperature=float(params.temperature), top_k=int(params.top_k),
-                              top_p=float(params.top_p), min_p=float(params.min_p), mask=d_mask,
-                              out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=s)
+        seed64 = int(np.array([int(seed) & (2 ** 64 - 1)], dtype=np.uint64).view(np.int64)[0])
+        if mask is None and self.graphs and self._is_decode_row(lg):
+            tok = self._sample_decode_row(lg, params, seed64, int(step))
+        else:
+            seeds = cuda.to_device(np.array([seed64], dtype=np.int64), stream=s)
+            steps = cuda.to_device(np.array([int(step)], dtype=np.int64), stream=s)
+            d_mask = None
+            if mask is not None:
+                words = np.ascontiguousarray(mask, dtype=np.int32).reshape(1, -1)
+                d_mask = self._buf("token_mask", words.shape, np.int32)
+                d_mask.copy_to_device(words, stream=s)
+            tok = self._sample_launch(lg, params, seeds, steps, d_mask)
         t = int(tok.copy_to_host()[0])
         if t < 0:
             check_finite(logits.copy_to_host())        # raises NonFiniteLogits, naming what the row holds
             raise NonFiniteLogits("the device sampler found a non-finite logits row")
         return t
+
+    def _sample_launch(self, lg, params, seeds, steps, d_mask=None):
+        return sampling.sample(lg, seeds, steps, temperature=float(params.temperature), top_k=int(params.top_k),
+                               top_p=float(params.top_p), min_p=float(params.min_p), mask=d_mask,
+                               out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=self.stream)
+
+    def _is_decode_row(self, lg):
+        d = self.d_logits_decode
+        return tuple(lg.shape) == tuple(d.shape) and lg.device_ctypes_pointer.value == d.device_ctypes_pointer.value
+
+    def _sample_decode_row(self, lg, params, seed64, step):
+        """The device sampler over the decode step's logits row, replayed from a graph captured per parameter set
+        (seed and step read from host-mapped memory): one graph launch instead of the sampler's eager launches and
+        two uploads. The same kernels as the eager path, so the same token."""
+        key = (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p))
+        self.m_seed.host[0] = seed64                       # nothing reads them now: the last token was read back
+        self.m_step.host[0] = step
+        seeds, steps = self.m_seed.dev, self.m_step.dev
+        graph = self._sample_graphs.get(key)
+        if graph is None and key not in self._sample_graphs:
+            graph, retry = self._try_capture(lambda: self._sample_launch(lg, params, seeds, steps), "the sampler")
+            if retry and ("retry", key) not in self._sample_graphs:   # created arrays: eager now, capture next
+                self._sample_graphs[("retry", key)] = None
+                return self._sample_launch(lg, params, seeds, steps)
+            if graph is not None:                          # its token buffer: the scratch may be renewed later
+                graph.keep = [list(self.scr.values()), self.m_seed, self.m_step, self.d_logits_decode]
+                graph.token = self._buf("token", (1,), np.int64)
+            if len(self._sample_graphs) >= 16:             # many parameter sets seen: start afresh
+                for g in self._sample_graphs.values():
+                    if g is not None:
+                        g.close()
+                self._sample_graphs.clear()
+            self._sample_graphs[key] = graph
+        if graph is None:
+            return self._sample_launch(lg, params, seeds, steps)
+        graph.launch()
+        self.stats["sample_graph_replays"] += 1
+        return graph.token
 
     def memory_plan(self):
         from ds4lib.engine.engine import MemoryPlan

@@ -199,7 +199,11 @@ def test_gpu_graph_decode_equals_eager_decode(stack, engines):
     assert be.graphs, "CUDA graphs are not available on this machine"
     toks = [int(t) for t in np.concatenate(stack[2][:2])[:200]]
     before = dict(be.stats)
-    graph = cuda.logits(toks, split=30)
+    default_rows, be.bucket_min_rows = be.bucket_min_rows, 64     # buckets of 64 rows: these steps cross several
+    try:
+        graph = cuda.logits(toks, split=30)
+    finally:
+        be.bucket_min_rows = default_rows
     assert be.stats["graph_replays"] - before["graph_replays"] >= 160
     assert be.stats["graph_captures"] - before["graph_captures"] >= 3
     assert be.stats["graph_nodes"] > 100
@@ -211,9 +215,12 @@ def test_gpu_graph_decode_equals_eager_decode(stack, engines):
         runs = {}
         for mode in (False, True):
             be.graphs = mode
+            sampled = be.stats["sample_graph_replays"]
             runs[mode] = [list(cuda.generate_ids(prompt, SamplingParams(temperature=0, max_tokens=90))),
                           list(cuda.generate_ids(prompt, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=90,
                                                                         seed=11)))]
+            # the sampler over decode rows replays its graphs (both parameter sets), and only with graphs on
+            assert (be.stats["sample_graph_replays"] - sampled > 100) == mode
         assert runs[True] == runs[False]
     finally:
         be.graphs = True
