@@ -6,16 +6,14 @@ figure on stdout.
   call (which waits for the step's kernels, samples and copies the token back).
 - `graph_only`: the bucket's captured graph replayed back to back (GPU time of a step, no host work between).
 - `sample_only`: the sampler alone on a finished logits row; `engram_host`: the host hashes and gather alone.
-- `profile`: cProfile of 32 steps, the call sites with the most own time.
+(The host call sites of a step: `bench/bench_engine.py --only profile`, a cProfile of 32 steps.)
 
     python bench/dev/tiny_step_profile.py --base models/ds4-tiny-base.gguf --engram-dir models/ds4-tiny
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -88,16 +86,6 @@ def main(argv=None):
         be._engram_host(s.state, ids)
     s.state.hist = hist
     emit({"figure": "engram_host", "ms": round(1e3 * (time.perf_counter() - t0) / 200, 4)})
-    prof = cProfile.Profile()
-    prof.enable()
-    for step in range(32):
-        tok = be.sample(eng.decode(s, tok), p, 7, n + 9 + step)
-    prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:25]
-    for (fn, line, func), (cc, nc, tt, ct, _) in rows:
-        emit({"figure": "profile", "func": f"{Path(fn).name}:{line}:{func}", "calls_per_step": round(nc / 32, 1),
-              "tottime_ms_per_step": round(1e3 * tt / 32, 4), "cumtime_ms_per_step": round(1e3 * ct / 32, 4)})
 
 
 if __name__ == "__main__":
