@@ -245,9 +245,9 @@ class Scheduler:
         c_v1, c_tok = np.linalg.lstsq(A, t * np.sqrt(w), rcond=None)[0]
         return max(float(c_v1), 0.0), max(float(c_tok), 1e-9)
 
-    def _best(self, a, kmax: int):
-        """(k, tokens per second) of the best k in 1..kmax for survival a."""
-        c_v1, c_tok = self.line()
+    def _best(self, a, kmax: int, line=None):
+        """(k, tokens per second) of the best k in 1..kmax for survival a (`line`: self.line(), if already formed)."""
+        c_v1, c_tok = line or self.line()
         c_draft = self._cost(self.draft_s)
         ks = np.arange(1, kmax + 1)
         rate = (1 + np.cumsum(a[:kmax])) / (c_draft + c_v1 + c_tok * (1 + ks))
@@ -263,14 +263,15 @@ class Scheduler:
             return self.fixed_k > 0
         if not self.draft_s:
             return True
-        if self.line() is None or len(self.plain_s) < self.MIN_PLAIN:
+        line = self.line() if len(self.plain_s) >= self.MIN_PLAIN else None    # (one least-squares fit a step)
+        if line is None:
             return False
-        c_v1, c_tok = self.line()
+        c_v1, c_tok = line
         c_plain = self._cost(self.plain_s) if self.plain_s else c_v1 + c_tok
         a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
-        if self._best(a, kmax)[1] > 1.0 / c_plain:
+        if self._best(a, kmax, line)[1] > 1.0 / c_plain:
             return True
-        if self._best(np.ones(self.block), kmax)[1] <= 1.0 / c_plain:
+        if self._best(np.ones(self.block), kmax, line)[1] <= 1.0 / c_plain:
             return False                     # every draft accepted would still lose: nothing to explore for
         round1 = self._cost(self.draft_s) + c_v1 + 2.0 * c_tok           # a one-draft round
         return self.plain_since >= self.explore * round1
