@@ -76,6 +76,18 @@ def test_micro_decode_steps_match_cpu(micro):
     assert plan.weights > 0 and plan.state > 0 and plan.scratch > 0
 
 
+def test_decode_cache_views_are_coarse_buckets():
+    """A decode step's cache views (the graph's shapes) grow in steps of max(512 rows, 1/8 of a power of two): a short
+    session re-captures its graph once per 512 rows, a long one every ~1/8 of its length; a view never falls short."""
+    from ds4lib.engine.backend_cuda import BUCKET_MIN_ROWS, _bucket
+    assert BUCKET_MIN_ROWS == 512 and _bucket(0) == 0
+    assert [_bucket(n) for n in (1, 511, 512, 513, 4096, 4097, 5000)] == [512, 512, 512, 1024, 4096, 5120, 5120]
+    assert [_bucket(n, 64) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    views = [_bucket(n) for n in range(1, 70000, 7)]
+    assert all(v >= n for v, n in zip(views, range(1, 70000, 7)))
+    assert len(set(views)) <= 25                                         # captures over a 70k-row session
+
+
 def test_micro_device_sampling_matches_reference(micro):
     """The CUDA backend samples on the device with ds4lib.ref.sampling's rule (the host reads back the token)."""
     from ds4lib.ref.sampling import sample
