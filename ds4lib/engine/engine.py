@@ -15,7 +15,9 @@ backend's sampler; without it the unmasked path runs, unchanged.
 Speculative decoding with the DSpark draft stages (speculative.py) is on by default (`dspark=True`) wherever the
 backend supports it (the CPU and CUDA backends; speculative.supports) and the request is unconstrained; greedy output
 is token-identical to plain greedy, sampled output has plain sampling's distribution. `spec_stats` sums its counts
-over requests, `last_spec_stats` holds the last request's.
+over requests, `last_spec_stats` holds the last request's. Each request's scheduler starts from the previous one's
+(`spec_priors`); where that one measured that no round could beat plain steps, requests decode plainly, all but
+every RECHECK-th, which runs the scheduler again.
 
 Shapes: T tokens, V vocab.
 """
@@ -175,6 +177,8 @@ def find_engram_checkpoint(base: BaseFile, engram_dir=None) -> Path:
 
 
 class Engine:
+    RECHECK = 16                  # every 16th request that drafting cannot help still runs the scheduler
+
     def __init__(self, base_path, *, zchain=None, posttrain=None, engram_dir=None, backend: str = "cpu",
                  mem_budget_mb: float | None = None, prefill_block: int = 512, tokenizer_path=None,
                  prefix_cache_mb: float = 0.0, kv_disk_dir=None, kv_disk_mb: float = 4096.0, dspark: bool = True):
@@ -215,6 +219,7 @@ class Engine:
         self.speculative = bool(dspark) and supports(self.backend, cfg)
         self.spec_stats = SpecStats(cfg.dspark_block_size) if self.speculative else None
         self.spec_priors = {}        # greedy (True) / sampled (False) -> the last such request's Scheduler
+        self._hopeless_runs = 0       # requests decoded plainly because drafting could not pay (_drafting_hopeless)
         self.last_spec_stats = None
         self.memory = self.backend.memory_plan()
         self.memory.prefix_cache = int(prefix_cache_mb * _MB)
@@ -392,7 +397,7 @@ class Engine:
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
         seeded_sampled = params.temperature > 0 and params.seed is not None and params.draft_k is None
         spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1 \
-            and not seeded_sampled
+            and not seeded_sampled and not self._drafting_hopeless(params)
         try:
             if progress:
                 B = self.prefill_block
@@ -434,6 +439,16 @@ class Engine:
                 if hasattr(self.backend, "park_state"):
                     self.backend.park_state(s.state)
                 self.prefix_cache.store(s.tokens, s.state, s.features)
+
+    def _drafting_hopeless(self, params) -> bool:
+        """The previous request of this kind measured that no round could beat plain steps (Scheduler.hopeless): this
+        one decodes plainly, without the draft context rows and the per-step scheduling a speculative request would
+        pay for nothing. Every RECHECK-th such request still runs the scheduler, so the verdict follows the costs."""
+        prior = self.spec_priors.get(params.temperature == 0)
+        if params.draft_k is not None or prior is None or not prior.hopeless():
+            return False
+        self._hopeless_runs += 1
+        return self._hopeless_runs % self.RECHECK != 0
 
     def _generate_speculative(self, s, logits, params, seed):
         B = self.cfg.dspark_block_size

@@ -255,6 +255,15 @@ class Scheduler:
         return int(ks[i]), float(rate[i])
 
     # -------------------------------------------------------------- decisions
+    def hopeless(self) -> bool:
+        """A round of the whole block would lose to plain steps even with every draft accepted, on the measured
+        costs (after the warm-up): a request starting from this scheduler would only take plain steps."""
+        if self.fixed_k is not None or not self.draft_s or len(self.plain_s) < self.MIN_PLAIN:
+            return False
+        line = self.line()
+        return line is not None and self._best(np.ones(self.block), self.block, line)[1] <= 1.0 / self._cost(
+            self.plain_s)
+
     def want_draft(self, kmax: int) -> bool:
         """Draft this round, or take a plain step (before the draft is paid for, so on past rounds' survival)."""
         if kmax < 1:

@@ -268,6 +268,29 @@ def test_the_engine_hands_each_request_the_last_ones_scheduler(engine):
     assert engine.spec_priors[True] is second
 
 
+def test_requests_decode_plainly_where_no_round_could_pay(engine):
+    """A prior whose rounds lose even with every draft accepted (Scheduler.hopeless) sends the next requests down the
+    plain path (no rounds, no per-step scheduling), all but every RECHECK-th, which runs the scheduler again; the
+    greedy tokens are the same either way."""
+    ids = [0] + engine.encode("The ledger shows")
+    lose = spec.Scheduler(engine.cfg.dspark_block_size)
+    lose.observe_draft(0.02, np.full(4, 8.0))
+    lose.observe_verify(5, 0.08, np.full(4, 8.0), 4)
+    for _ in range(spec.Scheduler.MIN_PLAIN):
+        lose.observe_plain(0.01)
+    assert lose.hopeless() and not spec.Scheduler(4).hopeless()
+    plain = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=5, draft_k=0)))
+    engine.spec_priors, engine._hopeless_runs = {True: lose}, 0
+    ran = 0
+    for _ in range(engine.RECHECK):
+        engine.last_spec_stats = None
+        assert list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=5))) == plain
+        ran += engine.last_spec_stats is not None
+        engine.spec_priors[True] = lose                                 # (a recheck stores its own scheduler)
+    assert ran == 1 and engine._hopeless_runs == engine.RECHECK
+    engine.spec_priors = {}
+
+
 def test_rho_follows_the_hits_of_underconfident_heads_within_a_few_rounds():
     """ds4-tiny's confidence heads say sigmoid(c_1) ~ 0.2 where half the first drafts are kept (BENCHMARKS.md,
     "Speculative decoding"): after 4 rounds with 2 hits rho is within 20 % of the observed 2.5 (the prior pseudo-round
