@@ -27,8 +27,8 @@ bucket. Decode steps are captured per bucket into a CUDA graph (ds4lib.engine.cu
 fixes the cache views (each owner's rows rounded up to a multiple of max(512 rows, 1/8 of a power of two),
 `_bucket`), the buffers and the RoPE table: rows past a query's reach are masked by the kernels' own position rules,
 so a wider view gives the same bits. The first step of a bucket is captured and the graph launched; where a launcher
-allocated while capturing (a session's first step, a larger scratch shape) the graph is dropped, that step runs
-eagerly and the next one captures. The device sampler over a decode step's logits row is replayed from a graph of
+created an array while capturing (a process's first step, a larger scratch shape) the graph is dropped, that step
+runs eagerly and is captured again right after, in the same call. The device sampler over a decode step's logits row is replayed from a graph of
 its own per sampling parameter set, its seed and step read from host-mapped memory. `graphs=False` (or
 DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
 

@@ -255,14 +255,17 @@ class Scheduler:
         return int(ks[i]), float(rate[i])
 
     # -------------------------------------------------------------- decisions
+    def _perfect_round_loses(self, line, kmax: int) -> bool:
+        """Even with every draft accepted, no round of up to kmax drafts beats plain steps on the measured costs."""
+        return self._best(np.ones(self.block), kmax, line)[1] <= 1.0 / self._cost(self.plain_s)
+
     def hopeless(self) -> bool:
         """A round of the whole block would lose to plain steps even with every draft accepted, on the measured
         costs (after the warm-up): a request starting from this scheduler would only take plain steps."""
         if self.fixed_k is not None or not self.draft_s or len(self.plain_s) < self.MIN_PLAIN:
             return False
         line = self.line()
-        return line is not None and self._best(np.ones(self.block), self.block, line)[1] <= 1.0 / self._cost(
-            self.plain_s)
+        return line is not None and self._perfect_round_loses(line, self.block)
 
     def want_draft(self, kmax: int) -> bool:
         """Draft this round, or take a plain step (before the draft is paid for, so on past rounds' survival)."""
@@ -276,11 +279,10 @@ class Scheduler:
         if line is None:
             return False
         c_v1, c_tok = line
-        c_plain = self._cost(self.plain_s) if self.plain_s else c_v1 + c_tok
         a = np.minimum(self.rho * self.prod_sum / self.rounds, 1.0)
-        if self._best(a, kmax, line)[1] > 1.0 / c_plain:
+        if self._best(a, kmax, line)[1] > 1.0 / self._cost(self.plain_s):    # (plain_s holds MIN_PLAIN or more)
             return True
-        if self._best(np.ones(self.block), kmax, line)[1] <= 1.0 / c_plain:
+        if self._perfect_round_loses(line, kmax):
             return False                     # every draft accepted would still lose: nothing to explore for
         round1 = self._cost(self.draft_s) + c_v1 + 2.0 * c_tok           # a one-draft round
         return self.plain_since >= self.explore * round1
