@@ -60,7 +60,6 @@ import kernels                                          # noqa: E402,F401  (nump
 from numba import cuda                                  # noqa: E402
 
 from ds4lib.formats.q4k import Q4K_BLOCK_BYTES, QK_K  # noqa: E402
-from ds4lib.formats.vq import index_bytes, plane_bytes  # noqa: E402
 from kernels import gemv, q4k_gemv, vq_gemv            # noqa: E402
 
 COPY_GBPS = [None]
@@ -139,10 +138,9 @@ def section_copy(stream, reps):
 
 
 def vq_layer(n_exp, rows_f, dim, bits, seed):
-    """Synthetic VQ layer at the file's layout: (codebook words, index, plane, gains, sidecar scale)."""
+    """Synthetic VQ layer, random bytes in the device layout: (codebook words, index, plane, gains, sidecar scale)."""
     rng = np.random.default_rng(seed)
-    n_idx = rows_f * dim // 8
-    s, p = index_bytes(n_idx), plane_bytes(n_idx)
+    s, p = vq_gemv.device_stream_bytes((rows_f, dim), (dim, rows_f))
     index = random_bytes(n_exp * 3 * s, seed + 1)[:n_exp * 3 * s].reshape(n_exp, 3, s)
     plane = random_bytes(n_exp * 3 * p, seed + 2)[:n_exp * 3 * p].reshape(n_exp, 3, p) if bits == 13 else None
     codes = rng.integers(0, 255, (1 << bits, 8)).astype(np.uint8)
@@ -174,7 +172,7 @@ def _vq_layer_timings(stream, reps, rng, E, F, D, K, bits):
         ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
         n_touched = len(np.unique(ids))
         d_ids = cuda.to_device(ids)
-        plan = vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, stream=stream)
+        plan = vq_gemv.vq_plan(d_ids, E, tile_rows=min(T * K, vq_gemv.TILE_MAX), stream=stream)
         x = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T, D)).astype(np.float32)))
         a = gemv.act_quant_fp8(cuda.to_device(rng.standard_normal((T * K, F)).astype(np.float32)))
         scr = {}
@@ -190,7 +188,7 @@ def _vq_layer_timings(stream, reps, rng, E, F, D, K, bits):
               lambda: vq_gemv.vq_gemv(a, plan, cb, index, plane, gains, mats=(1,), shape=(D, F), scale=scale,
                                       quantize=False, out=out2, scratch=scr, stream=stream), stream, reps, **tag)
         timed("vq", f"vq.plan_T{T}", f"ids [{T}, {K}] of {E}", 4 * T * K,
-              lambda: vq_gemv.vq_plan(d_ids, E, tile_rows=1 if T == 1 else 2, out=plan, stream=stream), stream,
+              lambda: vq_gemv.vq_plan(d_ids, E, tile_rows=min(T * K, vq_gemv.TILE_MAX), out=plan, stream=stream), stream,
               reps, **tag)
 
 

@@ -13,6 +13,17 @@ Owns:
   rounded once to FP32 (the ideal MMA). The hardware accumulates its products in its own order and precision, so
   a kernel built on it is compared with the reference within a tolerance, never bit for bit across targets; on one
   target an output depends only on its own row of A and column of B, so the same inputs give the same bits.
+- `mma_f16_device`: one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`: D [16, 8] = A [16, 16] x
+  B [16, 8] + C, A and B IEEE halves (two a register, the lower column or row in the low half), C and D FP32:
+    a0 = A[g, 2t..2t+1], a1 = A[g+8, 2t..2t+1], a2 = A[g, 2t+8..2t+9], a3 = A[g+8, 2t+8..2t+9];
+    b0 = B[2t..2t+1, g], b1 = B[2t+8..2t+9, g]; c and d as above. The simulator's is the ideal one, as for E4M3.
+  On sm_90 this is the tensor cores' own instruction (HMMA.16816.F32), whereas the E4M3 MMA above is emulated by
+  ptxas: its six operand registers are unpacked by twelve F2FP.F16.E4M3 conversions into two HMMA.16816 (seen in
+  the SASS on the H200), so a kernel that can hold its operands as halves should feed them to this one.
+- `e4m3x2_to_f16x2_device`: two E4M3 codes (the low 16 bits, low byte first) -> two halves packed in a uint32,
+  exact (the hardware `cvt.rn.f16x2.e4m3x2`; the simulator decodes in software, same bits).
+- `f16_of_e4m3_value_device`: the IEEE half bits of a float32 that E4M3 represents (every such value is a normal or
+  zero half: exact, integer operations only).
 - `e4m3_encode_device`: float32 -> E4M3 byte for a value that E4M3 represents exactly (|v| <= 448 on the E4M3
   grid; the callers divide FP8-grid activations by a power of two that makes this hold).
 Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path).
@@ -23,8 +34,10 @@ from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.bf16 import f32_bits
+from kernels.engram import e4m3_decode_device
 
-__all__ = ["mma_e4m3_device", "e4m3_encode_device", "e4m3_encode_kernel", "MMA_EX_WORDS", "SIGNATURES"]
+__all__ = ["mma_e4m3_device", "mma_f16_device", "e4m3x2_to_f16x2_device", "f16_of_e4m3_value_device",
+           "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -40,8 +53,9 @@ if SIM:
     _B_BYTE = np.array([[16 + 4 * (1 if k >= 16 else 0) + k % 4 for n in range(8)] for k in range(32)])
 
     @cuda.jit(device=True)
-    def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
-        """The simulator's ideal m16n8k32 E4M3 MMA (module docstring); `ex` the warp's uint32 [32, 6] exchange."""
+    def _publish_device(a0, a1, a2, a3, b0, b1, ex):
+        """Every lane's six registers -> a copy of the warp's uint32 [32, 6] table, taken before the second barrier
+        (after it a lane may already publish its next MMA's registers)."""
         lane = cuda.threadIdx.x % WARP
         ex[lane, 0] = a0
         ex[lane, 1] = a1
@@ -50,44 +64,114 @@ if SIM:
         ex[lane, 4] = b0
         ex[lane, 5] = b1
         cuda.syncwarp(0xFFFFFFFF)
-        tab = np.ascontiguousarray(ex[:, :MMA_EX_WORDS]).view(np.uint8).reshape(WARP, 4 * MMA_EX_WORDS)
-        a = _E4M3[tab[_A_LANE, _A_BYTE]]
-        b = _E4M3[tab[_B_LANE, _B_BYTE]]
+        tab = np.array(ex[:, :MMA_EX_WORDS], copy=True)
         cuda.syncwarp(0xFFFFFFFF)
+        return tab
+
+    @cuda.jit(device=True)
+    def _ideal_outputs_device(a, b, c0, c1, c2, c3):
+        """The lane's four outputs: exact float64 dot products of its rows of A and columns of B plus c, rounded once."""
+        lane = cuda.threadIdx.x % WARP
         g = lane // 4
         t = lane % 4
-        d0 = np.float32(np.dot(a[g], b[:, 2 * t]) + np.float64(c0))
-        d1 = np.float32(np.dot(a[g], b[:, 2 * t + 1]) + np.float64(c1))
-        d2 = np.float32(np.dot(a[g + 8], b[:, 2 * t]) + np.float64(c2))
-        d3 = np.float32(np.dot(a[g + 8], b[:, 2 * t + 1]) + np.float64(c3))
-        return d0, d1, d2, d3
+        return (np.float32(np.dot(a[g], b[:, 2 * t]) + np.float64(c0)),
+                np.float32(np.dot(a[g], b[:, 2 * t + 1]) + np.float64(c1)),
+                np.float32(np.dot(a[g + 8], b[:, 2 * t]) + np.float64(c2)),
+                np.float32(np.dot(a[g + 8], b[:, 2 * t + 1]) + np.float64(c3)))
+
+    @cuda.jit(device=True)
+    def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's ideal m16n8k32 E4M3 MMA (module docstring); `ex` the warp's uint32 [32, 6] exchange."""
+        tab = _publish_device(a0, a1, a2, a3, b0, b1, ex).view(np.uint8).reshape(WARP, 4 * MMA_EX_WORDS)
+        return _ideal_outputs_device(_E4M3[tab[_A_LANE, _A_BYTE]], _E4M3[tab[_B_LANE, _B_BYTE]], c0, c1, c2, c3)
+
+    # halves of a lane's six registers viewed as 12 uint16: register j's low half is entry 2j
+    _HA_LANE = np.array([[4 * (r % 8) + (k % 8) // 2 for k in range(16)] for r in range(16)])
+    _HA_HALF = np.array([[2 * ((1 if r >= 8 else 0) + (2 if k >= 8 else 0)) + k % 2 for k in range(16)]
+                         for r in range(16)])
+    _HB_LANE = np.array([[4 * n + (k % 8) // 2 for n in range(8)] for k in range(16)])
+    _HB_HALF = np.array([[2 * (4 + (1 if k >= 8 else 0)) + k % 2 for n in range(8)] for k in range(16)])
+
+    @cuda.jit(device=True)
+    def mma_f16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's ideal m16n8k16 f16 MMA (module docstring); `ex` the warp's uint32 [32, 6] exchange."""
+        tab = _publish_device(a0, a1, a2, a3, b0, b1, ex).view(np.float16).reshape(WARP, 2 * MMA_EX_WORDS)
+        return _ideal_outputs_device(tab[_HA_LANE, _HA_HALF].astype(np.float64),
+                                     tab[_HB_LANE, _HB_HALF].astype(np.float64), c0, c1, c2, c3)
+
+    @cuda.jit(device=True)
+    def e4m3x2_to_f16x2_device(pair):
+        """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (the simulator: software decode)."""
+        lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32(pair) & np.uint32(0xFF)))
+        hi = f16_of_e4m3_value_device(e4m3_decode_device((np.uint32(pair) >> np.uint32(8)) & np.uint32(0xFF)))
+        return np.uint32(lo | (hi << np.uint32(16)))
 else:
     from llvmlite import ir as _ir
     from numba.core import types as _types
     from numba.core.extending import intrinsic as _intrinsic
 
-    @_intrinsic
-    def _mma_e4m3(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 on one lane's registers."""
-        u, f = _types.uint32, _types.float32
-        sig = _types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+    def _mma_intrinsic(op):
+        """An intrinsic running `op` (an m16n8 MMA with six b32 operand registers and FP32 C and D) on one lane's
+        registers; its inline assembly returns the four D floats as a literal struct."""
+        @_intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            u, f = _types.uint32, _types.float32
+            sig = _types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
 
-        def codegen(context, builder, signature, args):
-            f32, i32 = _ir.FloatType(), _ir.IntType(32)
-            fnty = _ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = _ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-                                      "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            res = builder.call(asm, args)
-            vals = [builder.extract_value(res, i) for i in range(4)]
-            return context.make_tuple(builder, signature.return_type, vals)
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                f32, i32 = _ir.FloatType(), _ir.IntType(32)
+                fnty = _ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                asm = _ir.InlineAsm(fnty, op + " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                res = builder.call(asm, args)
+                vals = [builder.extract_value(res, i) for i in range(4)]
+                return context.make_tuple(builder, signature.return_type, vals)
+            return sig, codegen
+        return mma
+
+    _mma_e4m3 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")
+    _mma_f16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
     @cuda.jit(device=True, inline=True)
     def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
-        """m16n8k32 E4M3 x E4M3 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
+        """m16n8k32 E4M3 x E4M3 + FP32 (module docstring: emulated by ptxas on sm_90); `ex` is unused here."""
         return _mma_e4m3(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                          np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @cuda.jit(device=True, inline=True)
+    def mma_f16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """m16n8k16 f16 x f16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
+        return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
+                        np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @_intrinsic
+    def _cvt_e4m3x2_f16x2(typingctx, pair):
+        """cvt.rn.f16x2.e4m3x2: bits 15..8 of the operand -> the half in bits 31..16, bits 7..0 -> bits 15..0."""
+        sig = _types.uint32(_types.uint16)
+
+        def codegen(context, builder, signature, args):
+            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(16)])
+            asm = _ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
+            return builder.call(asm, args)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def e4m3x2_to_f16x2_device(pair):
+        """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (one hardware conversion)."""
+        return _cvt_e4m3x2_f16x2(np.uint16(pair & np.uint32(0xFFFF)))
+
+
+@cuda.jit(device=True, inline=True)
+def f16_of_e4m3_value_device(v):
+    """IEEE half bits of float32 v, exact for every value E4M3 represents: those are 0 or m * 2^e with a 3-bit
+    fraction and -9 <= e <= 8, all normal halves (the half keeps the sign, e + 15 and the top fraction bits)."""
+    bits = f32_bits(v)
+    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
+    a = bits & np.uint32(0x7FFFFFFF)
+    if a == np.uint32(0):
+        return sign
+    e = np.int32(a >> np.uint32(23)) - 127
+    return sign | (np.uint32(e + 15) << np.uint32(10)) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
 
 
 @cuda.jit(device=True, inline=True)
@@ -114,4 +198,12 @@ def e4m3_encode_kernel(v, out):
         out[i] = e4m3_encode_device(v[i])
 
 
-SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])"}
+@cuda.jit(cache=True)
+def e4m3_to_f16_kernel(codes, out):
+    """out[i] = the halves of codes[i]'s two E4M3 bytes (tests: the conversion on every pair of codes)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < codes.shape[0]:
+        out[i] = e4m3x2_to_f16x2_device(codes[i])
+
+
+SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])", "e4m3_to_f16_kernel": "void(uint32[:], uint32[:])"}

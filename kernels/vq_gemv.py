@@ -1,40 +1,47 @@
-"""Routed-expert GEMV over the DQV3 vector-quantised payload (docs/design.md §2, §6; ds4lib.formats.vq is the format,
-ds4lib.ref.moe.expert_ffn / ds4lib.ref.linear.linear_q the math).
+"""Routed-expert GEMV over the DQV3 vector-quantised payload on the tensor cores (docs/design.md §2, §6;
+ds4lib.formats.vq is the format, ds4lib.ref.moe.expert_ffn / ds4lib.ref.linear.linear_q the math).
 
 Owns:
-- `vq_codebook`: a layer's E4M3 codebook [C, 8] decoded once (at load) to BF16 words uint64 [C, 2] (four BF16 per
-  word, element 0 in the low bits). E4M3 values are exact in BF16. On the GPU the decode is the hardware
-  `cvt.rn.f16x2.e4m3x2` (inline PTX) followed by an exact f16 -> f32 -> BF16 step; the simulator has no PTX and
-  uses the software decoder of kernels.engram; both give the same bits (tests, and the engine re-checks all 256
-  codes at load).
+- `vq_codebook`: a layer's E4M3 codebook [C, 8] as uint64 [C] (8 codes a word, element 0 in the low byte), checked
+  for NaN codes. Nothing is decoded at load: the GEMV converts a codeword's codes to halves as it multiplies.
+- `vq_device_layout`: a layer's index stream and 13th-bit plane from the file's layout into the device layout below
+  (one kernel at upload; the bytes are the same but for padding).
 - `vq_plan`: routing ids [T, K] -> the expert-major work list: pair p = t*K + k, the pairs of each expert in
-  token order, tiles of up to `tile_rows` pairs of one expert, and their count (on the device; nothing is read
-  back, so decode needs no host round trip).
+  token order, tiles of up to `tile_rows` (<= 16) pairs of one expert, and their count (on the device; nothing is
+  read back, so decode needs no host round trip).
 - `vq_gemv`: for every pair p of the plan and every selected matrix m (w1 = 0, w2 = 1, w3 = 2) of its expert e,
   y[m, p, r] = bf16( (sum_k C[idx[e, m, r, k/8]][k%8] * xq[p // x_div, k]) * g[e, m, r] * s[e, r] ), i.e.
-  linear_q(x, dequant_matrix(C, g, idx) [* s for w2]) of the reference: xq = act_quant_fp8(x) (block 32; done
-  first when `quantize`), FP32 accumulation, the f16 row gain and the optional per-expert, per-output-channel
-  sidecar gain s (float32, w2) applied to the row sum, BF16 result.
+  linear_q(x, dequant_matrix(C, g, idx) [* s for w2]) of the reference: xq = act_quant_fp8(x) (block 32; applied
+  first when `quantize`), the f16 row gain and the optional per-expert, per-output-channel sidecar gain s (float32,
+  w2) applied to the row sum, BF16 result. The sum is formed by the tensor cores (below), so it matches the
+  reference within a tolerance, not bit for bit.
 - `moe_combine`: y[t] = bf16( sum over the token's experts in ascending id of ye[t*K + k] + shared[t] ) (FP32,
   ds4lib.ref.moe.moe's order).
 Does not own: the router (kernels.moe.route), SwiGLU (kernels.moe.swiglu), the shared expert (kernels.q4k_gemv).
 
-How `vq_gemv` runs. A matrix [R, Kin] has J = Kin/8 vectors per row; its stream is idx flattened row-major (position
-p = r*J + j) in blocks of 256 indices = 384 bytes = three full 128-byte lines (+ one 32-byte plane sector for 13-bit
-layers). Lane l of a warp owns positions 256b + 8l .. +7 of block b (ds4lib.formats.vq). Blocks repeat their
-(row, column) pattern every P = J / gcd(J, 256) blocks (a "group" of G = 256 / gcd(J, 256) rows), so a warp that
-handles one residue rho = b mod P reads the same 64 activations for every group: those stay in registers (FP8-
-quantised floats), and a warp's work unit is (tile, matrix, rho, GROUPS_PER_UNIT consecutive groups). Units are
-taken from a global atomic counter by persistent warps (the layer's codebook is copied into shared memory once per
-block, BF16, 16 bytes per codeword). The one-pair-tile (decode) kernel also copies the activation rows of the call
-into shared memory behind the codebook when they fit (two floats per word, one pad word per 32 so the lanes of a warp
-fall on different banks) and fills a unit's registers from there: read straight from global memory, each lane's 64
-floats lie 256 bytes from its neighbour's, and on the H200 80 % of the kernel's global sectors were such excess. Per block a lane looks up 8 codewords and does 8 FMAs each; the row sums
-of the block (1-2 rows for J >= 256, more for small test shapes) are reduced across the warp (shuffles, or shared
-memory when a block spans more than two rows) and written as partial sums per (row, block of the row); a
-finalize kernel adds a row's partials in block order, applies the gains, rounds to BF16 and resets the counter.
-Every sum is formed in a fixed order, so results do not depend on scheduling or on which tokens share a call
-(prefill, chunked prefill and decode agree bit for bit). Block loads run PREFETCH blocks ahead.
+How `vq_gemv` runs. The tensor cores multiply 8 weight rows by 32 inputs for up to 16 pairs per codeword step: a
+lane's codeword (8 E4M3 codes) is exactly its B fragments of two chained `mma.sync.m16n8k16` f16 MMAs (kernels.mma;
+values 0-3, then 4-7, each pair converted to halves by one `cvt.rn.f16x2.e4m3x2`), and the activations are
+act_quant_fp8 values, i.e. E4M3 codes times a power of two per block of 32 inputs, which is one step. A first kernel
+(`vq_stage_kernel`) turns the call's activation rows into codes and block scales, laid out in fragment order; in the
+GEMV, lane 4g + t takes codeword 32s + 4k + t of row 8rg + g at step k of segment s, looks it up in the shared-memory
+codebook (C x 8 bytes), and loads token g's code word of the same 8 inputs (and token g+8's in the wide kernel);
+the MMA outputs (token g, rows 2t and 2t+1) are scaled by the block's power of two and added in FP32, segment by
+segment and step by step: a fixed order per output, whatever the tile, so prefill, chunked prefill and decode give
+the same bits. Products of E4M3 codes are exact in the MMA; its FP32 sums are the hardware's, so the result matches
+the reference within a tolerance (the simulator's MMA is the ideal one). Why halves and not the E4M3 MMA
+(m16n8k32): on sm_90 ptxas emulates that one with twelve conversions and two f16 MMAs per call (docs/toolchain.md);
+here the activations are converted once per step and serve both row groups of a unit.
+
+The device layout. A matrix [R, Kin] (J = Kin/8 codewords a row) is stored in blocks of the file's shape (256
+indices: three 128-byte lines of low bytes and high nibbles, plus 32 plane bytes on 13-bit layers; lane l's
+indices k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * n_seg + s holds rows 8rg .. 8rg+7 x
+codewords 32s .. 32s+31, lane 4n + t's index k being codeword 32s + 4k + t of row 8rg + n: exactly the B fragments
+of the block's 8 steps. Rows are padded to a multiple of 8 and J to a multiple of 32 with index 0 (whose products
+meet zero activation codes; NaN codes are refused at load); V4.1's shapes need no padding. A warp's work unit is
+(tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in segment order, PREFETCH blocks ahead,
+and each step's activation loads and conversions serve both groups. Units are dealt round-robin over the blocks
+(one persistent block of 24 warps per SM) in a fixed order: no atomics, no partial sums, no finishing kernel.
 
 Shapes: T tokens, K active experts per token, E experts, C codewords (2^bits), R rows, Kin inputs, J = Kin/8,
 S stream bytes per expert matrix, P plane bytes, n_pairs = T*K, D hidden, F expert width.
@@ -48,80 +55,34 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
-from kernels.engram import e4m3_decode_device
-from kernels.gemv import act_quant_fp8
-from kernels.q4k_gemv import warp_sum_device
+from kernels.bf16 import f16_bits_device, mul_rn_device, round_bf16_device
+from kernels.gemv import pow2_ceil_device
+from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, mma_f16_device
+from kernels.q4k_gemv import INV448, _aq_device, _code_word_device, _fp8_block_scale_device, _quad_max_device
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["vq_codebook", "vq_plan", "vq_gemv", "moe_combine", "VQPlan", "vq_codebook_kernel", "vq_plan_kernel",
-           "vq_gemv_t1_kernel", "vq_gemv_t2_kernel", "vq_finalize_kernel", "moe_combine_kernel",
-           "e4m3x2_to_bf16x2_device", "SIGNATURES", "GROUPS_PER_UNIT"]
+__all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_gemv", "moe_combine", "VQPlan", "vq_plan_kernel",
+           "vq_relayout_kernel", "vq_stage_kernel", "vq_gemv_kernel", "vq_gemv_wide_kernel", "moe_combine_kernel", "mma_geometry",
+           "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
 E_MAX = 512                     # experts per layer (kernels.moe.route's bound)
 K_MAX = 16                      # active experts per token
-GROUPS_PER_UNIT = 8             # groups (blocks of one residue) per atomic work unit
-PREFETCH = 3                    # blocks loaded ahead of the one being computed
+TILE_MAX = 16                   # pairs of a tile: the MMA's M
+MMA_N = 8                       # weight rows of a device block: the MMA's N
+SEG_CW = 32                     # codewords of a row in a device block (8 MMA steps of 4)
+PREFETCH = 2                    # blocks of each row group loaded ahead of the one being computed
+RG_PER_UNIT = 2                 # row groups a warp's unit takes (they share each step's activation loads)
 WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
-THREADS_T1 = 32 if SIM else 384                 # decode kernel: 12 warps, <= 168 registers
-THREADS_T2 = 32 if SIM else 256                 # two-token kernel: 8 warps, <= 255 registers
-WARPS_MAX = max(THREADS_T1, THREADS_T2) // WARP
-THREADS = 128
+THREADS = 32 if SIM else 768                    # GEMV: 24 warps, one block an SM (<= 85 registers)
+STAGE_THREADS = 32 if SIM else 128
+COMBINE_THREADS = 128
+STAGE_WARPS = STAGE_THREADS // WARP
 PLAN_THREADS = 64 if SIM else 512               # plan kernel: one expert per thread up to E_MAX
 PLAN_WARPS = PLAN_THREADS // WARP
-X_REGS = 8 * VQ_DIM             # activations a lane keeps per token
 
 VQPlan = namedtuple("VQPlan", "ids pairs tiles n_tiles n_pairs n_experts tile_rows")
-
-
-# ------------------------------------------------------------------------------------ E4M3 codebook decode
-if SIM:
-    @cuda.jit(device=True)
-    def e4m3x2_to_bf16x2_device(pair):
-        """Two E4M3 codes (low byte first) -> two BF16 bit patterns packed in a uint32 (low half first)."""
-        lo = f32_bits(e4m3_decode_device(np.uint32(pair) & np.uint32(0xFF))) >> np.uint32(16)
-        hi = f32_bits(e4m3_decode_device((np.uint32(pair) >> np.uint32(8)) & np.uint32(0xFF))) >> np.uint32(16)
-        return np.uint32(lo | (hi << np.uint32(16)))
-else:
-    from llvmlite import ir as _ir
-    from numba.core import types as _types
-    from numba.core.extending import intrinsic as _intrinsic
-
-    @_intrinsic
-    def _cvt_e4m3x2_f16x2(typingctx, pair):
-        """cvt.rn.f16x2.e4m3x2: bits 15..8 of the operand -> f16 in bits 31..16, bits 7..0 -> bits 15..0."""
-        sig = _types.uint32(_types.uint16)
-
-        def codegen(context, builder, signature, args):
-            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(16)])
-            asm = _ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-            return builder.call(asm, args)
-        return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
-    def e4m3x2_to_bf16x2_device(pair):
-        """Two E4M3 codes (low byte first) -> two BF16 bit patterns packed in a uint32 (low half first).
-        Hardware E4M3 -> f16, then f16 -> f32 -> BF16, exact for every finite code."""
-        h = _cvt_e4m3x2_f16x2(np.uint16(pair))
-        lo = f32_bits(f16_bits_device(h & np.uint32(0xFFFF))) >> np.uint32(16)
-        hi = f32_bits(f16_bits_device(h >> np.uint32(16))) >> np.uint32(16)
-        return np.uint32(lo | (hi << np.uint32(16)))
-
-
-@cuda.jit(cache=True)
-def vq_codebook_kernel(codes32, out64):
-    """codes32 uint32 [C, 2] (8 E4M3 codes per codeword) -> out64 uint64 [C, 2] (8 BF16); a thread per codeword."""
-    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if c >= codes32.shape[0]:
-        return
-    for h in range(2):
-        w = codes32[c, h]
-        lo = e4m3x2_to_bf16x2_device(w & np.uint32(0xFFFF))
-        hi = e4m3x2_to_bf16x2_device(w >> np.uint32(16))
-        out64[c, h] = np.uint64(lo) | (np.uint64(hi) << np.uint64(32))
-
 
 # --------------------------------------------------------------------------------------------- the plan
 @cuda.jit(device=True, inline=True)
@@ -270,6 +231,120 @@ def vq_plan_kernel(ids, n_experts, tile_rows, pairs, tiles, n_tiles):
                       tiles)
 
 
+# ------------------------------------------------------------------------------- the device layout
+def mma_geometry(rows, cols):
+    """(J, row groups, column segments, device blocks) of a [rows, cols] expert matrix in the device layout."""
+    J = cols // VQ_DIM
+    n_rg = -(-rows // MMA_N)
+    n_seg = -(-J // SEG_CW)
+    return J, n_rg, n_seg, n_rg * n_seg
+
+
+def device_stream_bytes(shape_a, shape_b):
+    """(index bytes, plane bytes) per expert matrix in the device layout of a layer whose w1 and w3 have shape_a
+    (rows, cols) and w2 shape_b (the engine: [F, D] and [D, F]): the larger of the two block counts, so the three
+    matrices share one [E, 3, S] array."""
+    nb = max(mma_geometry(*shape_a)[3], mma_geometry(*shape_b)[3])
+    return nb * BLOCK_BYTES, nb * PLANE_BLOCK_BYTES
+
+
+@cuda.jit(device=True, inline=True)
+def _file_index_device(src, src_pl, has_plane, base_w, base_p, p):
+    """The codeword index at stream position p of one matrix in the file's layout (ds4lib.formats.vq)."""
+    b = p // BLOCK_INDICES
+    lane = (p % BLOCK_INDICES) // 8
+    k = p % 8
+    w = base_w + np.uint64(WORDS_PER_BLOCK * b + lane)
+    lo = src[w + np.uint64(32 * (k // 4))] >> np.uint32(8 * (k % 4))
+    hi = src[w + np.uint64(64)] >> np.uint32(4 * k)
+    v = (lo & np.uint32(0xFF)) | ((hi & np.uint32(0xF)) << np.uint32(8))
+    if has_plane:
+        v |= ((np.uint32(src_pl[base_p + np.uint64(PLANE_BLOCK_BYTES * b + lane)]) >> np.uint32(k)) & np.uint32(1)) \
+            << np.uint32(12)
+    return v
+
+
+@cuda.jit(cache=True)
+def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_plane, has_plane, rows_a, cols_a,
+                       rows_b, cols_b, n_mats):
+    """File layout -> device layout, one thread per (matrix, device block, lane); matrix i = 3e + m is [rows_b,
+    cols_b] for m == 1 (w2), else [rows_a, cols_a]. Positions past a row's end or past the last row get index 0."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    nb_max = d_words // WORDS_PER_BLOCK
+    if i >= n_mats * nb_max * WARP:
+        return
+    lane = i % WARP
+    b = (i // WARP) % nb_max
+    mat = i // (WARP * nb_max)
+    rows, cols = (rows_b, cols_b) if mat % 3 == 1 else (rows_a, cols_a)
+    J = cols // VQ_DIM
+    n_seg = (J + SEG_CW - 1) // SEG_CW
+    rg = b // n_seg
+    s = b % n_seg
+    r = MMA_N * rg + lane // 4
+    w0 = np.uint32(0)
+    w1 = np.uint32(0)
+    w2 = np.uint32(0)
+    pl = np.uint32(0)
+    bw = np.uint64(mat) * np.uint64(s_words)
+    bp = np.uint64(mat) * np.uint64(s_plane)
+    for k in range(8):
+        c = SEG_CW * s + 4 * k + lane % 4
+        v = np.uint32(0)
+        if r < rows and c < J:
+            v = _file_index_device(src, src_pl, has_plane, bw, bp, r * J + c)
+        if k < 4:
+            w0 |= (v & np.uint32(0xFF)) << np.uint32(8 * k)
+        else:
+            w1 |= (v & np.uint32(0xFF)) << np.uint32(8 * (k - 4))
+        w2 |= ((v >> np.uint32(8)) & np.uint32(0xF)) << np.uint32(4 * k)
+        pl |= ((v >> np.uint32(12)) & np.uint32(1)) << np.uint32(k)
+    o = np.uint64(mat) * np.uint64(d_words) + np.uint64(WORDS_PER_BLOCK * b + lane)
+    dst[o] = w0
+    dst[o + np.uint64(32)] = w1
+    dst[o + np.uint64(64)] = w2
+    if has_plane:
+        dst_pl[np.uint64(mat) * np.uint64(d_plane) + np.uint64(PLANE_BLOCK_BYTES * b + lane)] = np.uint8(pl)
+
+
+# ------------------------------------------------------------------------- activations as E4M3 codes
+@cuda.jit(cache=True)
+def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
+    """x float32 [n, 8J] (FP8-grid values; `raw`: unquantised, act_quant_fp8's rule applied first with its kernel's
+    operations) -> codes1 uint64 [n * Jp] (codeword c's 8 inputs as E4M3 codes, low byte first, zeros for c >= J; in
+    the GEMV's fragment order: c = 32s + 4k + t of row r at r*Jp + 32s + 8t + k) and scl1 float32 [n * Jp/4] (block
+    q of 32 inputs' power-of-two scale P at r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of
+    lanes per block of 32."""
+    red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
+    n_x = x.shape[0]
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    ok = i < n_x * n_cwp                   # every thread of the block takes part in the quad exchanges
+    j = i if ok else 0
+    r = j // n_cwp
+    c = j % n_cwp
+    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+    if c < J:
+        k = VQ_DIM * c
+        v0, v1, v2, v3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
+        v4, v5, v6, v7 = x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
+    w = cuda.threadIdx.x // WARP
+    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+    am = _quad_max_device(am, red[w])
+    if raw:
+        q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
+        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
+        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
+        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
+                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+        am = _quad_max_device(am, red[w])
+    p = _fp8_block_scale_device(am)
+    word, _ = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
+    if ok:
+        codes1[r * n_cwp + SEG_CW * (c // SEG_CW) + 8 * (c % 4) + (c % SEG_CW) // 4] = word
+        if c % 4 == 0:
+            scl1[r * (n_cwp // 4) + c // 4] = p
+
+
 # ------------------------------------------------------------------------------------------ the GEMV
 if SIM:
     @cuda.jit(device=True)
@@ -286,30 +361,10 @@ else:
             cbs[i] = cb_g[i]
 
 
-def _x_row_words(cols):
-    """uint64 words per staged activation row: cols/2 words of two floats, plus one pad word per 32 words, so the
-    lanes of a warp, which read words 32 apart, fall on different banks."""
-    return cols // 2 + cols // (2 * WARP)
-
-
-@cuda.jit(device=True, inline=True)
-def _stage_x_device(xs, x_off, x_stride, x, x_rows):
-    """Global -> shared copy of the first `x_rows` activation rows (two floats per uint64 word, element 2q in the
-    low bits; word q of row r at x_off + r*x_stride + q + q//32), coalesced; nothing when x_rows == 0."""
-    half = x.shape[1] // 2
-    for w in range(cuda.threadIdx.x, x_rows * half, cuda.blockDim.x):
-        r = w // half
-        q = w % half
-        lo = np.uint64(f32_bits(x[r, 2 * q]))
-        hi = np.uint64(f32_bits(x[r, 2 * q + 1]))
-        xs[x_off + r * x_stride + q + q // WARP] = lo | (hi << np.uint64(32))
-
-
 @cuda.jit(device=True, inline=True)
 def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
-    """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b of the matrix whose stream
-    starts at word ib of the flat index words and byte pb of the flat plane bytes; zeros past the stream. Unsigned
-    flat indices: no wraparound checks or strides per load."""
+    """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b of the run of blocks that
+    starts at word ib of the flat index words and byte pb of the flat plane bytes; zeros from block n_blocks on."""
     if b >= n_blocks:
         return np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
     w = ib + np.uint64(WORDS_PER_BLOCK * b + lane)
@@ -325,201 +380,174 @@ def _index_device(w0, w1, w2, pl, k):
             | (((pl >> np.uint32(k)) & np.uint32(1)) << np.uint32(12)))
 
 
-if SIM:
-    @cuda.jit(device=True)
-    def _codeword_device(cbs, ci):
-        """The 8 float32 values of codeword ci of the BF16 shared codebook (the simulator: one NumPy op)."""
-        v = (cbs[2 * ci:2 * ci + 2].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
-else:
-    @cuda.jit(device=True, inline=True)
-    def _codeword_device(cbs, ci):
-        """The 8 float32 values of codeword ci of the BF16 shared codebook: two 8-byte loads, one integer op each."""
-        wa = cbs[2 * ci]
-        wb = cbs[2 * ci + 1]
-        a0 = np.uint32(wa & np.uint64(0xFFFFFFFF))
-        a1 = np.uint32(wa >> np.uint64(32))
-        b0 = np.uint32(wb & np.uint64(0xFFFFFFFF))
-        b1 = np.uint32(wb >> np.uint64(32))
-        hi = np.uint32(0xFFFF0000)
-        return (bits_f32(a0 << np.uint32(16)), bits_f32(a0 & hi), bits_f32(a1 << np.uint32(16)), bits_f32(a1 & hi),
-                bits_f32(b0 << np.uint32(16)), bits_f32(b0 & hi), bits_f32(b1 << np.uint32(16)), bits_f32(b1 & hi))
+@cuda.jit(device=True, inline=True)
+def _lo32(w):
+    return np.uint32(w & np.uint64(0xFFFFFFFF))
 
 
 @cuda.jit(device=True, inline=True)
-def _lane_rows_device(rho, lane, J):
-    """(first row within the group, number of the lane's 8 positions in that row) of lane `lane` at residue rho."""
-    q0 = BLOCK_INDICES * rho + 8 * lane
-    return q0 // J, min(8, J - q0 % J)
+def _hi32(w):
+    return np.uint32(w >> np.uint64(32))
 
 
-def _make_vq_kernel(tt, threads, stage_x):
-    """The persistent VQ GEMV for tiles of up to `tt` pairs and `threads` threads per block; `stage_x`: the kernel
-    can read the activations from a copy in shared memory (x_rows > 0), else only from global memory."""
+@cuda.jit(device=True, inline=True)
+def _store_rows_device(out, msel, pair, r, v0, v1, n_rows, gain, e, scale, has_scale):
+    """out[msel, pair, r + h] = bf16(v_h * g [* s]) for h = 0, 1 (rows below n_rows)."""
+    for h in range(2):
+        if r + h < n_rows:
+            v = (v0 if h == 0 else v1) * f16_bits_device(np.uint32(gain[e, r + h]))
+            if has_scale:
+                v = v * scale[e, r + h]
+            out[msel, pair, r + h] = round_bf16_device(v)
+
+
+@cuda.jit(device=True, inline=True)
+def _b_halves_device(cbs, blk, k):
+    """The B fragments (values 0-1, 2-3, 4-5, 6-7 as half pairs) of the lane's codeword k in its block words."""
+    cw = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], k)]
+    lo = _lo32(cw)
+    hi = _hi32(cw)
+    return (e4m3x2_to_f16x2_device(lo), e4m3x2_to_f16x2_device(lo >> np.uint32(16)), e4m3x2_to_f16x2_device(hi),
+            e4m3x2_to_f16x2_device(hi >> np.uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_pair_device(a, b, p0, p1, acc, ex):
+    """acc + p * (A . B) for one codeword step: two chained m16n8k16 MMAs (values 0-3, then 4-7); a = token g's and
+    token g+8's half pairs (8), b = _b_halves_device; p0 / p1 the block scales of tokens g / g+8."""
+    z = np.float32(0.0)
+    e0, e1, e2, e3 = mma_f16_device(a[0], a[4], a[1], a[5], b[0], b[1], z, z, z, z, ex)
+    d0, d1, d2, d3 = mma_f16_device(a[2], a[6], a[3], a[7], b[2], b[3], e0, e1, e2, e3, ex)
+    return (cuda.fma(d0, p0, acc[0]), cuda.fma(d1, p0, acc[1]), cuda.fma(d2, p1, acc[2]), cuda.fma(d3, p1, acc[3]))
+
+
+@cuda.jit(device=True, inline=True)
+def _a_halves_device(codes1, xa, xb, kk, wide):
+    """Token g's (and, `wide`, token g+8's) 8 E4M3 codes of the step as half pairs: (g: 0-1, 2-3, 4-5, 6-7, then the
+    same for g+8, zeros when not wide)."""
+    wa = codes1[xa + kk]                     # a lane of a token past the tile reads row 0: its MMA row is never stored
+    la = _lo32(wa)
+    ha = _hi32(wa)
+    a0 = e4m3x2_to_f16x2_device(la)
+    a1 = e4m3x2_to_f16x2_device(la >> np.uint32(16))
+    a2 = e4m3x2_to_f16x2_device(ha)
+    a3 = e4m3x2_to_f16x2_device(ha >> np.uint32(16))
+    z = np.uint32(0)
+    if not wide:
+        return a0, a1, a2, a3, z, z, z, z
+    wb = codes1[xb + kk]
+    lb = _lo32(wb)
+    hb = _hi32(wb)
+    return (a0, a1, a2, a3, e4m3x2_to_f16x2_device(lb), e4m3x2_to_f16x2_device(lb >> np.uint32(16)),
+            e4m3x2_to_f16x2_device(hb), e4m3x2_to_f16x2_device(hb >> np.uint32(16)))
+
+
+@cuda.jit(device=True, inline=True)
+def _step_device(cbs, c0, c1, k, codes1, xa, xb, scl1, qa, qb, wide, acc0, acc1, ex):
+    """Step k (a literal) of a segment for the unit's two row groups (block words c0, c1): the activations are
+    loaded and converted once and multiply both groups' codewords."""
+    kk = np.uint64(k)
+    a = _a_halves_device(codes1, xa, xb, kk, wide)
+    p0 = scl1[qa + kk]
+    p1 = scl1[qb + kk] if wide else np.float32(0.0)
+    acc0 = _mma_pair_device(a, _b_halves_device(cbs, c0, k), p0, p1, acc0, ex)
+    acc1 = _mma_pair_device(a, _b_halves_device(cbs, c1, k), p0, p1, acc1, ex)
+    return acc0, acc1
+
+
+@cuda.jit(device=True, inline=True)
+def _store_group_device(out, msel, pairs, first, g, live0, live1, r, acc, n_rows, gain, e, scale, has_scale):
+    if live0:
+        _store_rows_device(out, msel, pairs[first + g], r, acc[0], acc[1], n_rows, gain, e, scale, has_scale)
+    if live1:
+        _store_rows_device(out, msel, pairs[first + g + MMA_N], r, acc[2], acc[3], n_rows, gain, e, scale, has_scale)
+
+
+def _make_vq_kernel(threads, wide):
+    """The persistent VQ GEMV on the tensor cores with `threads` a block; `wide`: tiles of up to 16 pairs (MMA rows
+    8..15 live), else up to 8 (the decode kernel: those rows are zero, and their loads and sums are compiled out).
+    Both give a pair the same bits: an MMA output depends only on its own row of A."""
+    warps = threads // WARP
+    exw = warps if SIM else 1                      # the simulator's MMA exchange (unused on the GPU)
     jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(threads, 1), cache=True)
-    red_rows = 2 * tt
 
     @jit
-    def vq_gemv_kernel(x, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len, has_plane, mat0,
-                       mat_step, n_mats, n_rows, J, P, G, n_groups, n_blocks, x_rows, part, counter):
+    def vq_gemv_kernel(codes1, scl1, n_cwp, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len,
+                       has_plane, mat0, mat_step, n_mats, n_rows, n_rg, n_seg, gain_a, gain_b, scale, has_scale, out):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        cbs = cuda.shared.array(0, nb_uint64)                     # [C*2] BF16 codebook words, then staged x
-        red = cuda.shared.array((WARPS_MAX, red_rows, WARP), np.float32)
+        cbs = cuda.shared.array(0, nb_uint64)                     # [C] codewords, 8 E4M3 codes each
+        ex = cuda.shared.array((exw, WARP, MMA_EX_WORDS), np.uint32)
         _stage_codebook_device(cbs, cb_g)
-        x_off = cb_g.shape[0]
-        x_stride = x.shape[1] // 2 + x.shape[1] // (2 * WARP)  # _x_row_words
-        if stage_x:
-            _stage_x_device(cbs, x_off, x_stride, x, x_rows)
         cuda.syncthreads()
-        n_chunks = (n_groups + GROUPS_PER_UNIT - 1) // GROUPS_PER_UNIT
-        total = n_tiles[0] * n_mats * P * n_chunks
-        xr = cuda.local.array((tt, X_REGS), np.float32)
-        acc0 = cuda.local.array(tt, np.float32)                   # the lane's first row
-        acc1 = cuda.local.array(tt, np.float32)                   # the next row (positions k >= split)
-        while True:
-            u = 0
-            if lane == 0:
-                u = cuda.atomic.add(counter, 0, 1)
-            u = cuda.shfl_sync(0xFFFFFFFF, u, 0)
-            if u >= total:
-                break                                             # warp-uniform
-            chunk = u % n_chunks
-            u //= n_chunks
-            rho = u % P
-            u //= P
-            msel = u % n_mats
-            tile = u // n_mats
+        exl = ex[warp % exw]
+        g = lane // 4
+        t = lane % 4
+        n_q = n_cwp // 4
+        n_up = (n_rg + RG_PER_UNIT - 1) // RG_PER_UNIT
+        total = n_tiles[0] * n_mats * n_up
+        u = warp * cuda.gridDim.x + cuda.blockIdx.x              # units dealt over the SMs first
+        while u < total:                                          # warp-uniform
+            rg0 = RG_PER_UNIT * (u % n_up)
+            v = u // n_up
+            msel = v % n_mats
+            tile = v // n_mats
             e = tiles[tile, 0]
             first = tiles[tile, 1]
             count = tiles[tile, 2]
             m = mat0 + mat_step * msel
-            ib = np.uint64(3 * e + m) * np.uint64(idx_words)     # the matrix's first index word, plane byte
-            pb = np.uint64(3 * e + m) * np.uint64(plane_len)
-            rr_lo, split = _lane_rows_device(rho, lane, J)
-            j0 = (BLOCK_INDICES * rho + 8 * lane) % J
-            for i in range(tt):                                   # the lane's 64 activations per pair
-                xrow = pairs[first + i] // x_div if i < count else 0
-                for k in range(8):
-                    jk = j0 + k if k < split else k - split
-                    if stage_x and x_rows > 0:                    # warp-uniform: from the staged copy
-                        wb = x_off + xrow * x_stride + 4 * jk + (4 * jk) // WARP
-                        w0 = cbs[wb]
-                        w1 = cbs[wb + 1]
-                        w2 = cbs[wb + 2]
-                        w3 = cbs[wb + 3]
-                        xr[i, 8 * k] = f32x2_device(w0, 0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 1] = f32x2_device(w0, 1) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 2] = f32x2_device(w1, 0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 3] = f32x2_device(w1, 1) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 4] = f32x2_device(w2, 0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 5] = f32x2_device(w2, 1) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 6] = f32x2_device(w3, 0) if i < count else np.float32(0.0)
-                        xr[i, 8 * k + 7] = f32x2_device(w3, 1) if i < count else np.float32(0.0)
-                    else:
-                        for h in range(VQ_DIM):
-                            xr[i, 8 * k + h] = x[xrow, VQ_DIM * jk + h] if i < count else np.float32(0.0)
-            rr_min = (BLOCK_INDICES * rho) // J
-            rr_max = (BLOCK_INDICES * rho + BLOCK_INDICES - 1) // J
-            g0 = chunk * GROUPS_PER_UNIT
-            ng = min(GROUPS_PER_UNIT, n_groups - g0)
-            na = _load_block_device(idx1, pl1, has_plane, ib, pb, g0 * P + rho, n_blocks, lane)
-            nb = _load_block_device(idx1, pl1, has_plane, ib, pb, (g0 + 1) * P + rho if ng > 1 else n_blocks,
-                                    n_blocks, lane)
-            nc = _load_block_device(idx1, pl1, has_plane, ib, pb, (g0 + 2) * P + rho if ng > 2 else n_blocks,
-                                    n_blocks, lane)
-            for gi in range(ng):
-                cur = na
-                na = nb
-                nb = nc
-                nc = _load_block_device(idx1, pl1, has_plane, ib, pb,
-                                        (g0 + gi + PREFETCH) * P + rho if gi + PREFETCH < ng else n_blocks,
-                                        n_blocks, lane)
-                g = g0 + gi
-                if g * P + rho >= n_blocks:
-                    continue                                      # past the stream: rows >= R only
-                for i in range(tt):
-                    acc0[i] = np.float32(0.0)
-                    acc1[i] = np.float32(0.0)
-                for k in range(8):
-                    c0, c1, c2, c3, c4, c5, c6, c7 = _codeword_device(cbs, _index_device(cur[0], cur[1], cur[2],
-                                                                                         cur[3], k))
-                    for i in range(tt):                       # two independent 4-FMA chains per codeword
-                        a = cuda.fma(c1, xr[i, 8 * k + 1], c0 * xr[i, 8 * k])
-                        a = cuda.fma(c2, xr[i, 8 * k + 2], a)
-                        a = cuda.fma(c3, xr[i, 8 * k + 3], a)
-                        b = cuda.fma(c5, xr[i, 8 * k + 5], c4 * xr[i, 8 * k + 4])
-                        b = cuda.fma(c6, xr[i, 8 * k + 6], b)
-                        b = cuda.fma(c7, xr[i, 8 * k + 7], b)
-                        if k < split:
-                            acc0[i] += a + b
-                        else:
-                            acc1[i] += a + b
-                row0 = g * G
-                if rr_max - rr_min <= 1:                          # warp-uniform: 1 or 2 rows -> shuffles
-                    for r in range(rr_min, rr_max + 1):
-                        slot = rho - (r * J) // BLOCK_INDICES
-                        for i in range(tt):
-                            v = np.float32(0.0)
-                            if rr_lo == r:
-                                v = acc0[i]
-                            if split < 8 and rr_lo + 1 == r:
-                                v += acc1[i]
-                            v = warp_sum_device(v, red[warp, 0])
-                            if lane == 0 and i < count and row0 + r < n_rows:
-                                part[msel, pairs[first + i], row0 + r, slot] = v
-                else:                                             # many short rows: segmented sums in shared
-                    for i in range(tt):
-                        red[warp, 2 * i, lane] = acc0[i]
-                        red[warp, 2 * i + 1, lane] = acc1[i]
-                    cuda.syncwarp(0xFFFFFFFF)
-                    for r in range(rr_min + lane, rr_max + 1, WARP):
-                        if row0 + r < n_rows:
-                            slot = rho - (r * J) // BLOCK_INDICES
-                            for i in range(tt):
-                                if i < count:
-                                    v = np.float32(0.0)
-                                    for j in range(WARP):
-                                        q0j = BLOCK_INDICES * rho + 8 * j
-                                        lo_j = q0j // J
-                                        sp_j = J - q0j % J
-                                        if lo_j == r:
-                                            v += red[warp, 2 * i, j]
-                                        if sp_j < 8 and lo_j + 1 == r:
-                                            v += red[warp, 2 * i + 1, j]
-                                    part[msel, pairs[first + i], row0 + r, slot] = v
-                    cuda.syncwarp(0xFFFFFFFF)
+            two = rg0 + 1 < n_rg                                  # the second row group exists
+            ib0 = np.uint64(3 * e + m) * np.uint64(idx_words) + np.uint64(WORDS_PER_BLOCK * n_seg * rg0)
+            pb0 = np.uint64(3 * e + m) * np.uint64(plane_len) + np.uint64(PLANE_BLOCK_BYTES * n_seg * rg0)
+            ib1 = ib0 + np.uint64(WORDS_PER_BLOCK * n_seg)
+            pb1 = pb0 + np.uint64(PLANE_BLOCK_BYTES * n_seg)
+            n_seg1 = n_seg if two else 0                          # a missing group reads nothing (zero words)
+            live0 = g < count
+            live1 = wide and g + MMA_N < count
+            x0 = np.uint64(pairs[first + g] // x_div) if live0 else np.uint64(0)
+            x1 = np.uint64(pairs[first + g + MMA_N] // x_div) if live1 else np.uint64(0)
+            xa = x0 * np.uint64(n_cwp) + np.uint64(8 * t)         # the lane's code words, fragment order
+            xb = x1 * np.uint64(n_cwp) + np.uint64(8 * t)
+            sa = x0 * np.uint64(n_q)
+            sb = x1 * np.uint64(n_q)
+            z = np.float32(0.0)
+            acc0 = (z, z, z, z)
+            acc1 = (z, z, z, z)
+            na0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 0, n_seg, lane)
+            nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 1, n_seg, lane)
+            na1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 0, n_seg1, lane)
+            nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 1, n_seg1, lane)
+            for s in range(n_seg):
+                c0 = na0
+                c1 = na1
+                na0 = nb0
+                na1 = nb1
+                nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + PREFETCH, n_seg, lane)
+                nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, s + PREFETCH, n_seg1, lane)
+                o = np.uint64(SEG_CW * s)
+                ca, cb_ = xa + o, xb + o
+                q = np.uint64(8 * s)
+                qa, qb = sa + q, sb + q                           # the 8 steps, unrolled with literal k
+                acc0, acc1 = _step_device(cbs, c0, c1, 0, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 1, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 2, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 3, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 4, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 5, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 6, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                acc0, acc1 = _step_device(cbs, c0, c1, 7, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+            gain = gain_a if msel == 0 else gain_b
+            _store_group_device(out, msel, pairs, first, g, live0, live1, MMA_N * rg0 + 2 * t, acc0, n_rows, gain, e,
+                                scale, has_scale)
+            if two:
+                _store_group_device(out, msel, pairs, first, g, live0, live1, MMA_N * (rg0 + 1) + 2 * t, acc1, n_rows,
+                                    gain, e, scale, has_scale)
+            u += cuda.gridDim.x * warps
     return vq_gemv_kernel
 
 
-vq_gemv_t1_kernel = _make_vq_kernel(1, THREADS_T1, True)
-vq_gemv_t2_kernel = _make_vq_kernel(2, THREADS_T2, False)
-
-
-@cuda.jit(cache=True)
-def vq_finalize_kernel(part, ids, gain_a, gain_b, scale, has_scale, J, G, counter, out):
-    """out[m, p, r] = bf16(sum over the row's blocks of part[m, p, r, :] * g * s); resets the work counter."""
-    n_mats, n_pairs, n_rows, _ = part.shape
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i == 0:
-        counter[0] = 0                               # the GEMV kernel that used it has finished (stream order)
-    if i >= n_mats * n_pairs * n_rows:
-        return
-    r = i % n_rows
-    p = (i // n_rows) % n_pairs
-    msel = i // (n_rows * n_pairs)
-    k_act = ids.shape[1]
-    e = ids[p // k_act, p % k_act]
-    rr = r % G
-    n_slots = ((rr + 1) * J - 1) // BLOCK_INDICES - (rr * J) // BLOCK_INDICES + 1
-    v = part[msel, p, r, 0]
-    for s in range(1, n_slots):
-        v += part[msel, p, r, s]
-    g = f16_bits_device(np.uint32(gain_a[e, r] if msel == 0 else gain_b[e, r]))
-    v = v * g
-    if has_scale:
-        v = v * scale[e, r]
-    out[msel, p, r] = round_bf16_device(v)
+vq_gemv_kernel = _make_vq_kernel(THREADS, False)
+vq_gemv_wide_kernel = _make_vq_kernel(THREADS, True)
 
 
 @cuda.jit(cache=True)
@@ -547,31 +575,22 @@ def moe_combine_kernel(ye, ids, shared, out):
     out[t, d] = round_bf16_device(y + shared[t, d])
 
 
-_VQ_SIG = ("void(float32[:, :], int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:], uint8[:], int64, int64, "
-           "boolean, int64, int64, int64, int64, int64, int64, int64, int64, int64, int64, float32[:, :, :, :], "
-           "int32[:])")
+_VQ_SIG = ("void(uint64[:], float32[:], int64, int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:], uint8[:], "
+           "int64, int64, boolean, int64, int64, int64, int64, int64, int64, uint16[:, :], uint16[:, :], float32[:, :], "
+           "boolean, float32[:, :, :])")
 SIGNATURES = {
-    "vq_codebook_kernel": "void(uint32[:, :], uint64[:, :])",
     "vq_plan_kernel": "void(int32[:, :], int64, int64, int32[:], int32[:, :], int32[:])",
-    "vq_gemv_t1_kernel": _VQ_SIG,
-    "vq_gemv_t2_kernel": _VQ_SIG,
-    "vq_finalize_kernel": "void(float32[:, :, :, :], int32[:, :], uint16[:, :], uint16[:, :], float32[:, :], boolean, "
-                          "int64, int64, int32[:], float32[:, :, :])",
+    "vq_relayout_kernel": "void(uint32[:], uint8[:], int64, int64, uint32[:], uint8[:], int64, int64, boolean, int64, "
+                          "int64, int64, int64, int64)",
+    "vq_stage_kernel": "void(float32[:, :], boolean, int64, int64, uint64[:], float32[:])",
+    "vq_gemv_kernel": _VQ_SIG,
+    "vq_gemv_wide_kernel": _VQ_SIG,
     "moe_combine_kernel": "void(float32[:, :], int32[:, :], float32[:, :], float32[:, :])",
 }
 
 
-
-
-
-
 _SMEM_MAX = {}
 SMEM_LIMIT = 227 * 1024          # dynamic + static shared memory one block may use on sm_90
-
-
-def _static_smem(tt):
-    """Bytes of the GEMV kernel's static shared array (`red`)."""
-    return WARPS_MAX * 2 * tt * WARP * 4
 
 
 def _raise_smem_limit(nbytes):
@@ -601,36 +620,53 @@ def _persistent_blocks():
     return _SM_COUNT[0]
 
 
-def _geometry(rows, cols):
-    """(J, P, G, groups, blocks, slots) of a [rows, cols] expert matrix (module docstring)."""
-    J = cols // VQ_DIM
-    g = math.gcd(J, BLOCK_INDICES)
-    P, G = J // g, BLOCK_INDICES // g
-    n_idx = rows * J
-    slots = -(-J // BLOCK_INDICES) + 1
-    return J, P, G, -(-rows // G), -(-n_idx // BLOCK_INDICES), slots
-
-
 # ----------------------------------------------------------------------------------------------- launchers
-def vq_codebook(codes, out=None, stream=0):
-    """E4M3 codebook uint8 [C, 8] -> BF16 words uint64 [C, 2] (elements 0-3, then 4-7; element 0 lowest)."""
+def vq_codebook(codes, stream=0):
+    """A layer's E4M3 codebook, device uint8 [C, 8] -> the same bytes as uint64 [C] (codeword c's 8 codes, element 0
+    in the low byte), the form the GEMV reads. Refused: NaN codes (0x7F, 0xFF), which no quantiser writes and which
+    would turn the zero products of padded positions into NaN."""
     shape = tuple(codes.shape)
-    if len(shape) != 2 or shape[1] != VQ_DIM or codes.dtype != np.uint8:
-        raise ValueError(f"vq_codebook: codes must be uint8 [C, {VQ_DIM}], got {codes.dtype} {shape}")
-    if out is None:
-        out = cuda.device_array((shape[0], 2), np.uint64, stream=stream)
-    elif tuple(out.shape) != (shape[0], 2) or out.dtype != np.uint64:
-        raise ValueError(f"vq_codebook: out must be uint64 [{shape[0]}, 2]")
-    if shape[0]:
-        vq_codebook_kernel[math.ceil(shape[0] / THREADS), THREADS, stream](codes.view(np.uint32), out)
-    return out
+    if len(shape) != 2 or shape[1] != VQ_DIM or codes.dtype != np.uint8 or shape[0] not in (4096, 8192):
+        raise ValueError(f"vq_codebook: codes must be uint8 [4096 or 8192, {VQ_DIM}], got {codes.dtype} {shape}")
+    if ((codes.copy_to_host(stream=stream) & 0x7F) == 0x7F).any():
+        raise ValueError("vq_codebook: the codebook holds NaN E4M3 codes")
+    return codes.view(np.uint64).reshape(shape[0])
+
+
+def vq_device_layout(index, plane, shape_a, shape_b, stream=0):
+    """A layer's expert payload in the file's layout (device uint8 index [E, 3, S], plane [E, 3, P] or None; w1 and
+    w3 of shape_a (rows, cols), w2 of shape_b) -> (index, plane) in the device layout the GEMV reads (module
+    docstring)."""
+    (ra, ca), (rb, cb) = (tuple(int(v) for v in shape_a), tuple(int(v) for v in shape_b))
+    n_exp = int(index.shape[0])
+    s_in = int(index.shape[2])
+    n_idx = ra * ca // VQ_DIM
+    if rb * cb != ra * ca or ca % 32 or cb % 32:
+        raise ValueError(f"vq_device_layout: w1/w3 {shape_a} and w2 {shape_b} must hold as many weights, Kin % 32 == 0")
+    if index.dtype != np.uint8 or tuple(index.shape) != (n_exp, 3, index_bytes(n_idx)):
+        raise ValueError(f"vq_device_layout: index must be uint8 [E, 3, {index_bytes(n_idx)}], got {index.shape}")
+    has_plane = plane is not None
+    if has_plane and (plane.dtype != np.uint8 or tuple(plane.shape) != (n_exp, 3, plane_bytes(n_idx))):
+        raise ValueError(f"vq_device_layout: plane must be uint8 [E, 3, {plane_bytes(n_idx)}], got {plane.shape}")
+    s_out, p_out = device_stream_bytes((ra, ca), (rb, cb))
+    dst = cuda.device_array((n_exp, 3, s_out), np.uint8, stream=stream)
+    dst_pl = cuda.device_array((n_exp, 3, p_out), np.uint8, stream=stream) if has_plane else None
+    dummy = cuda.device_array(1, np.uint8, stream=stream)
+    p_in = int(plane.shape[2]) if has_plane else 0
+    n = n_exp * 3 * (s_out // BLOCK_BYTES) * WARP
+    vq_relayout_kernel[math.ceil(n / 128), 128, stream](
+        index.view(np.uint32).reshape(n_exp * 3 * s_in // 4), plane.reshape(n_exp * 3 * p_in) if has_plane else dummy,
+        s_in // 4, p_in, dst.view(np.uint32).reshape(n_exp * 3 * s_out // 4),
+        dst_pl.reshape(n_exp * 3 * p_out) if has_plane else dummy, s_out // 4, p_out, has_plane, ra, ca, rb, cb, n_exp * 3)
+    return dst, dst_pl
 
 
 def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
     """Routing ids int32 [T, K] (distinct per token) -> VQPlan (device work list; `out` a VQPlan to reuse)."""
     n_tok, k_act = tuple(ids.shape)
-    if ids.dtype != np.int32 or not 0 < n_experts <= E_MAX or not 0 < k_act <= K_MAX or tile_rows not in (1, 2):
-        raise ValueError(f"vq_plan: ids int32 [T, K <= {K_MAX}], 0 < n_experts <= {E_MAX}, tile_rows 1 or 2")
+    if ids.dtype != np.int32 or not 0 < n_experts <= E_MAX or not 0 < k_act <= K_MAX \
+            or not 0 < tile_rows <= TILE_MAX:
+        raise ValueError(f"vq_plan: ids int32 [T, K <= {K_MAX}], 0 < n_experts <= {E_MAX}, tile_rows 1..{TILE_MAX}")
     n_pairs = n_tok * k_act
     if out is None or out.n_pairs != n_pairs or out.tile_rows != tile_rows or out.n_experts != n_experts:
         out = VQPlan(ids, cuda.device_array(max(n_pairs, 1), np.int32, stream=stream),
@@ -643,14 +679,21 @@ def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
     return out
 
 
+def scratch_bytes(n_x, cols):
+    """Device scratch of one vq_gemv call over n_x activation rows of `cols` inputs (codes and scales)."""
+    n_cwp = mma_geometry(1, cols)[2] * SEG_CW
+    return n_x * n_cwp * 8 + n_x * (n_cwp // 4) * 4
+
+
 def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, scale=None, quantize=True, out=None,
             scratch=None, stream=0):
     """Routed-expert GEMV (module docstring) -> out float32 [len(mats), n_pairs, R] (BF16 values).
 
     x float32 [n_x, Kin] (pair p reads row p // x_div: the token for w1/w3 with x_div = K, the pair's own SwiGLU row
-    for w2 with x_div = 1); plan from vq_plan; codebook uint64 [C, 2] from vq_codebook; index uint8 [E, 3, S];
-    plane uint8 [E, 3, P] (13-bit layers) or None; gains (g1, g2, g3) uint16 [E, rows] f16 bits; mats: (0, 2) for
-    w1 and w3 together or (1,) for w2, all of shape (R, Kin); scale float32 [E, R] (sidecar gains of w2) or None.
+    for w2 with x_div = 1); plan from vq_plan; codebook uint64 [C] from vq_codebook; index uint8 [E, 3, S] and
+    plane uint8 [E, 3, P] (13-bit layers) or None in the device layout (vq_device_layout); gains (g1, g2, g3) uint16
+    [E, rows] f16 bits; mats: (0, 2) for w1 and w3 together or (1,) for w2, all of shape (R, Kin); scale float32
+    [E, R] (sidecar gains of w2) or None; quantize: x is unquantised (act_quant_fp8's rule is applied first).
     """
     rows, cols = (int(v) for v in shape)
     mats = tuple(int(m) for m in mats)
@@ -658,16 +701,21 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         raise ValueError(f"vq_gemv: shape {shape} (Kin % 32 == 0) and 1-2 matrices of (0, 1, 2), got {mats}")
     if len(mats) == 2 and rows != int(gains[mats[1]].shape[1]):
         raise ValueError("vq_gemv: the two matrices must have the same shape")
-    n_idx = rows * cols // VQ_DIM
+    J, n_rg, n_seg, n_blocks = mma_geometry(rows, cols)
     n_exp = int(index.shape[0])
-    if index.dtype != np.uint8 or tuple(index.shape) != (n_exp, 3, index_bytes(n_idx)):
-        raise ValueError(f"vq_gemv: index must be uint8 [E, 3, {index_bytes(n_idx)}], got {index.dtype} {index.shape}")
+    s_len = int(index.shape[2])
+    if index.dtype != np.uint8 or len(index.shape) != 3 or index.shape[1] != 3 or s_len % BLOCK_BYTES \
+            or s_len < n_blocks * BLOCK_BYTES:
+        raise ValueError(f"vq_gemv: index must be uint8 [E, 3, >= {n_blocks * BLOCK_BYTES}] in the device layout, "
+                         f"got {index.dtype} {index.shape}")
     has_plane = plane is not None
-    if has_plane and (plane.dtype != np.uint8 or tuple(plane.shape) != (n_exp, 3, plane_bytes(n_idx))):
-        raise ValueError(f"vq_gemv: plane must be uint8 [E, 3, {plane_bytes(n_idx)}], got {plane.shape}")
+    if has_plane and (plane.dtype != np.uint8 or tuple(plane.shape) != (n_exp, 3, s_len // BLOCK_BYTES
+                                                                         * PLANE_BLOCK_BYTES)):
+        raise ValueError(f"vq_gemv: plane must be uint8 [E, 3, {s_len // BLOCK_BYTES * PLANE_BLOCK_BYTES}], "
+                         f"got {plane.shape}")
     n_cw = int(codebook.shape[0])
-    if codebook.dtype != np.uint64 or tuple(codebook.shape) != (n_cw, 2) or n_cw != (8192 if has_plane else 4096):
-        raise ValueError(f"vq_gemv: codebook must be uint64 [{8192 if has_plane else 4096}, 2] (vq_codebook)")
+    if codebook.dtype != np.uint64 or tuple(codebook.shape) != (n_cw,) or n_cw != (8192 if has_plane else 4096):
+        raise ValueError(f"vq_gemv: codebook must be uint64 [{8192 if has_plane else 4096}] (vq_codebook)")
     for m in mats:
         if gains[m].dtype != np.uint16 or tuple(gains[m].shape) != (n_exp, rows):
             raise ValueError(f"vq_gemv: gains of matrix {m} must be uint16 f16 bits [{n_exp}, {rows}]")
@@ -686,37 +734,29 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         raise ValueError(f"vq_gemv: out {out.shape} must be {(n_mats, n_pairs, rows)}")
     if n_pairs == 0:
         return out
-    if quantize:
-        x = act_quant_fp8(x, out=_scratch(scratch, "xq", tuple(x.shape), np.float32, stream), stream=stream)
-    J, P, G, n_groups, n_blocks, slots = _geometry(rows, cols)
-    part = _scratch(scratch, "part", (n_mats, n_pairs, rows, slots), np.float32, stream)
-    counter = _scratch(scratch, "counter", (1,), np.int32, stream, zero=True)
+    n_x = int(x.shape[0])
+    n_cwp = n_seg * SEG_CW
+    codes1 = _scratch(scratch, "x_codes", (n_x * n_cwp,), np.uint64, stream)
+    scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
+    n = n_x * n_cwp
+    vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, codes1, scl1)
     dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)
-    tt = plan.tile_rows
-    kernel, threads = (vq_gemv_t1_kernel, THREADS_T1) if tt == 1 else (vq_gemv_t2_kernel, THREADS_T2)
-    n_units = n_pairs * n_mats * P * -(-n_groups // GROUPS_PER_UNIT)
-    grid = max(1, min(_persistent_blocks(), -(-n_units // (threads // WARP))))
-    x_rows = (n_pairs - 1) // x_div + 1                  # the activation rows the pairs read
-    x_smem = x_rows * _x_row_words(cols) * 8
-    if tt != 1 or x_smem > SMEM_LIMIT - n_cw * 16 - _static_smem(tt):
-        x_rows, x_smem = 0, 0                              # too many rows to stage: lanes read x from global
-    smem = n_cw * 16 + x_smem
-    launch = kernel[grid, threads, stream, smem]
+    n_units = n_pairs * n_mats * -(-n_rg // RG_PER_UNIT)    # an upper bound: a tile holds at least one pair
+    grid = max(1, min(_persistent_blocks(), -(-n_units // (THREADS // WARP))))
+    smem = n_cw * 8
+    kernel = vq_gemv_wide_kernel if plan.tile_rows > MMA_N else vq_gemv_kernel
+    launch = kernel[grid, THREADS, stream, smem]
     if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
         # numba caches configured launches (lru_cache on configure): register the callback once per configuration
         launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
     m0, step = mats[0], (mats[1] - mats[0] if n_mats == 2 else 0)
-    idx_words = index.shape[2] // 4
-    plane_len = plane.shape[2] if has_plane else 0
-    launch(x, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook.reshape(n_cw * 2),
+    idx_words = s_len // 4
+    plane_len = int(plane.shape[2]) if has_plane else 0
+    launch(codes1, scl1, n_cwp, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook,
            index.view(np.uint32).reshape(n_exp * 3 * idx_words), plane.reshape(n_exp * 3 * plane_len) if has_plane
-           else dummy, idx_words, plane_len, has_plane, m0, step, n_mats, rows, J, P, G, n_groups, n_blocks, x_rows,
-           part, counter)
-    n = n_mats * n_pairs * rows
-    vq_finalize_kernel[math.ceil(n / THREADS), THREADS, stream](
-        part, plan.ids, gains[mats[0]], gains[mats[-1]], scale if has_scale else no_scale, has_scale, J, G, counter,
-        out)
+           else dummy, idx_words, plane_len, has_plane, m0, step, n_mats, rows, n_rg, n_seg, gains[mats[0]],
+           gains[mats[-1]], scale if has_scale else no_scale, has_scale, out)
     return out
 
 
@@ -731,5 +771,5 @@ def moe_combine(ye, ids, shared, out=None, stream=0):
         out = cuda.device_array((n_tok, d_len), np.float32, stream=stream)
     n = n_tok * d_len
     if n:
-        moe_combine_kernel[math.ceil(n / THREADS), THREADS, stream](ye, ids, shared, out)
+        moe_combine_kernel[math.ceil(n / COMBINE_THREADS), COMBINE_THREADS, stream](ye, ids, shared, out)
     return out

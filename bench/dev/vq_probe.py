@@ -3,8 +3,8 @@
 layer, 2.7 GB of payload), CUDA-graph replay. Prints per-call µs of the w1+w3 call and the w2 call, the plan, and
 GB/s of payload read.
 
-    python bench/dev/vq_probe.py [--bits 12|13] [--reps 64] [--units 8] [--eager N] [--small]
---units overrides kernels.vq_gemv.GROUPS_PER_UNIT before the first compile (run with a fresh NUMBA_CACHE_DIR).
+    python bench/dev/vq_probe.py [--bits 12|13] [--reps 64] [--eager N] [--small]
+The payload is random bytes in the device layout (kernels.vq_gemv; at these shapes as large as the file's).
 --eager N: N eager calls only (for ncu)."""
 import argparse
 import json
@@ -14,7 +14,6 @@ sys.path.insert(0, ".")
 ap = argparse.ArgumentParser()
 ap.add_argument("--bits", type=int, default=13)
 ap.add_argument("--reps", type=int, default=64)
-ap.add_argument("--units", type=int, default=0)
 ap.add_argument("--eager", type=int, default=0)
 ap.add_argument("--small", action="store_true", help="tiny shapes under the simulator (a smoke run)")
 a = ap.parse_args()
@@ -26,15 +25,11 @@ from numba import cuda  # noqa: E402
 
 import kernels.vq_gemv as vq  # noqa: E402
 from bench.timing import graph_time  # noqa: E402
-from ds4lib.formats.vq import index_bytes, plane_bytes  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
-if a.units:
-    vq.GROUPS_PER_UNIT = a.units
 E, K, D, F = (8, 6, 256, 128) if a.small else (384, 6, 5120, 2304)
 s = cuda.stream()
-n_idx = {0: F * D // 8, 1: D * F // 8}
-S, P = index_bytes(n_idx[0]), plane_bytes(n_idx[0])
+S, P = vq.device_stream_bytes((F, D), (D, F))
 C = 1 << a.bits
 index = cuda.device_array((E, 3, S), np.uint8, stream=s)
 synth_fill(index, "bits", key=11, stream=s)
@@ -89,7 +84,20 @@ bytes_w2 = K * (S + (P if plane is not None else 0))
 us = {k: round(v * 1e6, 2) for k, v in res.items()}
 w13 = res["w13"] - res["plan"]
 w2 = res["w2"] - res["plan"]
-print(json.dumps(dict(bits=a.bits, units=vq.GROUPS_PER_UNIT, us=us, w13_us=round(w13 * 1e6, 2),
+
+
+def _attr(f):
+    """A compiled kernel's attribute (per signature), for the record; the error's text when numba cannot say."""
+    try:
+        v = f()
+        return {str(k): int(x) for k, x in v.items()} if isinstance(v, dict) else int(v)
+    except Exception as exc:  # noqa: BLE001  (a probe: report, do not stop)
+        return repr(exc)
+
+
+kern = vq.vq_gemv_kernel
+print(json.dumps(dict(bits=a.bits, us=us, regs=_attr(kern.get_regs_per_thread),
+                      local_bytes=_attr(kern.get_local_mem_per_thread), w13_us=round(w13 * 1e6, 2),
                       w2_us=round(w2 * 1e6, 2), w13_gbps=round(bytes_w13 / w13 / 1e9, 1),
                       w2_gbps=round(bytes_w2 / w2 / 1e9, 1),
                       layer_gbps=round((bytes_w13 + bytes_w2) / res["all"] / 1e9, 1),

@@ -60,7 +60,6 @@ from ds4lib.engine.cuda_weights import CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
 from ds4lib.formats.floats import f32_to_bf16_bits
 from ds4lib.formats.names import layer_prefix
-from ds4lib.formats.vq import decode_codebook
 from ds4lib.ref.engram import engram_hashes
 from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
@@ -159,7 +158,6 @@ class CudaBackend:
         self.n_feat = len(targets) * cfg.dim
         self.draft = CudaDraft(self) if self.stages else None
         self.weight_bytes = self.W.nbytes
-        self._check_codebook_decode(EngineError)
         self.geo = engram_geometry(cfg) if cfg.engram_layer_ids else None
         if self.geo is not None:
             self.pad_cid = int(ctx.token_map[cfg.engram_pad_id])
@@ -183,14 +181,6 @@ class CudaBackend:
                            if ratio > 1}
 
     # ------------------------------------------------------------------ loading
-    def _check_codebook_decode(self, error):
-        codes = np.arange(256, dtype=np.uint8).reshape(32, 8)
-        got = vq_gemv.vq_codebook(cuda.to_device(codes)).copy_to_host().view(np.uint16).reshape(32, 8)
-        want = decode_codebook(codes)
-        fin = np.isfinite(want)
-        if not np.array_equal(got[fin], f32_to_bf16_bits(want)[fin]):
-            raise error("the device E4M3 codebook decoder disagrees with ds4lib.formats.vq.decode_codebook")
-
     def _decode_io(self):
         """The fixed buffers a decode step reads its inputs from: (position, token) in host-mapped memory, their
         device copies, and the Engram rows' mapped staging (one table row per hash column and Engram layer)."""
@@ -228,7 +218,7 @@ class CudaBackend:
         rows = cfg.window_size + cfg.index_topk
         split = attention._value_splits(1, H, rows)
         attn = T * H * (split * Dh + rows) * 4
-        vqb = T * K * (2 * F * (1 + vq_gemv._geometry(F, D)[5]) + F + D * (1 + vq_gemv._geometry(D, F)[5])) * 4
+        vqb = T * K * (3 * F + D) * 4 + vq_gemv.scratch_bytes(T, D) + vq_gemv.scratch_bytes(T * K, F)
         ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
         idx = T * (self.ctx.context_length // ratio) * 4 if ratio else 0
         act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
@@ -776,7 +766,7 @@ class CudaBackend:
         moe.route(x, w["ffn.gate.weight"].w, w["ffn.gate.bias"], K, cfg.route_scale, gate_temp=cfg.gate_temp,
                   normalise=cfg.norm_topk_prob, out=rout, scratch=self.scr, stream=s)
         _, ids, rw = rout
-        plan = vq_gemv.vq_plan(ids, E, tile_rows=1 if T == 1 else 2, out=self._const.get(("plan", T, E, K)),
+        plan = vq_gemv.vq_plan(ids, E, tile_rows=min(T * K, vq_gemv.TILE_MAX), out=self._const.get(("plan", T, E, K)),
                                stream=s)
         self._const[("plan", T, E, K)] = plan
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])

@@ -18,7 +18,8 @@ Value distributions follow the official test vectors' (ds4lib.synth's docstring)
 mean and deviation: projections fan_in^-1/2, the embedding 1, norm weights and Engram q/k weights 1 +- 0.1,
 hc_*_fn 0.02, hc_*_base 0.2, hc_*_scale U(0.5, 1), attention sinks 0.5, router biases 0.1. VQ codebooks: E4M3 codes
 of magnitude < 2; row gains fan_in^-1/2 / (the codebook's RMS), within a factor 2; index streams and 13th-bit
-planes uniform random bytes (every index is a valid codeword). Engram tables: E4M3 codes without the NaN codes,
+planes uniform random bytes (every index is a valid codeword), sized as the device layout of kernels.vq_gemv
+(at V4.1's shapes the same bytes as the file's: no padding). Engram tables: E4M3 codes without the NaN codes,
 each 32 scaled by 2^-7 (values within +-3.5, as an N(0, 1) table quantised the official way).
 
 Shape legend: L layers, E experts, C codewords, D dim, F expert FFN width, S / P index / plane bytes per expert
@@ -51,7 +52,7 @@ _ENGRAM_SCALE_BYTE = 127 - 7            # UE8M0 2^-7
 class SynthTensor:
     """One device array of the plan. `lin`: the Lin kind, or None for a plain array; `part`: the matrix index of a
     VQ gain (w1, w2, w3); `fmt`, `center`, `sigma`, `k`: how kernels.synth_fill fills it. A codebook is planned
-    as its E4M3 codes (uint8 [C, 8], counted in `nbytes` as upload_base counts it) and decoded to `vq_cb`."""
+    as its E4M3 codes (uint8 [C, 8], counted in `nbytes` as upload_base counts it), kept as `vq_cb` uint64 [C]."""
     layer: int
     key: str
     fmt: str
@@ -104,8 +105,10 @@ def _vq_block(cfg, layer, tensors) -> list[SynthTensor]:
         key = _VQ_KEYS[t.kind]
         if t.kind == "vq_codebook":
             out.append(SynthTensor(layer, key, "e4m3", t.shape, np.uint8))
-        elif t.kind in ("vq_index", "vq_plane"):
-            out.append(SynthTensor(layer, key, "bits", t.shape, np.uint8))
+        elif t.kind in ("vq_index", "vq_plane"):                 # random bytes, sized as the device layout
+            s_len, p_len = vq_gemv.device_stream_bytes((f, d), (d, f))
+            shape = (t.shape[0], t.shape[1], s_len if t.kind == "vq_index" else p_len)
+            out.append(SynthTensor(layer, key, "bits", shape, np.uint8))
         else:
             m = next(m for m in EXPERT_MATRICES if t.name.endswith(f".{m}.vq_gain"))
             out.append(SynthTensor(layer, key, "f16", t.shape, np.uint16, center=fan_in[m] ** -0.5 / E4M3_SMALL_RMS,
@@ -149,7 +152,7 @@ def synthetic_weights(cfg, bits, seed: int = 0, stream=0) -> CudaWeights:
         synth_fill(d, t.fmt, key=synth_key(seed, i), center=t.center, sigma=t.sigma, k=t.k, stream=stream)
         W.nbytes += t.nbytes
         if t.key == "vq_cb":
-            d = vq_gemv.vq_codebook(d, stream=stream)            # the codes are dropped: no temporary kept
+            d = vq_gemv.vq_codebook(d, stream=stream)            # the same bytes as uint64 [C]
         value = Lin(t.lin, d, t.rows, t.k) if t.lin else d
         if t.layer < 0:
             W.g[t.key] = value

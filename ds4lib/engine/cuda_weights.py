@@ -6,9 +6,10 @@ and `upload_base`, which builds them from a ds4 base file:
 - q4_K / Q8_0 linears as their GGUF block bytes (kernels.q4k_gemv; the embedding included); F16 linears as float32;
   stored projections of GEMV_WEIGHTS (and any other linear whose values are BF16-exact) as BF16 bit patterns
   (kernels.gemv); vectors and the mHC matrices as float32.
-- VQ experts as stored: `vq_index` uint8 [E, 3, S], `vq_plane` uint8 [E, 3, P] or None (12-bit layers), `vq_gains`
-  (w1, w2, w3) f16 bits uint16 [E, rows], the layer's E4M3 codebook decoded once to BF16 words `vq_cb` uint64
-  [C, 2] (kernels.vq_gemv.vq_codebook), `vq_experts` E, and `vq_scale` float32 [E, D]: the ② sidecar / ③
+- VQ experts: `vq_index` uint8 [E, 3, S] and `vq_plane` uint8 [E, 3, P] or None (12-bit layers) moved at upload
+  into the device layout of kernels.vq_gemv (vq_device_layout: the tensor-core fragments' order), `vq_gains`
+  (w1, w2, w3) f16 bits uint16 [E, rows], the layer's E4M3 codebook as its own bytes `vq_cb` uint64 [C] (8 codes a
+  word; NaN codes refused), `vq_experts` E, and `vq_scale` float32 [E, D]: the ② sidecar / ③
   post-training down-projection gains (None without them). Router deltas are added to `ffn.gate.bias` in float32,
   exactly as ds4lib.engine.weights.StackWeights does.
 Synthetic weights at the true V4.1 shapes for the real-size benchmark are built into the same structure on the
@@ -96,9 +97,17 @@ def upload_base(cfg, base, gains, bias, stages: bool = False) -> CudaWeights:
         if w["ffn.gate.weight"].kind != "bf16":
             raise ValueError(f"layer {l}: the router weight is not BF16-valued")
         vq = base.vq_layer(l)
-        w["vq_cb"] = vq_gemv.vq_codebook(W.up(vq.codebook_codes.view(np.uint8)))
-        w["vq_index"] = W.up(vq.index.view(np.uint8))
-        w["vq_plane"] = W.up(vq.plane.view(np.uint8)) if vq.plane is not None else None
+        try:
+            w["vq_cb"] = vq_gemv.vq_codebook(W.up(vq.codebook_codes.view(np.uint8)))
+        except ValueError as exc:
+            raise ValueError(f"layer {l}: {exc}") from None
+        f, d = cfg.moe_inter_dim, cfg.dim
+        index = W.up(vq.index.view(np.uint8))
+        plane = W.up(vq.plane.view(np.uint8)) if vq.plane is not None else None
+        W.nbytes -= index.nbytes + (plane.nbytes if plane is not None else 0)
+        w["vq_index"], w["vq_plane"] = vq_gemv.vq_device_layout(index, plane, (f, d), (d, f))
+        del index, plane                                         # the file's layout is not kept on the device
+        W.nbytes += w["vq_index"].nbytes + (w["vq_plane"].nbytes if w["vq_plane"] is not None else 0)
         w["vq_gains"] = tuple(W.up(vq.gains[m].view(np.uint16)) for m in EXPERT_MATRICES)
         w["vq_scale"] = W.up(np.asarray(gains[l], dtype=np.float32)) if l in gains else None
         w["vq_experts"] = vq.n_experts

@@ -8,6 +8,7 @@ from ds4lib.config import ModelConfig
 from ds4lib.formats.floats import bf16_bits_to_f32
 from ds4lib.formats.fp8 import E4M3_VALUES
 from ds4lib.formats.q4k import dequantize_q4k, dequantize_q8_0
+from ds4lib.formats.vq import decode_codebook
 from tests.engine.test_engine_cuda import micro_config
 
 
@@ -78,7 +79,7 @@ def test_micro_contents_are_finite_and_valid(micro_pair):
             want = 1.0 if key == "embed" else v.k ** -0.5
             assert 0.7 * want < x.std() < 1.3 * want, (l, key, x.std(), want)
     for w in synth.L:
-        cb = bf16_bits_to_f32(w["vq_cb"].copy_to_host().view(np.uint16))          # [C, 8] decoded codewords
+        cb = decode_codebook(w["vq_cb"].copy_to_host().view(np.uint8).reshape(-1, 8))   # [C, 8] codewords
         assert cb.shape == (w["vq_cb"].shape[0], 8) and np.isfinite(cb).all() and np.abs(cb).max() < 2
         for g in w["vq_gains"]:
             gv = g.copy_to_host().view(np.float16).astype(np.float32)

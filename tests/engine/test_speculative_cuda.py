@@ -299,7 +299,8 @@ def test_gpu_greedy_is_byte_identical_to_plain_for_every_k(tiny_cuda, i):
     for k in (1, 2, 4, None):
         got = list(e.generate_ids(ids, SamplingParams(temperature=0, max_tokens=40, draft_k=k)))
         assert got == plain, f"k={k}"
-        assert e.last_spec_stats.rounds > 0
+        if k is not None:                          # the scheduler (k None) may measure that plain steps win
+            assert e.last_spec_stats.rounds > 0, f"k={k}"
     if e.cfg.vocab_size >= 8192:                   # trained drafts (the random stack's are rarely right)
         assert e.spec_stats.accepted > 0
 
