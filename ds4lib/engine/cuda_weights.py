@@ -101,11 +101,10 @@ def upload_base(cfg, base, gains, bias, stages: bool = False) -> CudaWeights:
             w["vq_cb"] = vq_gemv.vq_codebook(W.up(vq.codebook_codes.view(np.uint8)))
         except ValueError as exc:
             raise ValueError(f"layer {l}: {exc}") from None
-        f, d = cfg.moe_inter_dim, cfg.dim
         index = W.up(vq.index.view(np.uint8))
         plane = W.up(vq.plane.view(np.uint8)) if vq.plane is not None else None
         W.nbytes -= index.nbytes + (plane.nbytes if plane is not None else 0)
-        w["vq_index"], w["vq_plane"] = vq_gemv.vq_device_layout(index, plane, (f, d), (d, f))
+        w["vq_index"], w["vq_plane"] = vq_gemv.vq_device_layout(index, plane, vq.shapes["w1"], vq.shapes["w2"])
         del index, plane                                         # the file's layout is not kept on the device
         W.nbytes += w["vq_index"].nbytes + (w["vq_plane"].nbytes if w["vq_plane"] is not None else 0)
         w["vq_gains"] = tuple(W.up(vq.gains[m].view(np.uint16)) for m in EXPERT_MATRICES)

@@ -35,10 +35,8 @@ def _values(v):
 
 
 @pytest.fixture(scope="module")
-def micro_pair(tmp_path_factory):
-    """(cfg, upload_base of a quantised random micro checkpoint, synthetic_weights of the same config and bits)."""
-    from ds4lib.engine.cuda_synth import synthetic_weights
-    from ds4lib.engine.cuda_weights import upload_base
+def micro_base(tmp_path_factory):
+    """(cfg, the ① base of a quantised random micro checkpoint: layer 0 13-bit, layer 1 12-bit)."""
     from ds4lib.formats.gguf import BaseFile
     from ds4lib.quant.base_file import quantize_checkpoint
     from ds4lib.synth import write_random_checkpoint
@@ -48,7 +46,38 @@ def micro_pair(tmp_path_factory):
     quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
     base = BaseFile.open(root / "base.gguf")
     assert base.bits[:2] == (13, 12)
+    return cfg, base
+
+
+@pytest.fixture(scope="module")
+def micro_pair(micro_base):
+    """(cfg, upload_base of the micro base, synthetic_weights of the same config and bits)."""
+    from ds4lib.engine.cuda_synth import synthetic_weights
+    from ds4lib.engine.cuda_weights import upload_base
+    cfg, base = micro_base
     return cfg, upload_base(cfg, base, {}, {}), synthetic_weights(cfg, base.bits, seed=0)
+
+
+@pytest.mark.slow
+def test_upload_refuses_a_codebook_with_nan_codes(micro_base, monkeypatch):
+    """A NaN E4M3 code in a layer's codebook is refused at upload with the layer named (padded positions of the
+    device layout multiply codeword 0 by zero, and NaN * 0 would poison every output)."""
+    import dataclasses
+
+    from ds4lib.engine.cuda_weights import upload_base
+    cfg, base = micro_base
+    real = base.vq_layer
+
+    def bad(layer):
+        vq = real(layer)
+        if layer != 1:
+            return vq
+        codes = vq.codebook_codes.view(np.uint8).copy()
+        codes[5, 2] = 0x7F
+        return dataclasses.replace(vq, codebook_codes=codes)
+    monkeypatch.setattr(base, "vq_layer", bad)
+    with pytest.raises(ValueError, match="layer 1: .*NaN"):
+        upload_base(cfg, base, {}, {})
 
 
 @pytest.mark.slow
