@@ -250,18 +250,11 @@ def device_stream_bytes(shape_a, shape_b):
 
 @cuda.jit(device=True, inline=True)
 def _file_index_device(src, src_pl, has_plane, base_w, base_p, p):
-    """The codeword index at stream position p of one matrix in the file's layout (ds4lib.formats.vq)."""
+    """The codeword index at stream position p of one matrix in the file's layout (ds4lib.formats.vq): its block's
+    words for the owning lane, read as the GEMV reads a device block (_load_block_device, _index_device)."""
     b = p // BLOCK_INDICES
-    lane = (p % BLOCK_INDICES) // 8
-    k = p % 8
-    w = base_w + np.uint64(WORDS_PER_BLOCK * b + lane)
-    lo = src[w + np.uint64(32 * (k // 4))] >> np.uint32(8 * (k % 4))
-    hi = src[w + np.uint64(64)] >> np.uint32(4 * k)
-    v = (lo & np.uint32(0xFF)) | ((hi & np.uint32(0xF)) << np.uint32(8))
-    if has_plane:
-        v |= ((np.uint32(src_pl[base_p + np.uint64(PLANE_BLOCK_BYTES * b + lane)]) >> np.uint32(k)) & np.uint32(1)) \
-            << np.uint32(12)
-    return v
+    w0, w1, w2, pl = _load_block_device(src, src_pl, has_plane, base_w, base_p, b, b + 1, (p % BLOCK_INDICES) // 8)
+    return _index_device(w0, w1, w2, pl, p % 8)
 
 
 @cuda.jit(cache=True)
