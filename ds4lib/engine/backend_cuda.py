@@ -454,18 +454,12 @@ class CudaBackend:
             for old in st.graphs.values():
                 if old is not None:
                     old.close()
-            graph, retry = self._capture(st, c)
-            if retry:                                      # arrays to create: this step eagerly, then capture
-                self._decode_body(st, c)
+            graph, ran = self._capture(st, c)
+            st.graphs = {key: graph}                       # None: this bucket stays eager
+            if ran:                                        # this step already ran eagerly
                 self.stats["eager_steps"] += 1
-                graph, retry = self._capture(st, c)
-                if retry:
-                    warnings.warn("a launcher created an array while the decode step was captured right after an "
-                                  "eager step; decode stays eager in this bucket")
-                st.graphs = {key: graph}                   # None: this bucket stays eager
                 self._commit(st, c)
                 return self.d_logits_decode
-            st.graphs = {key: graph}
         if graph is not None:
             graph.launch()
             self.stats["graph_replays"] += 1
@@ -478,6 +472,23 @@ class CudaBackend:
     def _decode_body(self, st, c):
         step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
         return self._body(st, c, self.d_rep, "last", self.d_logits_decode, None)
+
+    def _capture_or_run(self, run, what):
+        """(graph, ran, result): run()'s launches captured as a graph (nothing runs while capturing: the caller
+        launches it), ran False, result None; or, where a launcher created an array while capturing (a process's
+        first call, a larger scratch shape: `_try_capture`), run() made eagerly, which creates the arrays for real,
+        then captured again right after (before any other call can prune the scratch), ran True and result what the
+        eager run returned: the caller takes this call's results from it. graph None: it stays eager (a failed
+        capture warns in `_try_capture`; a second retry warns here)."""
+        graph, retry = self._try_capture(run, what)
+        if not retry:
+            return graph, False, None
+        result = run()
+        graph, retry = self._try_capture(run, what)
+        if retry:
+            warnings.warn(f"a launcher created an array while {what} was captured right after an eager run; it stays "
+                          "eager")
+        return graph, True, result
 
     def _try_capture(self, run, what):
         """(graph, False) with run()'s launches captured, or (None, retry). A launcher that created a scratch or
@@ -507,19 +518,14 @@ class CudaBackend:
         return graph, False
 
     def _capture(self, st, c):
-        """(graph, retry): the decode body captured as a graph (nothing runs while capturing: the caller launches
-        it for this step), or None. retry: a launcher created an array while capturing (the first step of a process,
-        a larger scratch shape): the graph is dropped (`_try_capture`), the caller runs this step eagerly, which
-        creates the arrays for real, and captures again right after it (before any other call can prune the
-        scratch). A capture that failed (with a warning) leaves the bucket eager."""
-        graph, retry = self._try_capture(lambda: self._decode_body(st, c), "the decode step")
-        if graph is None:
-            return None, retry
-        graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
-                      dict(self._rope), self.m_engram]
-        self.stats["graph_captures"] += 1
-        self.stats["graph_nodes"] = graph.nodes
-        return graph, False
+        """(graph, ran) of `_capture_or_run` for the decode body, the graph keeping every array it points to."""
+        graph, ran, _ = self._capture_or_run(lambda: self._decode_body(st, c), "the decode step")
+        if graph is not None:
+            graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                          dict(self._rope), self.m_engram]
+            self.stats["graph_captures"] += 1
+            self.stats["graph_nodes"] = graph.nodes
+        return graph, ran
 
     def _body(self, st, c, rep, want, out, observer):
         """Every launch of a call (embedding, layers, head); no host state changes (a decode step's is captured)."""
@@ -839,10 +845,8 @@ class CudaBackend:
         seeds, steps = self.m_seed.dev, self.m_step.dev
         graph = self._sample_graphs.get(key)
         if graph is None and key not in self._sample_graphs:
-            graph, retry = self._try_capture(lambda: self._sample_launch(lg, params, seeds, steps), "the sampler")
-            if retry and ("retry", key) not in self._sample_graphs:   # created arrays: eager now, capture next
-                self._sample_graphs[("retry", key)] = None
-                return self._sample_launch(lg, params, seeds, steps)
+            graph, ran, token = self._capture_or_run(lambda: self._sample_launch(lg, params, seeds, steps),
+                                                     "the sampler")
             if graph is not None:                          # its token buffer: the scratch may be renewed later
                 graph.keep = [list(self.scr.values()), self.m_seed, self.m_step, self.d_logits_decode]
                 graph.token = self._buf("token", (1,), np.int64)
@@ -852,6 +856,8 @@ class CudaBackend:
                         g.close()
                 self._sample_graphs.clear()
             self._sample_graphs[key] = graph
+            if ran:                                        # the eager run's token (capturing runs nothing)
+                return token
         if graph is None:
             return self._sample_launch(lg, params, seeds, steps)
         graph.launch()
