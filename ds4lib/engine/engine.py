@@ -398,6 +398,7 @@ class Engine:
         seeded_sampled = params.temperature > 0 and params.seed is not None and params.draft_k is None
         spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1 \
             and not seeded_sampled and not self._drafting_hopeless(params)
+        self.last_spec_stats = None   # this request's counts: set by _generate_speculative, None on the plain path
         try:
             if progress:
                 B = self.prefill_block

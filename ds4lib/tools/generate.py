@@ -78,4 +78,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         elif not engine.speculative:
             print("[speculative decoding off]", file=sys.stderr)
+        else:
+            print("[speculative: this request decoded plainly (no round could pay, a seeded sampled request, "
+                  "or structured output)]", file=sys.stderr)
     return 0

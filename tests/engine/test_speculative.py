@@ -283,7 +283,6 @@ def test_requests_decode_plainly_where_no_round_could_pay(engine):
     engine.spec_priors, engine._hopeless_runs = {True: lose}, 0
     ran = 0
     for _ in range(engine.RECHECK):
-        engine.last_spec_stats = None
         assert list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=5))) == plain
         ran += engine.last_spec_stats is not None
         engine.spec_priors[True] = lose                                 # (a recheck stores its own scheduler)
@@ -472,3 +471,14 @@ def test_chi2_tail_matches_known_values():
     assert _chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, rel=1e-6)
     assert _chi2_sf(2.0, 30) == pytest.approx(1.0, abs=1e-9)
     assert _chi2_sf(100.0, 3) < 1e-20
+
+
+def test_a_plain_request_does_not_report_the_previous_requests_rounds(engine):
+    """last_spec_stats belongs to the last request: after a speculative request, a request on the plain path (here
+    draft_k=0) reports None, not the previous one's rounds (H200 bench of 2026-12-04: every greedy row showed the
+    sampled request's rounds before it)."""
+    ids = [0] + engine.encode("The ledger shows")
+    list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=6, draft_k=2)))
+    assert engine.last_spec_stats is not None and engine.last_spec_stats.rounds > 0
+    list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=6, draft_k=0)))
+    assert engine.last_spec_stats is None
