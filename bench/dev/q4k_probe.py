@@ -5,6 +5,7 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
     python bench/dev/q4k_probe.py --time          # every shape: µs per call, cold, CUDA-graph replay (JSON lines)
     python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
     python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
+    python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
 """
 import argparse
 import math
@@ -25,6 +26,7 @@ ap.add_argument("--calls", type=int, default=6)
 ap.add_argument("--time", action="store_true")
 ap.add_argument("--mode", default="deep", choices=["deep", "mma"])
 ap.add_argument("--check", action="store_true")
+ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
 a = ap.parse_args()
 SHAPES.update({"wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a": (8192, 4096), "shared_w2": (5120, 2304)})
 if a.check:
@@ -82,11 +84,16 @@ if a.time:
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
                      scratch=scratch, stream=s, fp8_input=a.mode == "mma")
             it[0] += 1
-        call()
-        s.synchronize()
-        sec = graph_time(call, s, max(copies * 4, 40))
-        print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "us": round(sec * 1e6, 2),
-                          "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
+        import kernels.q4k_gemv as qk
+        for target in ([int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]):
+            qk.MMA_TARGET_BLOCKS = target
+            scratch.clear()
+            call()
+            s.synchronize()
+            sec = graph_time(call, s, max(copies * 4, 40))
+            print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
+                              "splits": qk.mma_splits(N, K // 256), "us": round(sec * 1e6, 2),
+                              "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)
 N, K = SHAPES[a.shape]
