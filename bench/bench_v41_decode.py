@@ -50,6 +50,11 @@ def _args(argv=None):
     p.add_argument("--bits", default="auto", help="VQ bit plan (ds4lib.quant.plan.parse_bits_plan; default auto)")
     p.add_argument("--engram-rows", type=int, default=1 << 20, help="rows kept of each Engram table (host)")
     p.add_argument("--roofline-gib", type=float, default=None, help="roofline buffer GiB (2; small 1/1024)")
+    p.add_argument("--verify-rows", default=None,
+                   help="comma list of row counts T (e.g. 1,2,3,4,5): per context, time a speculative verify call "
+                        "(mark, forward of T rows, rollback of all of them) on the eager backend, wall and summed "
+                        "kernel time (CUPTI), and fit the cost line c_v1 + c_tok * T (issue 13); default off")
+    p.add_argument("--verify-reps", type=int, default=5, help="timed verify calls per row count (5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -297,6 +302,43 @@ def run_mode(backend, ctx, mode):
     return rec
 
 
+def verify_cost(backend, ctx, rows_list, reps):
+    """The verify call of a speculative round at context `ctx` for each T in rows_list: mark, forward of T rows (all
+    logits, as the verify takes them), rollback of every row, so each call starts from the same state. Per T: the
+    wall time of the eager calls and their summed kernel time from a CUPTI trace (None without torch): the latter is
+    what a graph-replayed verify would cost at best. Returns (rows, fit): fit = {c_v1, c_tok, of} from a least-squares
+    line through the kernel times (or the wall times without a trace)."""
+    st = backend.synthetic_state(ctx, seed=ARGS.seed)
+    out = []
+    for T in rows_list:
+        toks = [1 + i for i in range(T)]
+
+        def call():
+            mk = backend.mark(st)
+            backend.forward(st, toks, last_only=False)
+            backend.rollback(st, mk, [])
+
+        def calls():
+            for _ in range(reps):
+                call()
+            backend.stream.synchronize()
+        call()                                          # warm: compile, scratch for T rows
+        backend.stream.synchronize()
+        t = time.perf_counter()
+        calls()
+        wall = (time.perf_counter() - t) / reps
+        ops, why = (None, "simulator") if SIM else trace_ops(calls, reps)
+        kern = sum(v[0] for k in ops.values() for v in k.values()) / 1e3 if ops else None
+        out.append({"rows": T, "wall_ms": round(wall * 1e3, 3), "kernel_ms": round(kern, 3) if kern else None,
+                    **({} if ops else {"trace": why})})
+    key = "kernel_ms" if all(r["kernel_ms"] for r in out) else "wall_ms"
+    fit = {"of": key}
+    if len(out) >= 2:
+        c_tok, c0 = np.polyfit([r["rows"] for r in out], [r[key] for r in out], 1)
+        fit.update({"c_v1_ms": round(float(c0 + c_tok), 3), "c_tok_ms": round(float(c_tok), 4)})
+    return out, fit
+
+
 def small_config():
     from tests.engine.test_engine_cuda import micro_config
     return micro_config()
@@ -415,6 +457,16 @@ def main():
             rec[mode] = x
         emit(rec, lines)
         rows.append(rec)
+        if ARGS.verify_rows and SIM:
+            print("verify calls: not in the simulator run (the micro config's candidate consumer reads its own "
+                  "compressed rows, a different count from the publisher's, which a multi-row call refuses; V4.1's "
+                  "consumers read the publisher's layer)", file=sys.stderr, flush=True)
+        elif ARGS.verify_rows:
+            print(f"context {ctx}: verify calls", file=sys.stderr, flush=True)
+            vr, fit = verify_cost(backends["eager"], ctx, [int(v) for v in ARGS.verify_rows.split(",")],
+                                  1 if SIM else ARGS.verify_reps)
+            emit({"kind": "verify", "context": ctx, "calls": vr, "fit": fit,
+                  "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
     print(table(run, rows), flush=True)
     if ARGS.out:
         Path(ARGS.out).write_text("\n".join(lines) + "\n")
