@@ -261,6 +261,11 @@ def trace_ops(run, steps):
     return ops, None
 
 
+def ops_total_us(ops) -> float:
+    """Device µs of every kernel and copy in a trace_ops table."""
+    return sum(v[0] for k in ops.values() for v in k.values())
+
+
 # --------------------------------------------------------------------------------------------- decode
 class Greedy:
     temperature, top_k, top_p, min_p = 0.0, 0, 1.0, 0.0
@@ -303,12 +308,12 @@ def run_mode(backend, ctx, mode):
 
 
 def verify_cost(backend, ctx, rows_list, reps):
-    """The verify call of a speculative round at context `ctx` for each T in rows_list: mark, forward of T rows (all
-    logits, as the verify takes them), rollback of every row, so each call starts from the same state. Per T: the
-    wall time of the eager calls and their summed kernel time from a CUPTI trace (None without torch): the latter is
-    what a graph-replayed verify would cost at best. Returns (rows, fit): fit = {c_v1_ms, c_tok_ms, of}, the
-    least-squares line cost = c_v1 + c_tok * T (T = 1 + k: issue 13's scheduler cost line) through the kernel times
-    (or the wall times without a trace)."""
+    """The verify call of a speculative round at context `ctx` for each T in rows_list (on the GPU only: main() skips
+    it in the simulator run): mark, forward of T rows (all logits, as the verify takes them), rollback of every row,
+    so each call starts from the same state. Per T: the wall time of the eager calls and their summed kernel time from
+    a CUPTI trace (None without torch): the latter is what a graph-replayed verify would cost at best. Returns (rows,
+    fit): fit = {c_v1_ms, c_tok_ms, of}, the least-squares line cost = c_v1 + c_tok * T (T = 1 + k: issue 13's
+    scheduler cost line) through the kernel times (or the wall times without a trace)."""
     st = backend.synthetic_state(ctx, seed=ARGS.seed)
     out = []
     for T in rows_list:
@@ -328,8 +333,8 @@ def verify_cost(backend, ctx, rows_list, reps):
         t = time.perf_counter()
         calls()
         wall = (time.perf_counter() - t) / reps
-        ops, why = (None, "simulator") if SIM else trace_ops(calls, reps)
-        kern = sum(v[0] for k in ops.values() for v in k.values()) / 1e3 if ops else None
+        ops, why = trace_ops(calls, reps)
+        kern = ops_total_us(ops) / 1e3 if ops else None
         out.append({"rows": T, "wall_ms": round(wall * 1e3, 3), "kernel_ms": round(kern, 3) if kern else None,
                     **({} if ops else {"trace": why})})
     key = "kernel_ms" if all(r["kernel_ms"] for r in out) else "wall_ms"
@@ -410,7 +415,7 @@ def table(run, rows):
         if not isinstance(ops, dict):
             out.append(f"context {r['context']}: no per-op table ({ops or 'tracing off'})")
             continue
-        total = sum(v[0] for k in ops.values() for v in k.values())
+        total = ops_total_us(ops)
         out.append(f"\nper-op device time, context {r['context']} (graph mode; {total / 1e3:.2f} ms of kernels per "
                    f"token against {r['graph']['ms_per_token']:.2f} ms wall)")
         out.append(f"{'op':>16} {'kernel':>34} {'us/tok':>9} {'calls':>6} {'%':>6}")
@@ -465,7 +470,7 @@ def main():
         elif ARGS.verify_rows:
             print(f"context {ctx}: verify calls", file=sys.stderr, flush=True)
             vr, fit = verify_cost(backends["eager"], ctx, [int(v) for v in ARGS.verify_rows.split(",")],
-                                  1 if SIM else ARGS.verify_reps)
+                                  ARGS.verify_reps)
             emit({"kind": "verify", "context": ctx, "calls": vr, "fit": fit,
                   "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
     print(table(run, rows), flush=True)

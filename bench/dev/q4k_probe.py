@@ -15,6 +15,7 @@ sys.path.insert(0, ".")
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
+import kernels.q4k_gemv as qk  # noqa: E402
 from kernels.q4k_gemv import q4k_gemv  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
@@ -84,7 +85,6 @@ if a.time:
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
                      scratch=scratch, stream=s, fp8_input=a.mode == "mma")
             it[0] += 1
-        import kernels.q4k_gemv as qk
         for target in ([int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]):
             qk.MMA_TARGET_BLOCKS = target
             scratch.clear()
