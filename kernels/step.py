@@ -4,6 +4,8 @@ Owns:
 - `step_inputs`: (position, token) of the step, read from a small host-mapped array written by the host before a
   launch -> the device position [1], the embedding rows [hc_mult] (the token once per stream) and the DEAD flag
   (the image token) [1]. One kernel of one warp.
+- `batch_inputs`: the same for a batched decode step of B sessions, one row each: (position, token) [B, 2] ->
+  positions [B], embedding rows [B * hc_mult], DEAD flags [B].
 - `group_rows`: the compressed rows a call completes, from the device positions: rows[j] = p0 // ratio + j for
   j < G = (p0 + T) // ratio - p0 // ratio, else -1 (kernels.attention.cache_write skips it), and the RoPE position
   of each row gpos[j] = (p0 // ratio + j) * ratio.
@@ -18,8 +20,8 @@ from numba import cuda
 
 from kernels.bf16 import bf16_bits_device
 
-__all__ = ["step_inputs", "group_rows", "fill_bits", "step_inputs_kernel", "group_rows_kernel", "fill_bits_kernel",
-           "SIGNATURES"]
+__all__ = ["step_inputs", "batch_inputs", "group_rows", "fill_bits", "step_inputs_kernel", "batch_inputs_kernel",
+           "group_rows_kernel", "fill_bits_kernel", "SIGNATURES"]
 
 THREADS = 128
 
@@ -33,6 +35,22 @@ def step_inputs_kernel(inp, image_token, pos, rep, dead):
         dead[0] = np.uint8(1) if inp[1] == image_token else np.uint8(0)
     if i < rep.shape[0]:
         rep[i] = inp[1]
+
+
+@cuda.jit(cache=True)
+def batch_inputs_kernel(inp, image_token, pos, rep, dead):
+    """inp int64 [B, 2] = (position, token) of each row -> pos [B], rep [B * S] = each row's token S times,
+    dead [B]."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    n_rows = inp.shape[0]
+    if i >= rep.shape[0]:
+        return
+    s = rep.shape[0] // n_rows
+    b = i // s
+    rep[i] = inp[b, 1]
+    if i % s == 0:
+        pos[b] = inp[b, 0]
+        dead[b] = np.uint8(1) if inp[b, 1] == image_token else np.uint8(0)
 
 
 @cuda.jit(cache=True)
@@ -64,6 +82,7 @@ def fill_bits_kernel(buf, seed, scale):
 
 SIGNATURES = {
     "step_inputs_kernel": "void(int64[:], int64, int64[:], int64[:], uint8[:])",
+    "batch_inputs_kernel": "void(int64[:, :], int64, int64[:], int64[:], uint8[:])",
     "group_rows_kernel": "void(int64[:], int64, int64[:], int64[:])",
     "fill_bits_kernel": "void(uint16[:, :], uint64, float32)",
 }
@@ -74,6 +93,17 @@ def step_inputs(inp, image_token, pos, rep, dead, stream=0):
     if tuple(inp.shape) != (2,) or tuple(pos.shape) != (1,) or tuple(dead.shape) != (1,) or rep.shape[0] > 32:
         raise ValueError("step_inputs: inp [2], pos [1], dead [1] and rep [<= 32] expected")
     step_inputs_kernel[1, 32, stream](inp, int(image_token), pos, rep, dead)
+
+
+def batch_inputs(inp, image_token, pos, rep, dead, stream=0):
+    """inp int64 [B, 2] (device-readable: mapped host memory) -> pos int64 [B], rep int64 [B * S], dead uint8 [B]."""
+    B = inp.shape[0] if len(inp.shape) == 2 else -1
+    if len(inp.shape) != 2 or inp.shape[1] != 2 or tuple(pos.shape) != (B,) or tuple(dead.shape) != (B,) \
+            or B < 1 or len(rep.shape) != 1 or rep.shape[0] % B or rep.shape[0] < B:
+        raise ValueError(f"batch_inputs: inp [B, 2], pos [B], dead [B] and rep [B * S] expected, got inp {inp.shape}, "
+                         f"pos {pos.shape}, rep {rep.shape}, dead {dead.shape}")
+    n = rep.shape[0]
+    batch_inputs_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](inp, int(image_token), pos, rep, dead)
 
 
 def group_rows(positions, ratio, rows, gpos, stream=0):

@@ -15,6 +15,24 @@ def test_step_inputs_copy_position_token_and_dead_flag(cuda_ready):
         assert dead.copy_to_host()[0] == (tok == image)
 
 
+def test_batch_inputs_give_each_row_its_position_token_and_dead_flag(cuda_ready):
+    from kernels.step import batch_inputs
+    cuda = cuda_ready
+    rows = np.array([[0, 17], [41, 63], [2 ** 40, 5]], dtype=np.int64)
+    inp = cuda.mapped_array(rows.shape, np.int64)
+    inp[:] = rows
+    B, S = rows.shape[0], 4
+    pos, rep, dead = (cuda.device_array(B, np.int64), cuda.device_array(B * S, np.int64),
+                      cuda.device_array(B, np.uint8))
+    batch_inputs(inp, 63, pos, rep, dead)
+    np.testing.assert_array_equal(pos.copy_to_host(), rows[:, 0])
+    np.testing.assert_array_equal(rep.copy_to_host(), np.repeat(rows[:, 1], S))
+    np.testing.assert_array_equal(dead.copy_to_host(), [0, 1, 0])
+    import pytest
+    with pytest.raises(ValueError, match="batch_inputs"):
+        batch_inputs(inp, 63, pos, cuda.device_array(B * S + 1, np.int64), dead)
+
+
 def test_group_rows_follow_the_compressor_rule(cuda_ready):
     """rows[j] = group id of the j-th group a call completes, -1 past them; gpos = group id * ratio."""
     from kernels.step import group_rows
