@@ -45,6 +45,8 @@ class Metrics:
         self.last_tokens_per_second = 0.0
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tps = _Histogram(TPS_BUCKETS)
+        self.decode_steps = 0                    # decode steps the worker ran (one batched step of several jobs)
+        self.decode_rows = 0                     # job rows those steps carried
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -66,6 +68,12 @@ class Metrics:
                 self.decode_seconds += decode_seconds
                 self.last_tokens_per_second = (generated_tokens - 1) / decode_seconds
                 self.tps.observe(self.last_tokens_per_second)
+
+    def observe_decode_step(self, rows: int) -> None:
+        """One decode step of the worker carrying `rows` jobs' tokens (Engine.decode_batch)."""
+        with self._lock:
+            self.decode_steps += 1
+            self.decode_rows += int(rows)
 
     def count_cancelled_in_queue(self) -> None:
         with self._lock:
@@ -90,6 +98,10 @@ class Metrics:
                  round(self.decode_seconds, 6)),
                 ("ds4_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
                  round(self.last_tokens_per_second, 3)),
+                ("ds4_decode_steps_total", "counter", "Decode steps run for interleaved generations (one step "
+                 "carries a token of each job waiting for a forward).", self.decode_steps),
+                ("ds4_decode_step_rows_total", "counter", "Generations' rows carried by those decode steps (rows / "
+                 "steps = the mean batch).", self.decode_rows),
                 ("ds4_queue_depth", "gauge", "Requests waiting for the worker.", queue_depth),
                 ("ds4_requests_running", "gauge", "Generations admitted and interleaved now (at most --max-running).", running),
                 ("ds4_engine_loaded", "gauge", "1 once the engine has loaded.", int(loaded)),

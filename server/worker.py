@@ -3,7 +3,8 @@
 Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while it loads and, with `warm_up`, while
 `Engine.warm_up` compiles or loads its kernels (status "warming_up"); then runs up to `max_running` jobs at once,
 round-robin: one step of each in turn, a step being one generated token or one prefill block, so a long prompt
-delays the others by one block at a time and no admitted job starves) and `Job` (one request's prompt ids, sampling
+delays the others by one block at a time and no admitted job starves; the forwards that the round's tokens ask for
+then run as one batched decode step, Engine.decode_batch, one row a job) and `Job` (one request's prompt ids, sampling
 parameters, a per-request event queue the worker fills, and a cancel flag). The engine is not thread-safe: nothing
 but the worker thread calls it; each job has its own session state. A request that finds `max_queue` jobs already
 waiting gets a 429 with Retry-After (the expected wait, from recent job durations); while the model loads or warms
@@ -215,6 +216,7 @@ class Worker:
                 for run in list(self._active):      # round-robin: one step of each admitted job
                     if not self._step(run):
                         self._active.remove(run)
+                self._decode_pending()
         finally:
             for run in self._active:
                 self._finish(run)
@@ -234,7 +236,7 @@ class Worker:
                 self.metrics.count_cancelled_in_queue()
                 continue
             self._active.append(_Run(job, self.engine.generate(job.prompt_ids, job.params, progress=True,
-                                                              should_stop=lambda j=job: j.cancelled)))
+                                                              batched=True, should_stop=lambda j=job: j.cancelled)))
         return True
 
     def _step(self, run: "_Run") -> bool:
@@ -267,6 +269,7 @@ class Worker:
             self._finish(run)
             return False
         if ev["type"] == "token":
+            run.pending = ev.pop("decode", None)
             if ev["id"] is not None:
                 run.ids.append(ev["id"])
                 run.t_first = run.t_first or time.perf_counter()
@@ -277,6 +280,23 @@ class Worker:
             self._finish(run)
             return False
         return True                                   # a token, or a prefill block ("prefill")
+
+    def _decode_pending(self) -> None:
+        """The forwards the jobs' last tokens asked for, as one batched step (Engine.decode_batch); a failure reaches
+        each job when its generation resumes."""
+        pending = [run.pending for run in self._active if run.pending is not None and not run.job.cancelled]
+        for run in self._active:
+            run.pending = None
+        if not pending:
+            return
+        try:
+            self.engine.decode_batch(pending)
+        except Exception as e:                        # decode_batch delivers its failures; this is a last resort
+            log.exception("a batched decode step failed")
+            for p in pending:
+                if not p.done:
+                    p.fulfil(error=e)
+        self.metrics.observe_decode_step(len(pending))
 
     def _finish(self, run: "_Run") -> None:
         job, done = run.job, run.done
@@ -313,3 +333,4 @@ class _Run:
     t_first: float | None = None
     t_start: float = field(default_factory=time.perf_counter)
     done: dict | None = None
+    pending: object = None                        # the forward its last token asked for (Engine.PendingDecode)

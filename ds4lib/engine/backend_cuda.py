@@ -12,7 +12,11 @@ What lives where:
   rows, all layers in one array, and the position of each ring slot; the ratio-2 compressors' incomplete group (FP32
   kv and score); the compressed KV and index-key caches as BF16 rows (row s = compressed group s; capacity doubles,
   the row count is kept on the host); the Engram history (host)), with `mark` / `rollback` for speculative
-  verification: after a marked call of 1 + k rows the state is rolled back exactly to its first n rows.
+  verification: after a marked call of 1 + k rows the state is rolled back exactly to its first n rows. Finished
+  sessions' states come back (`release_state`, `detach_state`) to a pool that `new_state` and `copy_state` draw from,
+  reset or overwritten in place, so the decode graphs captured over their buffers replay for the next requests.
+- batched decode (`decode_batch`): one token of each of B sessions in one call, the projections, experts and head
+  over the B rows, each session's attention state read and written per session; captured per set of sessions.
 - the DSpark draft stages (their weights uploaded with the backbone's when the model has them): the context features
   of every call (`ForwardOut.features`, kernels.dspark), the stages' context rings and proposals in
   ds4lib.engine.cuda_dspark.
@@ -44,6 +48,7 @@ E experts, F expert width, V vocab, Nc compressed rows.
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import numpy as np
@@ -76,6 +81,10 @@ _SCRATCH_ENTRIES = 2048            # fixed-shape scratch entries kept before the
 _SIM = bool(_cuda_config.ENABLE_CUDASIM)
 
 
+_BATCH_GRAPHS = 32                 # captured batched decode steps kept (least recently used dropped first)
+CAPTURE_GUESS_S = 0.1              # a batched capture's host time before one of that size was measured
+POOL_STATES = 8                    # finished sessions' states kept for reuse, with their decode graphs
+_SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set and logits row)
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
 
 
@@ -117,6 +126,8 @@ class _Call:
         self.gmax = {}             # compressor layer -> latent rows of the call (exact, or 1 at decode)
         self.n_after = {}          # compressor layer -> rows once the call is done
         self.view = {}             # compressor layer -> rows its readers see (n_after, or its bucket at decode)
+        self.rows = None           # a batched decode step: [(state, its own one-row _Call)] of each row's session
+        self.tag = ""              # names the buffers a session's call keeps across layers (top-k, candidates)
 
 
 class CudaBackend:
@@ -173,8 +184,15 @@ class CudaBackend:
         self.graphs = bool(graphs) and cuda_graph.available()
         self.bucket_min_rows = BUCKET_MIN_ROWS
         self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0,
-                      "sample_graph_replays": 0}
+                      "sample_graph_replays": 0, "batch_graph_replays": 0}
         self._sample_graphs = {}     # sampling parameters -> the device sampler over the decode row, captured
+        self._batch_graphs = {}      # (rope, B, each session and its bucket) -> a batched decode step, captured
+        self._batch_ios = {}         # B -> the batched step's fixed inputs and outputs (`_batch_io`)
+        self._batch_excess = (None, 0.0)  # the last batched step's key, and the time its rows alone cost beyond one
+        self._capture_s = {}         # B -> host seconds of the last capture of a batched step of B rows
+        self.batch_capture = "auto"  # "now": capture a new set of sessions at its first step (warm-up, benchmarks)
+        self._pool = []              # finished sessions' states, reset and handed out again (`new_state`)
+        self.pool_size = POOL_STATES
         self._decode_io()
         self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
         self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
@@ -270,10 +288,31 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ sessions
     def new_state(self) -> CudaState:
+        """An empty session state: a pooled one (`release_state`) reset in place, so the decode graphs captured over
+        its buffers replay for the new session, or a new one."""
+        if self._pool:
+            return cuda_state.reset(self._pool.pop(), self.stream)
         st = cuda_state.new_state(self.cfg, self.roles, self.max_chunk, self.geo is not None, self.stream)
         if self.draft is not None:
             self.draft.add_rings(st)
         return st
+
+    def release_state(self, state):
+        """A session the engine is done with (not handed to the prefix cache): kept for `new_state` and `copy_state`
+        with its graphs, up to `pool_size` states; beyond that its graphs are released and it is dropped."""
+        if state.log is not None or any(state is st for st in self._pool):
+            return
+        if len(self._pool) < self.pool_size:
+            self._pool.append(state)
+        else:
+            self.park_state(state)
+
+    def detach_state(self, state):
+        """A finished session's state for the prefix cache: a device copy the cache owns (`clone`: no graphs); the
+        state itself goes back to the pool (`release_state`)."""
+        kept = cuda_state.clone(state, self.stream)
+        self.release_state(state)
+        return kept
 
     # ------------------------------------------------------------------ speculative decoding
     @property
@@ -295,8 +334,11 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ prefix cache (ds4lib.engine.prefix_cache)
     def copy_state(self, state):
-        """A device copy of a session state (cuda_state.clone): the prefix cache hands these out; graphs are
-        captured again for the copy on its first decode step."""
+        """A device copy of a session state, for a session resumed from the prefix cache: into a pooled state
+        (cuda_state.copy_into: its graphs replay) or a new one (cuda_state.clone: graphs captured on its first
+        decode step)."""
+        if self._pool:
+            return cuda_state.copy_into(self._pool.pop(), state, self.stream)
         return cuda_state.clone(state, self.stream)
 
     def state_nbytes(self, state) -> int:
@@ -312,11 +354,17 @@ class CudaBackend:
 
     def park_state(self, state):
         """A finished session's state handed to the prefix cache, which only copies it from now on: its decode graphs
-        are released."""
+        are released, and the batched steps it took part in."""
         for g in state.graphs.values():
             if g is not None:
                 g.close()
         state.graphs = {}
+        self.release_batches(state)
+
+    def release_batches(self, state):
+        """Drop the captured batched steps that point at `state` (a finished session: its graphs hold it)."""
+        for key in [k for k in self._batch_graphs if any(part[0] == id(state) for part in k[2:])]:
+            self._close_graph(self._batch_graphs.pop(key))
 
     def mark(self, state):
         """Before a call whose rows may be partly rolled back (cuda_state.mark: snapshots what a call of up to
@@ -447,8 +495,7 @@ class CudaBackend:
             self.m_engram[l][1].host[:] = scales
         c.pos, c.dead = self.d_pos, self.d_dead
         c.engram = {l: (codes.dev, scales.dev) for l, (codes, scales) in self.m_engram.items()}
-        key = (self._rope_cap,) + tuple((l, c.view[l], st.ckv[l].buf.shape[0],
-                                         st.idxk[l].buf.shape[0] if l in st.idxk else 0) for l in sorted(c.view))
+        key = (self._rope_cap,) + self._graph_key(st, c)
         graph = st.graphs.get(key) if self.graphs else None
         if self.graphs and key not in st.graphs:           # a new bucket: capture first, run eagerly only if needed
             for old in st.graphs.values():
@@ -472,6 +519,127 @@ class CudaBackend:
     def _decode_body(self, st, c):
         step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
         return self._body(st, c, self.d_rep, "last", self.d_logits_decode, None)
+
+    # ------------------------------------------------------------------ batched decode
+    def decode_batch(self, states, tokens):
+        """One token for each of B distinct sessions in one step: the weights' kernels (projections, experts, head)
+        run over the B rows at once, what reads or writes a session's state per session (`_attention`). Every kernel
+        forms a row's result independently of the other rows, so each row's logits are bit for bit those of its own
+        `forward` decode step. Returns the logits [B, V] on the device (overwritten by the next batched step of B
+        rows).
+        Graphs: a set of sessions (with their buckets) decoded together is captured as one graph and replayed while
+        the set lasts (a few dozen kept; states come back from the pool, so a set recurs across requests). A capture
+        costs host time (about an eager step of the B rows), so a new set first runs each row's own decode step (its
+        own graph; the logits copied into the batch's rows) and is captured once the time those steps took beyond
+        one step each, summed over the set's steps in a row, reaches the last measured capture time of B rows
+        (ski rental: never more than twice the better choice in hindsight); `batch_capture = "now"` captures at once.
+        With graphs off, the batched launches run eagerly."""
+        B = len(states)
+        if B != len(tokens) or B == 0:
+            raise ValueError("decode_batch needs one token per session")
+        if len({id(st) for st in states}) != B:
+            raise ValueError("decode_batch: a session appears twice in one step")
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
+        if any(st.log is not None for st in states):
+            raise ValueError("decode_batch: a session has an open mark (speculative verification decodes alone)")
+        if B == 1:
+            return self._decode(states[0], int(ids[0])).reshape(1, -1)
+        s = self.stream
+        self._rope_tables(max(st.pos for st in states) + 1)
+        c = _Call(B, None, True)
+        c.rows = []
+        for b, st in enumerate(states):
+            c_b = self._plan(st, 1, decode=True)
+            c_b.tag = f"@{b}"
+            c.rows.append((st, c_b))
+        io = self._batch_io(B)
+        key = (self._rope_cap, B) + tuple((id(st),) + self._graph_key(st, c_b) for st, c_b in c.rows)
+        cached = self.graphs and key in self._batch_graphs
+        graph = self._batch_graphs.pop(key) if cached else None
+        if self.graphs and not cached and self.batch_capture != "now":
+            excess = self._batch_excess[1] if self._batch_excess[0] == key else 0.0
+            if excess < self._capture_s.get(B, CAPTURE_GUESS_S):     # not yet worth a capture: rows alone
+                t = time.perf_counter()
+                for b, st in enumerate(states):
+                    io["logits"][b:b + 1].copy_to_device(self._decode(st, int(ids[b])), stream=s)
+                s.synchronize()
+                dt = time.perf_counter() - t
+                self._batch_excess = (key, excess + dt * (B - 1) / B)
+                return io["logits"]
+        s.synchronize()                                    # the previous step may still read the mapped inputs
+        io["in"][:, 0] = [st.pos for st in states]
+        io["in"][:, 1] = ids
+        n_cols = self.geo.n_cols if self.geo is not None else 0
+        for b, st in enumerate(states):
+            for l, (codes, scales) in self._engram_host(st, ids[b:b + 1]).items():
+                io["engram"][l][0].host[b * n_cols:(b + 1) * n_cols] = codes
+                io["engram"][l][1].host[b * n_cols:(b + 1) * n_cols] = scales
+        c.pos, c.dead = io["pos"], io["dead"]
+        for b, (_, c_b) in enumerate(c.rows):
+            c_b.pos = c.pos[b:b + 1]
+        c.engram = {l: (codes.dev, scales.dev) for l, (codes, scales) in io["engram"].items()}
+
+        def run():
+            step.batch_inputs(io["in_dev"], self.cfg.image_token_id, io["pos"], io["rep"], io["dead"], stream=s)
+            return self._body(None, c, io["rep"], "all", io["logits"], None)
+
+        ran = False
+        if self.graphs and not cached:
+            t = time.perf_counter()
+            graph, ran, _ = self._capture_or_run(run, "a batched decode step")
+            if self.batch_capture != "now":                # (a warm-up's capture includes compiling)
+                self._capture_s[B] = time.perf_counter() - t
+            self._batch_excess = (None, 0.0)
+            if graph is not None:
+                graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                              dict(self._rope), io, list(states)]
+                self.stats["graph_captures"] += 1
+            if len(self._batch_graphs) >= _BATCH_GRAPHS:   # least recently used first
+                self._close_graph(self._batch_graphs.pop(next(iter(self._batch_graphs))))
+        if self.graphs:
+            self._batch_graphs[key] = graph                # (re)inserted last: most recently used; None stays eager
+        if ran:
+            self.stats["eager_steps"] += 1
+        elif graph is not None:
+            graph.launch()
+            self.stats["graph_replays"] += 1
+            self.stats["batch_graph_replays"] += 1
+        else:
+            run()
+            self.stats["eager_steps"] += 1
+        for st, c_b in c.rows:
+            self._commit(st, c_b)
+        return io["logits"]
+
+    def _graph_key(self, st, c):
+        """What a decode step's captured launches depend on besides the backend's buffers: the cache views and the
+        device buffers the session's rows live in."""
+        return tuple((l, c.view[l], st.ckv[l].buf.shape[0], st.idxk[l].buf.shape[0] if l in st.idxk else 0)
+                     for l in sorted(c.view))
+
+    def _batch_io(self, B):
+        """The fixed inputs and outputs of a batched step of B rows (a replayed graph reads and writes these):
+        (position, token) rows in host-mapped memory, their device forms, the Engram rows' mapped staging, logits."""
+        if B in self._batch_ios:
+            return self._batch_ios[B]
+        cfg, s = self.cfg, self.stream
+        m_in = _mapped((B, 2), np.int64)
+        io = {"in": m_in.host, "in_dev": m_in.dev, "pos": cuda.device_array(B, np.int64, stream=s),
+              "rep": cuda.device_array(B * cfg.hc_mult, np.int64, stream=s),
+              "dead": cuda.device_array(B, np.uint8, stream=s),
+              "logits": cuda.device_array((B, cfg.vocab_size), np.float32, stream=s), "engram": {}}
+        for l, (codes, scales) in self.m_engram.items():
+            io["engram"][l] = (_mapped((B * self.geo.n_cols, codes.host.shape[1]), np.uint8),
+                               _mapped((B * self.geo.n_cols, scales.host.shape[1]), np.uint8))
+        self._batch_ios[B] = io
+        return io
+
+    @staticmethod
+    def _close_graph(graph):
+        if graph is not None:
+            graph.close()
 
     def _capture_or_run(self, run, what):
         """(graph, ran, result): run()'s launches captured as a graph (nothing runs while capturing: the caller
@@ -622,10 +790,27 @@ class CudaBackend:
 
     # ------------------------------------------------------------------ attention
     def _attention(self, l, st, c, x, observer):
-        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
-        T, dh, W = c.T, cfg.head_dim, cfg.window_size
+        """The layer's attention over x [T, D]: the projections over all T rows at once; what reads or writes a
+        session's state (window ring, compressor, indexer, sparse attention) per session, over its own rows (a
+        batched decode step: one row of each session in c.rows)."""
+        cfg, s = self.cfg, self.stream
+        T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         xq, qrq, q3 = self._query(l, c, x)
         kvq = self._window_kv(l, c, xq)
+        if c.rows is None:
+            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer)
+        else:
+            o = self._buf("attn_o_rows", (T, H, dh))
+            for b, (st_b, c_b) in enumerate(c.rows):
+                r = slice(b, b + 1)
+                self._attend_session(l, st_b, c_b, x[r], xq[r], qrq[r], q3[r], kvq[r], o[r], observer)
+        return self._output(l, c, o)
+
+    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer):
+        """One session's rows of a layer's attention: window ring written and read, compressed rows and top-k
+        (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given)."""
+        cfg, s, role = self.cfg, self.stream, self.roles[l]
+        T, dh, W = c.T, cfg.head_dim, cfg.window_size
         buf = st.win[l]
         rows = self._const_arr(("win_rows", T), lambda: np.arange(W, W + T, dtype=np.int64))
         attention.cache_write(kvq, rows, buf, stream=s)
@@ -638,9 +823,9 @@ class CudaBackend:
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
                 self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
-        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx)
+        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, out=out)
         attention.window_write(kvq, c.pos, buf[:W], st.ring_pos[l], stream=s)
-        return self._output(l, c, o)
+        return o
 
     def _query(self, l, c, x):
         """x [T, D] -> (FP8 x, FP8 q latent, RoPE'd queries [T, H, Dh]) (ref attention.query_path)."""
@@ -668,13 +853,14 @@ class CudaBackend:
         rope.rope(kvn, c.pos, cos, sin, stream=s)
         return self._aq8(kvn, "kvq")
 
-    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx):
+    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, out=None):
         cfg, H, dh = self.cfg, self.cfg.n_heads, self.cfg.head_dim
         T = q3.shape[0]
         n_rows = win_idx.shape[1] + (cmp_idx.shape[1] if cmp_idx is not None else 0)
         split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
         return attention.sparse_attention(q3, keys, win_idx, cmp_keys, cmp_idx, self.L[l]["attn.attn_sink"],
-                                          dh ** -0.5, out=self._buf("attn_o", (T, H, dh)), n_split=split,
+                                          dh ** -0.5, out=self._buf("attn_o", (T, H, dh)) if out is None else out,
+                                          n_split=split,
                                           scratch=self.scr, stream=self.stream)
 
     def _output(self, l, c, o):
@@ -727,7 +913,7 @@ class CudaBackend:
             return
         k_top = cfg.index_topk
         S = c.view[role.kv_src]
-        topk = self._buf(f"topk{l}", (T, k_top), np.int32)
+        topk = self._buf(f"topk{l}{c.tag}", (T, k_top), np.int32)      # read by later layers: one per session
         if c.n_after[role.kv_src] == 0:                   # nothing compressed yet: no compressed rows
             topk.copy_to_device(self._const_arr(("no_topk", T, k_top),
                                                 lambda: np.full((T, k_top), -1, dtype=np.int32)), stream=s)
@@ -752,7 +938,7 @@ class CudaBackend:
         if role.publishes_candidates:
             nb = -(-S // cfg.candidate_block_size)
             c.cand = indexer.candidate_blocks(sc, c.pos, ratio, cfg.candidate_topk_blocks, cfg.candidate_block_size,
-                                              out=self._buf("cand", (T, nb), np.uint8, var=True),
+                                              out=self._buf("cand" + c.tag, (T, nb), np.uint8, var=True),
                                               scratch=self.scr_var, stream=s)
             if observer:
                 keep = np.repeat(c.cand.copy_to_host().astype(bool), cfg.candidate_block_size, axis=1)[:, :S]
@@ -809,7 +995,7 @@ class CudaBackend:
             logits = cuda.to_device(np.ascontiguousarray(logits, dtype=np.float32), stream=s)
         lg = logits.reshape(1, V)
         seed64 = int(np.array([int(seed) & (2 ** 64 - 1)], dtype=np.uint64).view(np.int64)[0])
-        if mask is None and self.graphs and self._is_decode_row(lg):
+        if mask is None and self.graphs and self._graph_row(lg) is not None:
             tok = self._sample_decode_row(lg, params, seed64, int(step))
         else:
             seeds = cuda.to_device(np.array([seed64], dtype=np.int64), stream=s)
@@ -831,15 +1017,28 @@ class CudaBackend:
                                top_p=float(params.top_p), min_p=float(params.min_p), mask=d_mask,
                                out=self._buf("token", (1,), np.int64), scratch=self.scr, stream=self.stream)
 
-    def _is_decode_row(self, lg):
+    def _graph_row(self, lg):
+        """The backend-owned buffer holding the logits row `lg` [1, V] (the decode step's, or a row of a batched
+        step's), or None: the sampler over such a row can be captured, its address being fixed."""
+        if tuple(lg.shape) != (1, self.cfg.vocab_size):
+            return None
+        ptr = lg.device_ctypes_pointer.value
         d = self.d_logits_decode
-        return tuple(lg.shape) == tuple(d.shape) and lg.device_ctypes_pointer.value == d.device_ctypes_pointer.value
+        if ptr == d.device_ctypes_pointer.value:
+            return d
+        for io in self._batch_ios.values():
+            base, n = io["logits"].device_ctypes_pointer.value, io["logits"].shape[0]
+            row = 4 * self.cfg.vocab_size
+            if base <= ptr < base + n * row and (ptr - base) % row == 0:
+                return io["logits"]
+        return None
 
     def _sample_decode_row(self, lg, params, seed64, step):
-        """The device sampler over the decode step's logits row, replayed from a graph captured per parameter set
-        (seed and step read from host-mapped memory): one graph launch instead of the sampler's eager launches and
+        """The device sampler over a backend-owned logits row (`_graph_row`), replayed from a graph captured per
+        parameter set and row (seed and step read from host-mapped memory): one graph launch instead of the sampler's eager launches and
         two uploads. The same kernels as the eager path, so the same token."""
-        key = (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p))
+        key = (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p),
+               lg.device_ctypes_pointer.value)
         self.m_seed.host[0] = seed64                       # nothing reads them now: the last token was read back
         self.m_step.host[0] = step
         seeds, steps = self.m_seed.dev, self.m_step.dev
@@ -848,9 +1047,9 @@ class CudaBackend:
             graph, ran, token = self._capture_or_run(lambda: self._sample_launch(lg, params, seeds, steps),
                                                      "the sampler")
             if graph is not None:                          # its token buffer: the scratch may be renewed later
-                graph.keep = [list(self.scr.values()), self.m_seed, self.m_step, self.d_logits_decode]
+                graph.keep = [list(self.scr.values()), self.m_seed, self.m_step, self._graph_row(lg)]
                 graph.token = self._buf("token", (1,), np.int64)
-            if len(self._sample_graphs) >= 16:             # many parameter sets seen: start afresh
+            if len(self._sample_graphs) >= _SAMPLE_GRAPHS:   # many parameter sets and rows seen: start afresh
                 for g in self._sample_graphs.values():
                     if g is not None:
                         g.close()

@@ -33,7 +33,7 @@ from numba import cuda
 from kernels import compressor, window_snapshot
 
 __all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone", "nbytes",
-           "snapshot", "restore"]
+           "snapshot", "restore", "reset", "copy_into"]
 
 MIN_ROWS = 16                      # first capacity of a compressed-row cache
 
@@ -310,3 +310,62 @@ def clone(st: CudaState, stream) -> CudaState:
         out.dwin_all, out.dring_pos_all, out.dring_host = dup(st.dwin_all), dup(st.dring_pos_all), st.dring_host.copy()
         out.dfeat_pend, out.dpend = dup(st.dfeat_pend), list(st.dpend)
     return out
+
+
+def reset(st: CudaState, stream) -> CudaState:
+    """`st` made empty again in place, as `new_state` makes one, keeping its buffers (and so the decode graphs
+    captured over them): position 0, every ring slot and DSpark ring slot empty (-1), the incomplete groups zero, no
+    cache rows, the Engram history and pending DSpark rows cleared. Slots and rows past the counts are never read,
+    so what they still hold does not matter."""
+    if st.log is not None:
+        raise ValueError("reset: the state has an open mark")
+    st.pos = 0
+    st.ring_pos_all.copy_to_device(np.full(tuple(st.ring_pos_all.shape), -1, np.int64), stream=stream)
+    for d in (st.pend_kv, st.pend_sc):
+        for a in d.values():
+            a.copy_to_device(np.zeros(tuple(a.shape), np.float32), stream=stream)
+    for caches in (st.ckv, st.idxk):
+        for rows in caches.values():
+            rows.n = 0
+    if st.hist is not None:
+        st.hist = np.full(np.shape(st.hist), -2, dtype=np.int64)
+    if st.dwin_all is not None:
+        st.dring_pos_all.copy_to_device(np.full(tuple(st.dring_pos_all.shape), -1, np.int64), stream=stream)
+        st.dring_host = np.full(len(st.dring_host), -1, dtype=np.int64)
+        st.dpend = []
+    st.calls = 0
+    stream.synchronize()                               # the host arrays may be freed once this returns
+    return st
+
+
+def copy_into(dst: CudaState, src: CudaState, stream) -> CudaState:
+    """`dst` (a state of the same backend, no open mark) made a copy of `src` in place, keeping dst's buffers (a
+    cache row buffer grows if src holds more rows): the same live content as `clone`, without allocating."""
+    if dst.log is not None or src.log is not None:
+        raise ValueError("copy_into: a state has an open mark")
+    if tuple(dst.win_all.shape) != tuple(src.win_all.shape) or set(dst.ckv) != set(src.ckv) \
+            or set(dst.idxk) != set(src.idxk) or (dst.dwin_all is None) != (src.dwin_all is None):
+        raise ValueError("copy_into: the states are of different layouts")
+    dst.pos = src.pos
+    dst.win_all.copy_to_device(src.win_all, stream=stream)
+    dst.ring_pos_all.copy_to_device(src.ring_pos_all, stream=stream)
+    for d, s in ((dst.pend_kv, src.pend_kv), (dst.pend_sc, src.pend_sc)):
+        for l, a in s.items():
+            d[l].copy_to_device(a, stream=stream)
+    for dcaches, scaches in ((dst.ckv, src.ckv), (dst.idxk, src.idxk)):
+        for l, rows in scaches.items():
+            out = dcaches[l]
+            out.n = 0                                  # nothing to carry over when it grows
+            out.reserve(max(rows.n, 1), stream)
+            if rows.n:
+                out.buf[:rows.n].copy_to_device(rows.buf[:rows.n], stream=stream)
+            out.n = rows.n
+    dst.hist = None if src.hist is None else np.array(src.hist, np.int64)
+    if src.dwin_all is not None:
+        dst.dwin_all.copy_to_device(src.dwin_all, stream=stream)
+        dst.dring_pos_all.copy_to_device(src.dring_pos_all, stream=stream)
+        dst.dring_host = src.dring_host.copy()
+        dst.dfeat_pend.copy_to_device(src.dfeat_pend, stream=stream)
+        dst.dpend = list(src.dpend)
+    dst.calls = 0
+    return dst

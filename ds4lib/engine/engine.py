@@ -12,6 +12,11 @@ prompt and stores its finished session back (prefix_cache.py; on the CUDA backen
 host snapshots of them in the disk tier); logits are those of a cold prefill.
 With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
 backend's sampler; without it the unmasked path runs, unchanged.
+Several generations interleaved by one caller (the server's worker) share decode steps: with `batched=True`,
+`generate` attaches to each token event that will be followed by a forward a `PendingDecode` ("decode"), and
+`Engine.decode_batch` runs the pending decodes of several sessions as one step (on the CUDA backend one call over all
+rows, `CudaBackend.decode_batch`; elsewhere one after another); a generation resumed with its decode not run makes
+it itself. Each session's logits are bit for bit those of its own decode step.
 Speculative decoding with the DSpark draft stages (speculative.py) is on by default (`dspark=True`) wherever the
 backend supports it (the CPU and CUDA backends; speculative.supports) and the request is unconstrained; greedy output
 is token-identical to plain greedy, sampled output has plain sampling's distribution. `spec_stats` sums its counts
@@ -40,7 +45,7 @@ from ds4lib.formats.sidecar import SidecarError, read_sidecar
 from ds4lib.tokenmap import TokenMapError, load_token_map
 
 __all__ = ["Engine", "Session", "SamplingParams", "EngineError", "Cancelled", "MemoryPlan", "find_engram_checkpoint",
-           "JsonFormat", "GrammarError"]
+           "JsonFormat", "GrammarError", "PendingDecode"]
 
 EOS = 1
 _MB = 1 << 20
@@ -121,6 +126,29 @@ class Session:
     @property
     def position(self) -> int:
         return len(self.tokens)
+
+
+class PendingDecode:
+    """A generation's next forward (one token on its session), left for the caller to run together with other
+    sessions' (`Engine.decode_batch`); the generation reads `logits()` when resumed, decoding alone if nobody did."""
+
+    def __init__(self, session: Session, token: int):
+        self.session, self.token = session, int(token)
+        self._logits, self._error = None, None
+
+    @property
+    def done(self) -> bool:
+        return self._logits is not None or self._error is not None
+
+    def fulfil(self, logits=None, error: BaseException | None = None):
+        self._logits, self._error = logits, error
+
+    def logits(self):
+        if self._error is not None:
+            raise self._error
+        if self._logits is None:
+            self._logits = self.session.engine.decode(self.session, self.token)
+        return self._logits
 
 
 def _content_hash(d: Path) -> str:
@@ -348,6 +376,38 @@ class Engine:
         session.tokens.append(int(token))
         return out.logits[-1]
 
+    def decode_batch(self, pending) -> None:
+        """Run the PendingDecodes of distinct sessions as one step where the backend can (`decode_batch`), else one
+        by one; each is fulfilled with its logits [V], or with the error its decode raised (the generation that
+        reads it raises it; a failed batched step fails every one of its rows)."""
+        todo = []
+        for p in pending:
+            if p.done:
+                continue
+            try:
+                self._check_tokens([p.token])
+                self._check_room(p.session, 1)
+            except EngineError as e:
+                p.fulfil(error=e)
+                continue
+            todo.append(p)
+        if len(todo) > 1 and hasattr(self.backend, "decode_batch"):
+            try:
+                rows = self.backend.decode_batch([p.session.state for p in todo], [p.token for p in todo])
+            except Exception as e:  # noqa: BLE001 - delivered to every generation of the step
+                for p in todo:
+                    p.fulfil(error=e)
+                return
+            for b, p in enumerate(todo):
+                p.session.tokens.append(p.token)
+                p.fulfil(rows[b])
+            return
+        for p in todo:
+            try:
+                p.fulfil(self.decode(p.session, p.token))
+            except Exception as e:  # noqa: BLE001
+                p.fulfil(error=e)
+
     def logits(self, tokens, split: int | None = None, observer=None) -> np.ndarray:
         """Teacher-forced logits [T, V] of a fresh sequence: all by prefill, or with `split`=P the first P
         tokens by prefill and the rest one at a time through the decode path."""
@@ -390,9 +450,11 @@ class Engine:
         s = self.resume(prompt_ids)
         return s, list(prompt_ids)[s.position:]
 
-    def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool, progress: bool = False):
+    def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool, progress: bool = False,
+                      batched: bool = False):
         """With `progress`, also yields None after each prefill block but the last (a caller interleaving several
-        generations steps each one block at a time)."""
+        generations steps each one block at a time). With `batched`, a plain-path token that a forward will follow
+        is yielded as a PendingDecode of it (module docstring)."""
         self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
         seeded_sampled = params.temperature > 0 and params.seed is not None and params.draft_k is None
@@ -422,24 +484,41 @@ class Engine:
                 else:
                     tok = self.backend.sample(logits, params, seed, step, mask=constraint.mask())
                     constraint.advance(tok)
-                yield tok
+                follows = tok != EOS and not (constraint is not None and constraint.finished) \
+                    and step < params.max_tokens - 1
+                pending = PendingDecode(s, tok) if batched and follows else None
+                yield tok if pending is None else pending
                 if tok == EOS:
                     break
                 if constraint is not None and constraint.finished:
                     yield EOS                     # the only token the grammar allows: no forward needed
                     break
-                if step == params.max_tokens - 1:
+                if not follows:
                     break
-                logits = self.decode(s, tok)
+                logits = self.decode(s, tok) if pending is None else pending.logits()
             clean = True
         except (GeneratorExit, Cancelled):
             clean = True
             raise
         finally:
-            if store and clean and self.prefix_cache is not None:
-                if hasattr(self.backend, "park_state"):
-                    self.backend.park_state(s.state)
-                self.prefix_cache.store(s.tokens, s.state, s.features)
+            if store and clean:
+                self._retire(s)
+
+    def _retire(self, s: Session):
+        """A finished generation's session (consistent, and the engine's own): into the prefix cache if there is one,
+        and its state back to the backend's pool where it keeps one (the cache then holds a copy,
+        `detach_state`)."""
+        be = self.backend
+        if self.prefix_cache is not None:
+            if hasattr(be, "detach_state"):
+                state = be.detach_state(s.state)
+            else:
+                if hasattr(be, "park_state"):
+                    be.park_state(s.state)
+                state = s.state
+            self.prefix_cache.store(s.tokens, state, s.features)
+        elif hasattr(be, "release_state"):
+            be.release_state(s.state)
 
     def _drafting_hopeless(self, params) -> bool:
         """The previous request of this kind measured that no round could beat plain steps (Scheduler.hopeless): this
@@ -474,17 +553,20 @@ class Engine:
             raise EngineError(str(e)) from None
 
     def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None,
-                 progress: bool = False):
+                 progress: bool = False, batched: bool = False):
         """Yield one {"type": "token", "id", "text"} event per generated token (EOS excepted), `text` being the new
         text, possibly empty (held back while it may be an incomplete UTF-8 character or the start of a stop
         string); at the end, held-back text that turned out not to start a stop string comes as one more event with
         id None; then {"type": "done", "finish_reason": "stop" | "length", "stop": the matched stop string or None,
         "completion_tokens", "text", "cached_tokens": prompt tokens taken from the prefix cache}. A stop string ends
         generation and is not emitted; EOS is not counted. With `progress`, {"type": "prefill", "position"} comes
-        after each prefill block but the last, so that a caller can interleave generations block by block."""
+        after each prefill block but the last, so that a caller can interleave generations block by block. With
+        `batched`, a token event that a forward will follow also carries it as "decode" (a PendingDecode: module
+        docstring); a stop string that ends the generation leaves it off."""
         stops = tuple(s for s in params.stop if s)
         sess, rest = self._session_for(prompt_ids, session)
-        gen = self._generate_ids(sess, rest, params, should_stop, store=session is None, progress=progress)
+        gen = self._generate_ids(sess, rest, params, should_stop, store=session is None, progress=progress,
+                                 batched=batched)
         try:                          # closing this generator closes the token stream at once (and caches it)
             yield from self._events(gen, stops, sess)
         finally:
@@ -497,6 +579,9 @@ class Engine:
             if tok is None:
                 yield {"type": "prefill", "position": sess.position}
                 continue
+            pending = None
+            if isinstance(tok, PendingDecode):
+                pending, tok = tok, tok.token
             if tok == EOS:
                 finish = "stop"
                 break
@@ -516,7 +601,10 @@ class Engine:
             delta = ""
             if len(target) > len(emitted) and target.startswith(emitted):
                 delta, emitted = target[len(emitted):], target
-            yield {"type": "token", "id": tok, "text": delta}
+            ev = {"type": "token", "id": tok, "text": delta}
+            if pending is not None and matched is None:
+                ev["decode"] = pending
+            yield ev
             if matched is not None:
                 break
         if matched is None:

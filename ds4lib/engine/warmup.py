@@ -6,7 +6,8 @@ What runs, on a throwaway session that is never stored in the prefix cache: a pr
 the largest compression ratio (5 for V4.1's ratio 2), with the logits of every position (scoring's head over
 several rows; a generation's head over one row runs in the decode steps), then two decode steps; the prefill's last
 logits are sampled greedily and each decode step's with temperature, top-k, top-p, min-p and an all-allowing token
-mask (a constrained request's path). With speculative decoding on the CUDA backend, a greedy and a sampled speculative
+mask (a constrained request's path); then one batched decode step of that session and a second one (the server's
+interleaved requests, Engine.decode_batch), its rows sampled without a mask. With speculative decoding on the CUDA backend, a greedy and a sampled speculative
 request and a rollback (`_run_speculative`; the engine's speculative counts are left as they were). The CUDA backend launches some kernels only at certain positions, hence those
 lengths: the indexer once a compressed row exists, the compressed-row projections for two rows when a prefill
 completes two groups (tokens 0..2r-1), for one row when a decode step completes a group (position 3r - 1) and not
@@ -80,7 +81,7 @@ def _entries(root: Path | None) -> dict:
 
 
 def _run(engine) -> None:
-    from ds4lib.engine.engine import SamplingParams
+    from ds4lib.engine.engine import PendingDecode, SamplingParams
     cfg, backend = engine.cfg, engine.backend
     r = max(1, max(cfg.compress_ratios[:cfg.n_layers], default=1))
     V = cfg.vocab_size
@@ -96,6 +97,22 @@ def _run(engine) -> None:
     for step, tok in enumerate(toks[3 * r - 1:], start=1):
         logits = engine.decode(session, tok)
         backend.sample(logits, drawn, 0, step, mask=mask)
+    other = engine.new_session()                  # a batched decode step (the server's interleaved requests)
+    engine.prefill(other, toks[:2])
+    pending = [PendingDecode(session, toks[0]), PendingDecode(other, toks[2])]
+    policy = getattr(backend, "batch_capture", None)
+    if policy is not None:                        # the batched launches now, not a first set's rows one by one
+        backend.batch_capture = "now"
+    try:
+        engine.decode_batch(pending)
+    finally:
+        if policy is not None:
+            backend.batch_capture = policy
+    backend.sample(pending[0].logits(), greedy, 0, 0)
+    backend.sample(pending[1].logits(), drawn, 0, 1)
+    for s in (session, other):                    # throwaway sessions: their batched graph goes
+        if hasattr(backend, "release_batches"):
+            backend.release_batches(s.state)
     if getattr(engine, "speculative", False) and backend.name == "cuda":      # the CPU has nothing to compile
         _run_speculative(engine, toks[:3 * r - 1])
 

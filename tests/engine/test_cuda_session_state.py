@@ -158,6 +158,44 @@ def test_micro_stored_states_are_copied_out_whole_and_budgeted(draft_backend):
     assert cache.bytes <= cache.max_bytes and len(cache) <= 3
 
 
+def test_micro_pooled_states_come_back_empty_or_as_exact_copies(draft_backend):
+    """A released state (CudaBackend.release_state) is handed out again by new_state reset in place, with the live
+    content of a new state, and by copy_state as a copy of another state with that state's live content, keeping
+    its own buffers (its captured graphs stay valid); detach_state gives the prefix cache a copy sharing nothing and
+    pools the original; the pool holds at most pool_size states."""
+    be = draft_backend
+    from numba import cuda
+    fresh = _live(be, be.new_state())
+    st = be.synthetic_state(13, seed=4)
+    row = cuda.device_array((1, be.n_feat), np.float32)
+    row.copy_to_device(np.random.default_rng(5).standard_normal((1, be.n_feat)).astype(np.float32))
+    be.draft.defer(st, row, 13)
+    want = _live(be, st)
+    be._pool.clear()
+    kept = be.detach_state(st)                                   # the cache's copy; st goes to the pool
+    assert be._pool == [st] and kept is not st and kept.win_all is not st.win_all
+    for k, v in want.items():
+        np.testing.assert_array_equal(_live(be, kept)[k], v, err_msg=k)
+    buf = st.win_all
+    again = be.new_state()
+    assert again is st and again.win_all is buf and not be._pool
+    got = _live(be, again)
+    assert got.keys() == fresh.keys() and (got["ring_pos"] == -1).all()
+    for k, v in fresh.items():
+        if k != "ring":                                          # rows of empty slots are never read
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+    be.release_state(again)
+    copy = be.copy_state(kept)
+    assert copy is st and not be._pool
+    for k, v in want.items():
+        np.testing.assert_array_equal(_live(be, copy)[k], v, err_msg=k)
+    extra = [be.synthetic_state(3, seed=i) for i in range(be.pool_size + 2)]
+    for x in extra:
+        be.release_state(x)
+    assert len(be._pool) == be.pool_size
+    be._pool.clear()
+
+
 def test_micro_snapshots_round_trip_through_the_disk_tier(micro_stack, tmp_path):
     """The disk tier on this backend (`--kv-disk-dir`): a state's host snapshot written by KvDiskStore, read back by a
     new cache (a restarted server) into a fresh device state with the same live content; an entry whose arrays do not

@@ -189,6 +189,36 @@ def test_stop_strings_are_cut(engine):
     assert "".join(e["text"] for e in out if e["type"] == "token") == out[-1]["text"]
 
 
+def test_interleaved_generations_batch_their_decodes_and_match_alone(engine):
+    """Generations run as the server's worker runs them (batched=True: each token event carries the forward it asks
+    for; Engine.decode_batch runs a round's forwards together) give each prompt the tokens it gets alone, greedy and
+    seeded; a generation resumed without its forward run makes it itself; a stop string leaves the forward off."""
+    from ds4lib.engine import PendingDecode
+    from tests.engine.test_engine_cuda import interleaved
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:30]]
+    for p in (SamplingParams(temperature=0, max_tokens=6, draft_k=0),
+              SamplingParams(temperature=1.0, max_tokens=6, seed=4, draft_k=0),
+              SamplingParams(temperature=0, max_tokens=6)):                  # speculative: decodes on its own
+        alone = [[t for t in engine.generate_ids(q, p) if t != 1] for q in prompts]
+        assert interleaved(engine, prompts, p) == alone
+        events = list(engine.generate(prompts[1], p, batched=True))           # nobody runs the forwards
+        tokens = [e for e in events if e["type"] == "token" and e["id"] is not None]
+        assert [e["id"] for e in tokens] == alone[1]
+        plain = p.draft_k == 0 or not engine.speculative
+        assert all(isinstance(e.get("decode"), PendingDecode) == plain for e in tokens[:-1])
+    full = [e for e in engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20))][-1]["text"]
+    if len(full) >= 4:
+        out = list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=(full[2:4],),
+                                                          draft_k=0), batched=True))
+        assert "decode" not in [e for e in out if e["type"] == "token"][-1]
+    s = engine.new_session()
+    engine.prefill(s, PROMPT[:3])
+    bad = PendingDecode(s, engine.cfg.vocab_size + 5)
+    engine.decode_batch([bad])
+    with pytest.raises(EngineError, match="outside the model's vocabulary"):
+        bad.logits()
+
+
 def test_engram_checkpoint_found_beside_the_base_by_content_hash(tiny_stack, tmp_path):
     from ds4lib.config import ModelConfig
     from ds4lib.synth import write_random_checkpoint

@@ -100,6 +100,67 @@ def test_micro_device_sampling_matches_reference(micro):
         assert got == sample(lg, temperature=p.temperature, top_p=p.top_p, seed=5, step=3)
 
 
+def interleaved(engine, prompts, params):
+    """Token ids of each prompt's generation when all run interleaved as the server's worker runs them: one event of
+    each in turn, then the forwards their tokens ask for as one batched step (Engine.decode_batch)."""
+    gens = [engine.generate(p, params, progress=True, batched=True) for p in prompts]
+    out = [[] for _ in prompts]
+    live = set(range(len(prompts)))
+    while live:
+        pending = []
+        for i in sorted(live):
+            ev = next(gens[i])
+            if ev["type"] == "token":
+                if ev["id"] is not None:
+                    out[i].append(ev["id"])
+                if "decode" in ev:
+                    pending.append(ev["decode"])
+            elif ev["type"] == "done":
+                live.discard(i)
+        engine.decode_batch(pending)
+    return out
+
+
+def batched_against_single(engine, prompts, steps, seed=0):
+    """Logits [steps, B, V] of `steps` batched decode steps over one session per prompt, and of the same tokens
+    decoded by a copy of each session alone (copied after the prefill); the tokens are drawn at random."""
+    from ds4lib.engine import PendingDecode, Session
+    rng = np.random.default_rng(seed)
+    feed = rng.integers(2, engine.cfg.vocab_size, (steps, len(prompts)))
+    sessions = [engine.new_session() for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        engine.prefill(s, p)
+    copies = [Session(engine, engine.backend.copy_state(s.state), list(s.tokens)) for s in sessions]
+    got, want = [], []
+    for t in range(steps):
+        pend = [PendingDecode(s, int(tok)) for s, tok in zip(sessions, feed[t])]
+        engine.decode_batch(pend)
+        got.append(np.stack([engine.backend.to_host(p.logits()) for p in pend]))
+        want.append(np.stack([engine.backend.to_host(engine.decode(s, int(tok))) for s, tok in zip(copies, feed[t])]))
+    assert [s.position for s in sessions] == [len(p) + steps for p in prompts]
+    return np.stack(got), np.stack(want), feed
+
+
+def test_micro_batched_decode_rows_equal_their_own_decode_steps(micro):
+    """One batched step over two sessions at different positions (the ratio-2 compressor completing a group in one
+    row and not the other; each session's own caches, top-k and candidates) gives each row exactly the logits of
+    that session's own decode step, and the CPU reference's logits within tolerance."""
+    cpu, cuda = micro
+    prompts = [[0], [0, 17]]
+    stats = cuda.backend.stats
+    steps0 = stats["eager_steps"] + stats["graph_replays"]
+    got, want, feed = batched_against_single(cuda, prompts, steps=1)
+    np.testing.assert_array_equal(got, want)
+    # prefill of [0] (a decode step), the batch (one step under the simulator: no graphs), two single steps
+    assert stats["eager_steps"] + stats["graph_replays"] - steps0 == (4 if not cuda.backend.graphs else 5)
+    ref = np.stack([cpu.logits(p + [int(t)])[-1] for p, t in zip(prompts, feed[0])])
+    assert np.abs(got[0] - ref).max() <= 1e-3 * np.abs(ref).max()
+    s = cuda.new_session()
+    cuda.prefill(s, [0])
+    with pytest.raises(ValueError, match="twice"):
+        cuda.backend.decode_batch([s.state, s.state], [1, 2])
+
+
 # --------------------------------------------------------------------------------------------- real GPU only
 @pytest.fixture(scope="module")
 def gpu():
@@ -228,7 +289,7 @@ def test_gpu_graph_decode_equals_eager_decode(stack, engines):
         for mode in (False, True):
             be.graphs = mode
             sampled = be.stats["sample_graph_replays"]
-            runs[mode] = [list(cuda.generate_ids(prompt, SamplingParams(temperature=0, max_tokens=90))),
+            runs[mode] = [list(cuda.generate_ids(prompt, SamplingParams(temperature=0, max_tokens=90, draft_k=0))),
                           list(cuda.generate_ids(prompt, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=90,
                                                                         seed=11)))]
             # the sampler over decode rows replays its graphs (both parameter sets), and only with graphs on
@@ -236,6 +297,32 @@ def test_gpu_graph_decode_equals_eager_decode(stack, engines):
         assert runs[True] == runs[False]
     finally:
         be.graphs = True
+
+
+@pytest.mark.cuda
+def test_gpu_batched_decode_equals_single_steps_through_graphs(stack, engines):
+    """Batched decode steps of four sessions at different positions, replayed from their captured graphs across
+    cache buckets, give each row the logits of its own decode step bit for bit; interleaved generations (the
+    server's worker) give each request the tokens it gets alone, greedy and seeded."""
+    _, cuda = engines
+    be = cuda.backend
+    wins = stack[2]
+    prompts = [[int(t) for t in wins[i][:n]] for i, n in ((0, 5), (1, 30), (2, 61), (3, 9))]
+    before = dict(be.stats)
+    default_rows, be.bucket_min_rows = be.bucket_min_rows, 16      # buckets of 16 rows: the steps cross several
+    be.batch_capture = "now"                                        # each set of buckets captured at once
+    try:
+        got, want, _ = batched_against_single(cuda, prompts, steps=40)
+    finally:
+        be.bucket_min_rows, be.batch_capture = default_rows, "auto"
+    np.testing.assert_array_equal(got, want)
+    assert be.stats["graph_captures"] - before["graph_captures"] >= 3
+    assert be.stats["batch_graph_replays"] - before["batch_graph_replays"] >= 20   # the sets replayed as graphs
+    for params in (SamplingParams(temperature=0, max_tokens=40),
+                   SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=7)):
+        alone = [list(cuda.generate_ids(p, params)) for p in prompts]
+        together = interleaved(cuda, prompts, params)
+        assert together == [[t for t in a if t != 1] for a in alone]
 
 
 @pytest.mark.cuda

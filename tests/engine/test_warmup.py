@@ -50,6 +50,12 @@ class _Engine:
         session.tokens.append(token)
         return np.zeros(self.cfg.vocab_size, np.float32)
 
+    def decode_batch(self, pending):
+        self.backend.calls.append(("decode_batch", [len(p.session.tokens) for p in pending]))
+        for p in pending:
+            p.session.tokens.append(p.token)
+            p.fulfil(np.zeros(self.cfg.vocab_size, np.float32))
+
 
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch):
@@ -61,11 +67,14 @@ def cache_root(tmp_path, monkeypatch):
 def test_warm_up_runs_prefill_decode_and_both_samplers():
     """Prefill 3r - 1 tokens with every position's logits (r the largest compression ratio: two groups
     completed), greedy sample of the last, then decode at
-    3r - 1 (completes a group) and 3r (does not), each sampled with temperature, top-k, top-p and a mask."""
+    3r - 1 (completes a group) and 3r (does not), each sampled with temperature, top-k, top-p and a mask; then a
+    batched decode step of that session and a second one, both rows sampled unmasked."""
     b = _Backend("cpu")
     report = warm_up(_Engine(b), quiet=True)
     assert b.calls == [("prefill", 5, True, True), ("sample", 0.0, 0, 1.0, False),
-                       ("decode", 5), ("sample", 1.0, 2, 0.9, True), ("decode", 6), ("sample", 1.0, 2, 0.9, True)]
+                       ("decode", 5), ("sample", 1.0, 2, 0.9, True), ("decode", 6), ("sample", 1.0, 2, 0.9, True),
+                       ("prefill", 2, False, True), ("decode_batch", [7, 2]), ("sample", 0.0, 0, 1.0, False),
+                       ("sample", 1.0, 2, 0.9, False)]
     assert report.backend == "cpu" and report.compiled is None and report.cache_dir is None
     assert "nothing to compile" in report.message
     b = _Backend("cpu")

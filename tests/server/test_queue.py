@@ -164,6 +164,29 @@ def test_admitted_requests_interleave(live_server):
     assert len(a_tokens_after_b) == 3
 
 
+def test_decoding_requests_share_batched_steps(live_server):
+    """Two plain-path requests decoding at once (seeded sampling: no drafting) have their forwards run as one step
+    (Engine.decode_batch; /metrics counts more rows than steps) and each gets the text it gets alone."""
+    seeded = {"temperature": 1.0, "seed": 3}
+    alone = _ask(live_server, "What is a ledger?", 6, **seeded)
+    steps0, rows0 = live_server.metric("ds4_decode_steps_total"), live_server.metric("ds4_decode_step_rows_total")
+    got, a_after_b = [], 0
+    with httpx.stream("POST", live_server.url + CHAT, json=dict(LONG, stream=True, **seeded), timeout=60) as a:
+        lines = a.iter_lines()
+        next(lines)
+        b = threading.Thread(target=lambda: got.append(_ask(live_server, "What is a ledger?", 6, **seeded)))
+        b.start()
+        b.join(60)
+        for line in lines:
+            if line.startswith("data: {"):
+                a_after_b += 1
+                if a_after_b >= 3:
+                    break
+    assert got == [alone]
+    steps = live_server.metric("ds4_decode_steps_total") - steps0
+    assert steps > 0 and live_server.metric("ds4_decode_step_rows_total") - rows0 > steps
+
+
 @pytest.mark.slow
 def test_load_a_few_streaming_clients_for_seconds(live_server):
     """CI-sized load: 4 streaming clients, each asking again and again for 8 s on loopback: 0 errors, every stream
