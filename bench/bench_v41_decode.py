@@ -5,6 +5,7 @@ of the backend that serves, eager and graph-replayed, at several contexts.
     python bench/bench_v41_decode.py                          # H200: 1k, 16k, 64k contexts, 20 timed steps a mode
     python bench/bench_v41_decode.py --contexts 1024,65536 --steps 50 --out v41.jsonl
     python bench/bench_v41_decode.py --small                  # no GPU: the simulator, micro model, 1 step a mode
+    python bench/bench_v41_decode.py --contexts 1024 --batch-rows 1,2,4,8   # plus B sessions decoded together
 
 Output: JSON lines on stdout (the first describes the run: machine, date, commit, config, VQ bits, weight bytes, the
 roofline; then one per context), then a human-readable table; `--out FILE` also writes the JSON lines to FILE.
@@ -55,6 +56,10 @@ def _args(argv=None):
                         "(mark, forward of T rows, rollback of all of them) on the eager backend, wall and summed "
                         "kernel time (CUPTI), and fit the cost line c_v1 + c_tok * T (issue 13); default off")
     p.add_argument("--verify-reps", type=int, default=5, help="timed verify calls per row count (5)")
+    p.add_argument("--batch-rows", default=None,
+                   help="comma list of session counts B (e.g. 1,2,4,8): at the first context, B sessions decoded "
+                        "together (CudaBackend.decode_batch, graph-replayed, each row sampled greedily), step time "
+                        "and aggregate tokens/s (the server's concurrent requests); default off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -345,6 +350,49 @@ def verify_cost(backend, ctx, rows_list, reps):
     return out, fit
 
 
+def batch_cost(backend, ctx, rows_list, steps, warm):
+    """B sessions at context `ctx` decoded together for each B in rows_list: `warm` untimed steps (the capture), then
+    `steps` timed steps of the batched forward and each row's greedy device sample (token read back), and as many
+    timed steps of the forward alone. B = 1 is the plain decode step (decode_batch hands it to it)."""
+    out = []
+    backend.batch_capture = "now"                       # a stable set: its graph from the first step (the steady state)
+    for B in rows_list:
+        sts = [backend.synthetic_state(ctx, seed=ARGS.seed + b) for b in range(B)]
+        toks = [1 + 7 * b for b in range(B)]
+        done = [0]
+
+        def step():
+            lg = backend.decode_batch(sts, toks)
+            for b in range(B):
+                toks[b] = backend.sample(lg[b], Greedy, ARGS.seed + b, done[0])
+            done[0] += 1
+
+        for _ in range(max(warm, 1)):
+            step()
+        captures = backend.stats["graph_captures"]
+        backend.stream.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        full = (time.perf_counter() - t) / steps
+        t = time.perf_counter()
+        for _ in range(steps):
+            backend.decode_batch(sts, toks)
+        backend.stream.synchronize()
+        fwd = (time.perf_counter() - t) / steps
+        out.append({"rows": B, "ms_per_step": round(full * 1e3, 3), "tokens_per_s": round(B / full, 2),
+                    "forward_ms_per_step": round(fwd * 1e3, 3), "forward_tokens_per_s": round(B / fwd, 2),
+                    "captures_in_timing": backend.stats["graph_captures"] - captures})
+        for st in sts:
+            backend.release_batches(st)
+            for g in st.graphs.values():
+                if g is not None:
+                    g.close()
+        del sts
+        backend.stream.synchronize()
+    return out
+
+
 def small_config():
     from tests.engine.test_engine_cuda import micro_config
     return micro_config()
@@ -473,6 +521,13 @@ def main():
                                   ARGS.verify_reps)
             emit({"kind": "verify", "context": ctx, "calls": vr, "fit": fit,
                   "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
+    if ARGS.batch_rows:
+        backend = backends.get("graph", backends["eager"])
+        ctx = ARGS.contexts[0]
+        print(f"context {ctx}: batched decode of {ARGS.batch_rows} sessions", file=sys.stderr, flush=True)
+        br = batch_cost(backend, ctx, [int(v) for v in ARGS.batch_rows.split(",")], ARGS.steps, ARGS.warm)
+        emit({"kind": "batch", "context": ctx, "mode": "graph" if "graph" in backends else "eager", "rows": br},
+             lines)
     print(table(run, rows), flush=True)
     if ARGS.out:
         Path(ARGS.out).write_text("\n".join(lines) + "\n")
