@@ -194,6 +194,7 @@ class CudaBackend:
         self._pool = []              # finished sessions' states, reset and handed out again (`new_state`)
         self.pool_size = POOL_STATES
         self._decode_io()
+        self.pool_bytes = 2 * self.memory_plan().state
         self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
         self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
                            if ratio > 1}
@@ -299,10 +300,12 @@ class CudaBackend:
 
     def release_state(self, state):
         """A session the engine is done with (not handed to the prefix cache): kept for `new_state` and `copy_state`
-        with its graphs, up to `pool_size` states; beyond that its graphs are released and it is dropped."""
+        with its graphs, up to `pool_size` states and `pool_bytes` (default: twice one session's state at full
+        context); beyond that its graphs are released and it is dropped."""
         if state.log is not None or any(state is st for st in self._pool):
             return
-        if len(self._pool) < self.pool_size:
+        held = sum(cuda_state.nbytes(st) for st in self._pool)
+        if len(self._pool) < self.pool_size and held + cuda_state.nbytes(state) <= self.pool_bytes:
             self._pool.append(state)
         else:
             self.park_state(state)

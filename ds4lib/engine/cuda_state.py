@@ -286,7 +286,7 @@ def restore(template: CudaState, arrays: dict, stream) -> CudaState:
 
 def clone(st: CudaState, stream) -> CudaState:
     """A device copy of a state (the prefix cache's copies; tests and diagnostics). An open mark's snapshot and row
-    log are shared, not copied. Decode graphs are not carried over: they point at the original's buffers."""
+    log are shared, not copied; without an open mark the copy gets snapshot buffers of its own at its first mark. Decode graphs are not carried over: they point at the original's buffers."""
     def dup(a):
         b = cuda.device_array(a.shape, a.dtype, stream=stream)
         b.copy_to_device(a, stream=stream)
@@ -305,7 +305,8 @@ def clone(st: CudaState, stream) -> CudaState:
                     {l: ring_pos_all[i] for i, l in enumerate(layers)},
                     {l: dup(a) for l, a in st.pend_kv.items()}, {l: dup(a) for l, a in st.pend_sc.items()},
                     caches[0], caches[1], None if st.hist is None else st.hist.copy(), win_all, ring_pos_all,
-                    log=None if st.log is None else dict(st.log), calls=st.calls, snap=st.snap)
+                    log=None if st.log is None else dict(st.log), calls=st.calls,
+                    snap=st.snap if st.log is not None else {})
     if st.dwin_all is not None:
         out.dwin_all, out.dring_pos_all, out.dring_host = dup(st.dwin_all), dup(st.dring_pos_all), st.dring_host.copy()
         out.dfeat_pend, out.dpend = dup(st.dfeat_pend), list(st.dpend)

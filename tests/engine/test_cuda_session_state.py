@@ -190,10 +190,20 @@ def test_micro_pooled_states_come_back_empty_or_as_exact_copies(draft_backend):
     for k, v in want.items():
         np.testing.assert_array_equal(_live(be, copy)[k], v, err_msg=k)
     extra = [be.synthetic_state(3, seed=i) for i in range(be.pool_size + 2)]
-    for x in extra:
-        be.release_state(x)
-    assert len(be._pool) == be.pool_size
-    be._pool.clear()
+    limit = be.pool_bytes
+    try:
+        be.pool_bytes = 1 << 40
+        for x in extra:
+            be.release_state(x)
+        assert len(be._pool) == be.pool_size                     # at most pool_size states ...
+        be._pool.clear()
+        be.pool_bytes = 2 * cuda_state.nbytes(extra[0])
+        for x in extra:
+            be.release_state(x)
+        assert len(be._pool) == 2                                # ... and at most pool_bytes
+    finally:
+        be.pool_bytes = limit
+        be._pool.clear()
 
 
 def test_micro_snapshots_round_trip_through_the_disk_tier(micro_stack, tmp_path):
