@@ -27,6 +27,11 @@ class CpuBackend:
     def forward(self, state, tokens, last_only=False, observer=None):
         return self.model.forward(tokens, state, last_only=last_only, observer=observer)
 
+    def decode_batch(self, states, tokens):
+        """One token for each of several distinct sessions in one reference call (ReferenceModel.forward_rows): the
+        weights are read once for all rows; each row's logits [B, V] are those of its own decode step."""
+        return self.model.forward_rows(np.asarray(tokens, dtype=np.int64), list(states)).logits
+
     def propose(self, state, anchor, start_pos, pick=None):
         """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (ref dspark_propose)."""
         return self.model.dspark_propose(state, anchor, start_pos, pick)

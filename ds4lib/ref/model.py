@@ -2,8 +2,8 @@
 
 `ReferenceModel.load(dir)` opens an official-format checkpoint; `logits(ids)` gives teacher-forced
 FP32 logits [T, V]; `forward(ids, state)` runs one chunk at the state's position (prefill, chunked
-prefill or one-token decode: the same code, docs/architecture.md §1.1, erratum E2), and the DSpark calls
-draft blocks. Dtype boundaries follow the official code (BF16 state and linear outputs, FP32 mixes,
+prefill or one-token decode: the same code, docs/architecture.md §1.1, erratum E2), `forward_rows` one token of
+each of several sessions, and the DSpark calls draft blocks. Dtype boundaries follow the official code (BF16 state and linear outputs, FP32 mixes,
 accumulations and logits); the activation quantise-dequantise of docs/architecture.md §11.3 is on unless
 `quant_sim=False`.
 
@@ -112,6 +112,39 @@ class ReferenceModel:
             self.run_layer(call, l, observer)
         return self.finish(call, last_only, observer)
 
+    def forward_rows(self, token_ids, states) -> ForwardOut:
+        """One token for each of B distinct sessions in one call (the server's concurrent requests): embeddings,
+        mixes, projections, experts and head over the B rows at once, each session's attention state per session;
+        advances every state. Row b equals forward([token_ids[b]], states[b], last_only=True) bit for bit: every sum
+        is formed in float64 and rounded once, whatever the row count (ds4lib.ref.linear)."""
+        if len(token_ids) != len(states) or not len(states):
+            raise ValueError("forward_rows needs one token per session")
+        if len({id(st) for st in states}) != len(states):
+            raise ValueError("forward_rows: a session appears twice in one call")
+        cfg = self.cfg
+        calls = [self.begin([t], st) for t, st in zip(token_ids, states)]
+        ids = np.concatenate([c.ids for c in calls])
+        P = np.concatenate([c.positions for c in calls])
+        h = np.concatenate([c.h for c in calls])
+        pre = np.concatenate([c.pre for c in calls])
+        rows = [(slice(b, b + 1), c.state, c.shared) for b, c in enumerate(calls)]
+        features = []
+        for l in range(cfg.n_layers):
+            role, w = self.roles[l], self.w.layer(l)
+            if role.engram:
+                er = np.concatenate([self.w.engram_rows(l, c.hashes[:, role.engram_index]) for c in calls])
+                h = engram_apply(h, er, w, cfg, self.quant_sim, dead=ids == cfg.image_token_id)
+            if role.dspark_target:
+                features.append(round_bf16(h.mean(axis=1, dtype=np.float32)))
+
+            def attend(x, role=role, w=w):
+                return self._attention(role, w, x, P, None, None, None, rows=rows)
+            h, pre = self._block(l, w, h, pre, attend, None)
+        for c in calls:
+            c.state.pos = int(c.positions[-1]) + 1
+        logits = linear_f32(rms_norm(hc_pre(h, pre), self.w.global_(NORM), cfg.norm_eps), self.w.global_(HEAD))
+        return ForwardOut(logits, np.concatenate(features, axis=-1) if features else None)
+
     def begin(self, token_ids, state: State) -> "Call":
         """Start a call: Engram hashes, embeddings, the initial one-hot pre-mix."""
         cfg = self.cfg
@@ -195,11 +228,26 @@ class ReferenceModel:
         state.win_kv[l], state.win_pos[l] = keys[-W:], kpos[-W:]
         return keys, mask
 
-    def _attention(self, role, w, x, P, state, shared, observer):
-        cfg, l, qs = self.cfg, role.layer, self.quant_sim
+    def _attention(self, role, w, x, P, state, shared, observer, rows=None):
+        """The layer's attention over x [T, D] at positions P. `rows`: a batched call's sessions [(row slice,
+        state, shared)] (`forward_rows`); the projections run over all rows at once, what reads or writes a session's
+        state (window, compressor, indexer, sparse attention) per session."""
+        cfg, qs = self.cfg, self.quant_sim
         freqs = self.freqs[role.yarn]
         qr, q = query_path(x, w, cfg, P, freqs, qs)
-        keys, mask = self._window(l, window_kv(x, w, cfg, P, freqs, qs), P, state)
+        kv = window_kv(x, w, cfg, P, freqs, qs)
+        if rows is None:
+            o = self._attend_session(role, w, x, P, qr, q, kv, state, shared, observer)
+        else:
+            o = np.concatenate([self._attend_session(role, w, x[r], P[r], qr[r], q[r], kv[r], st, sh, observer)
+                                for r, st, sh in rows])
+        return output_projection(o, w, cfg, P, freqs, qs)
+
+    def _attend_session(self, role, w, x, P, qr, q, kv, state, shared, observer):
+        """One session's rows of a layer's attention: its window, compressed rows and top-k, sparse attention."""
+        cfg, l, qs = self.cfg, role.layer, self.quant_sim
+        freqs = self.freqs[role.yarn]
+        keys, mask = self._window(l, kv, P, state)
         cmp_keys = cmp_valid = None
         if role.ratio:
             ratio = role.ratio
@@ -234,8 +282,7 @@ class ReferenceModel:
             ckv = state.ckv[role.kv_src].view()
             cmp_keys = ckv[np.maximum(idx, 0)] if idx.shape[1] else np.zeros((len(P), 0, cfg.head_dim), np.float32)
             cmp_valid = idx >= 0
-        o = sparse_attention(q, keys, mask, cmp_keys, cmp_valid, w["attn.attn_sink"], cfg.head_dim ** -0.5)
-        return output_projection(o, w, cfg, P, freqs, qs)
+        return sparse_attention(q, keys, mask, cmp_keys, cmp_valid, w["attn.attn_sink"], cfg.head_dim ** -0.5)
 
     # ------------------------------------------------------------------ DSpark
     def dspark_append(self, state: State, features, positions) -> None:

@@ -219,6 +219,24 @@ def test_interleaved_generations_batch_their_decodes_and_match_alone(engine):
         bad.logits()
 
 
+def test_batched_decode_rows_equal_their_own_decode_steps(engine):
+    """The CPU backend's batched step (ReferenceModel.forward_rows: one call over the rows of three sessions at
+    different positions, each session's attention per session) gives each row exactly its own decode step's logits,
+    and leaves every state as its own steps do."""
+    from ds4lib.engine import PendingDecode
+    from tests.engine.test_engine_cuda import batched_against_single
+    got, want, _ = batched_against_single(engine, [PROMPT[:3], PROMPT[:17], PROMPT], steps=3)
+    np.testing.assert_array_equal(got, want)
+    s = engine.new_session()
+    engine.prefill(s, PROMPT[:3])
+    with pytest.raises(ValueError, match="twice"):
+        engine.backend.decode_batch([s.state, s.state], [5, 6])
+    p = [PendingDecode(s, 5), PendingDecode(engine.new_session(), 6)]
+    engine.prefill(p[1].session, PROMPT[:2])
+    engine.decode_batch(p)
+    assert [q.session.position for q in p] == [4, 3] and p[0].logits().shape == (engine.cfg.vocab_size,)
+
+
 def test_engram_checkpoint_found_beside_the_base_by_content_hash(tiny_stack, tmp_path):
     from ds4lib.config import ModelConfig
     from ds4lib.synth import write_random_checkpoint
