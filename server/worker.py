@@ -4,7 +4,9 @@ Owns: `Worker` (loads the engine on its own thread, so /health answers 503 while
 `Engine.warm_up` compiles or loads its kernels (status "warming_up"); then runs up to `max_running` jobs at once,
 round-robin: one step of each in turn, a step being one generated token or one prefill block, so a long prompt
 delays the others by one block at a time and no admitted job starves; the forwards that the round's tokens ask for
-then run as one batched decode step, Engine.decode_batch, one row a job) and `Job` (one request's prompt ids, sampling
+then run as one batched decode step, Engine.decode_batch, one row a job; a job admitted while others run or
+wait decodes without drafting: its rows share the weights with theirs, as a verify call's rows would, and a drafting
+job's rounds would hold the others up) and `Job` (one request's prompt ids, sampling
 parameters, a per-request event queue the worker fills, and a cancel flag). The engine is not thread-safe: nothing
 but the worker thread calls it; each job has its own session state. A request that finds `max_queue` jobs already
 waiting gets a 429 with Retry-After (the expected wait, from recent job durations); while the model loads or warms
@@ -235,8 +237,10 @@ class Worker:
                 log.info("job %s: cancelled while queued (client went away)", job.id)
                 self.metrics.count_cancelled_in_queue()
                 continue
+            alone = not self._active and self._queue.qsize() == 0      # drafting pays only for a job alone
             self._active.append(_Run(job, self.engine.generate(job.prompt_ids, job.params, progress=True,
-                                                              batched=True, should_stop=lambda j=job: j.cancelled)))
+                                                              batched=True, draft=alone,
+                                                              should_stop=lambda j=job: j.cancelled)))
         return True
 
     def _step(self, run: "_Run") -> bool:

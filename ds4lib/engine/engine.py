@@ -451,15 +451,17 @@ class Engine:
         return s, list(prompt_ids)[s.position:]
 
     def _generate_ids(self, s: Session, prompt_ids, params, should_stop, store: bool, progress: bool = False,
-                      batched: bool = False):
+                      batched: bool = False, draft: bool = True):
         """With `progress`, also yields None after each prefill block but the last (a caller interleaving several
         generations steps each one block at a time). With `batched`, a plain-path token that a forward will follow
-        is yielded as a PendingDecode of it (module docstring)."""
+        is yielded as a PendingDecode of it (module docstring). `draft=False`: no speculative decoding for this
+        request (the server's worker admitting it beside others: their batched rows share the weights as a verify
+        call's rows would, and a drafting request's rounds would hold the others up)."""
         self._check_room(s, len(prompt_ids) + params.max_tokens if params.max_tokens else len(prompt_ids))
         clean = False                 # the state is consistent (no forward failed midway): it may be cached
         seeded_sampled = params.temperature > 0 and params.seed is not None and params.draft_k is None
-        spec = self.speculative and params.json_format is None and params.draft_k != 0 and params.max_tokens > 1 \
-            and not seeded_sampled and not self._drafting_hopeless(params)
+        spec = self.speculative and draft and params.json_format is None and params.draft_k != 0 \
+            and params.max_tokens > 1 and not seeded_sampled and not self._drafting_hopeless(params)
         self.last_spec_stats = None   # this request's counts: set by _generate_speculative, None on the plain path
         try:
             if progress:
@@ -553,7 +555,7 @@ class Engine:
             raise EngineError(str(e)) from None
 
     def generate(self, prompt_ids, params: SamplingParams, session: Session | None = None, should_stop=None,
-                 progress: bool = False, batched: bool = False):
+                 progress: bool = False, batched: bool = False, draft: bool = True):
         """Yield one {"type": "token", "id", "text"} event per generated token (EOS excepted), `text` being the new
         text, possibly empty (held back while it may be an incomplete UTF-8 character or the start of a stop
         string); at the end, held-back text that turned out not to start a stop string comes as one more event with
@@ -562,11 +564,12 @@ class Engine:
         generation and is not emitted; EOS is not counted. With `progress`, {"type": "prefill", "position"} comes
         after each prefill block but the last, so that a caller can interleave generations block by block. With
         `batched`, a token event that a forward will follow also carries it as "decode" (a PendingDecode: module
-        docstring); a stop string that ends the generation leaves it off."""
+        docstring); a stop string that ends the generation leaves it off. `draft=False`: no speculative decoding
+        (`_generate_ids`)."""
         stops = tuple(s for s in params.stop if s)
         sess, rest = self._session_for(prompt_ids, session)
         gen = self._generate_ids(sess, rest, params, should_stop, store=session is None, progress=progress,
-                                 batched=batched)
+                                 batched=batched, draft=draft)
         try:                          # closing this generator closes the token stream at once (and caches it)
             yield from self._events(gen, stops, sess)
         finally:

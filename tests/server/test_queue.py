@@ -165,16 +165,17 @@ def test_admitted_requests_interleave(live_server):
 
 
 def test_decoding_requests_share_batched_steps(live_server):
-    """Two plain-path requests decoding at once (seeded sampling: no drafting) have their forwards run as one step
-    (Engine.decode_batch; /metrics counts more rows than steps) and each gets the text it gets alone."""
+    """A long seeded stream (no drafting) is running when a greedy request arrives: admitted beside it, the greedy one
+    decodes without drafting too, their forwards run as one step (Engine.decode_batch; /metrics counts more rows than
+    steps), and it gets the text it gets alone (where it may draft: greedy output is the same either way)."""
     seeded = {"temperature": 1.0, "seed": 3}
-    alone = _ask(live_server, "What is a ledger?", 6, **seeded)
+    alone = _ask(live_server, "What is a ledger?", 6)
     steps0, rows0 = live_server.metric("ds4_decode_steps_total"), live_server.metric("ds4_decode_step_rows_total")
     got, a_after_b = [], 0
     with httpx.stream("POST", live_server.url + CHAT, json=dict(LONG, stream=True, **seeded), timeout=60) as a:
         lines = a.iter_lines()
         next(lines)
-        b = threading.Thread(target=lambda: got.append(_ask(live_server, "What is a ledger?", 6, **seeded)))
+        b = threading.Thread(target=lambda: got.append(_ask(live_server, "What is a ledger?", 6)))
         b.start()
         b.join(60)
         for line in lines:
