@@ -194,7 +194,7 @@ class CudaBackend:
         self._pool = []              # finished sessions' states, reset and handed out again (`new_state`)
         self.pool_size = POOL_STATES
         self._decode_io()
-        self.pool_bytes = 2 * self.memory_plan().state
+        self.pool_bytes = self.memory_plan().pool
         self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
         self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
                            if ratio > 1}
@@ -300,8 +300,8 @@ class CudaBackend:
 
     def release_state(self, state):
         """A session the engine is done with (not handed to the prefix cache): kept for `new_state` and `copy_state`
-        with its graphs, up to `pool_size` states and `pool_bytes` (default: twice one session's state at full
-        context); beyond that its graphs are released and it is dropped."""
+        with its graphs, up to `pool_size` states and `pool_bytes` (default: the memory plan's pool, twice one
+        session's state at full context); beyond that its graphs are released and it is dropped."""
         if state.log is not None or any(state is st for st in self._pool):
             return
         held = sum(cuda_state.nbytes(st) for st in self._pool)
@@ -1087,4 +1087,4 @@ class CudaBackend:
             state += cfg.n_layers * min(W, B + 1) * (dh * 2 + 8)
         rope_bytes = 2 * 2 * (1 << max(0, ctx - 1).bit_length()) * (cfg.rope_head_dim // 2) * 4
         scratch = self._chunk_scratch(self.max_chunk) + rope_bytes
-        return MemoryPlan(weights=self.weight_bytes, state=state, scratch=scratch)
+        return MemoryPlan(weights=self.weight_bytes, state=state, scratch=scratch, pool=2 * state)

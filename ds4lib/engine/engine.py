@@ -102,16 +102,18 @@ class MemoryPlan:
     state: int
     scratch: int
     prefix_cache: int = 0
+    pool: int = 0                 # finished sessions' states a backend keeps for reuse (CudaBackend.release_state)
 
     @property
     def total(self) -> int:
-        return self.weights + self.state + self.scratch + self.prefix_cache
+        return self.weights + self.state + self.scratch + self.prefix_cache + self.pool
 
     def table(self) -> str:
         mb = 1 << 20
         cache = f" + prefix cache {self.prefix_cache / mb:,.1f} MB" if self.prefix_cache else ""
+        pool = f" + state pool {self.pool / mb:,.1f} MB" if self.pool else ""
         return (f"weights {self.weights / mb:,.1f} MB + per-request state at full context {self.state / mb:,.1f} MB "
-                f"+ scratch {self.scratch / mb:,.1f} MB{cache} = {self.total / mb:,.1f} MB")
+                f"+ scratch {self.scratch / mb:,.1f} MB{cache}{pool} = {self.total / mb:,.1f} MB")
 
 
 @dataclass

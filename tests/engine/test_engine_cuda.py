@@ -74,6 +74,8 @@ def test_micro_decode_steps_match_cpu(micro):
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
     plan = cuda.memory
     assert plan.weights > 0 and plan.state > 0 and plan.scratch > 0
+    assert plan.pool == 2 * plan.state == cuda.backend.pool_bytes and "state pool" in plan.table()
+    assert plan.total == plan.weights + plan.state + plan.scratch + plan.prefix_cache + plan.pool
 
 
 def test_decode_cache_views_are_coarse_buckets():
