@@ -384,10 +384,7 @@ def batch_cost(backend, ctx, rows_list, steps, warm):
                     "forward_ms_per_step": round(fwd * 1e3, 3), "forward_tokens_per_s": round(B / fwd, 2),
                     "captures_in_timing": backend.stats["graph_captures"] - captures})
         for st in sts:
-            backend.release_batches(st)
-            for g in st.graphs.values():
-                if g is not None:
-                    g.close()
+            backend.park_state(st)                       # its graphs and the batched steps that hold it
         del sts
         backend.stream.synchronize()
     return out

@@ -359,8 +359,7 @@ class CudaBackend:
         """A finished session's state handed to the prefix cache, which only copies it from now on: its decode graphs
         are released, and the batched steps it took part in."""
         for g in state.graphs.values():
-            if g is not None:
-                g.close()
+            self._close_graph(g)
         state.graphs = {}
         self.release_batches(state)
 
@@ -502,8 +501,7 @@ class CudaBackend:
         graph = st.graphs.get(key) if self.graphs else None
         if self.graphs and key not in st.graphs:           # a new bucket: capture first, run eagerly only if needed
             for old in st.graphs.values():
-                if old is not None:
-                    old.close()
+                self._close_graph(old)
             graph, ran = self._capture(st, c)
             st.graphs = {key: graph}                       # None: this bucket stays eager
             if ran:                                        # this step already ran eagerly
@@ -1038,8 +1036,8 @@ class CudaBackend:
 
     def _sample_decode_row(self, lg, params, seed64, step):
         """The device sampler over a backend-owned logits row (`_graph_row`), replayed from a graph captured per
-        parameter set and row (seed and step read from host-mapped memory): one graph launch instead of the sampler's eager launches and
-        two uploads. The same kernels as the eager path, so the same token."""
+        parameter set and row (seed and step read from host-mapped memory): one graph launch instead of the sampler's
+        eager launches and two uploads. The same kernels as the eager path, so the same token."""
         key = (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p),
                lg.device_ctypes_pointer.value)
         self.m_seed.host[0] = seed64                       # nothing reads them now: the last token was read back
@@ -1054,8 +1052,7 @@ class CudaBackend:
                 graph.token = self._buf("token", (1,), np.int64)
             if len(self._sample_graphs) >= _SAMPLE_GRAPHS:   # many parameter sets and rows seen: start afresh
                 for g in self._sample_graphs.values():
-                    if g is not None:
-                        g.close()
+                    self._close_graph(g)
                 self._sample_graphs.clear()
             self._sample_graphs[key] = graph
             if ran:                                        # the eager run's token (capturing runs nothing)

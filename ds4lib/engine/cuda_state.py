@@ -286,7 +286,8 @@ def restore(template: CudaState, arrays: dict, stream) -> CudaState:
 
 def clone(st: CudaState, stream) -> CudaState:
     """A device copy of a state (the prefix cache's copies; tests and diagnostics). An open mark's snapshot and row
-    log are shared, not copied; without an open mark the copy gets snapshot buffers of its own at its first mark. Decode graphs are not carried over: they point at the original's buffers."""
+    log are shared, not copied; without an open mark the copy gets snapshot buffers of its own at its first mark.
+    Decode graphs are not carried over: they point at the original's buffers."""
     def dup(a):
         b = cuda.device_array(a.shape, a.dtype, stream=stream)
         b.copy_to_device(a, stream=stream)

@@ -3,9 +3,9 @@
 `ReferenceModel.load(dir)` opens an official-format checkpoint; `logits(ids)` gives teacher-forced
 FP32 logits [T, V]; `forward(ids, state)` runs one chunk at the state's position (prefill, chunked
 prefill or one-token decode: the same code, docs/architecture.md §1.1, erratum E2), `forward_rows` one token of
-each of several sessions, and the DSpark calls draft blocks. Dtype boundaries follow the official code (BF16 state and linear outputs, FP32 mixes,
-accumulations and logits); the activation quantise-dequantise of docs/architecture.md §11.3 is on unless
-`quant_sim=False`.
+each of several sessions, and the DSpark calls draft blocks. Dtype boundaries follow the official code (BF16 state
+and linear outputs, FP32 mixes, accumulations and logits); the activation quantise-dequantise of
+docs/architecture.md §11.3 is on unless `quant_sim=False`.
 
 Observation points: pass `observer(layer, name, value)`; it receives block_in, engram_out,
 attn_out, moe_in, moe_out, router_scores/ids/weights, ye, ysh, block_out, block_pre, block_post (the FFN
@@ -68,6 +68,7 @@ class Call:
     pre: np.ndarray               # [T, S]
     shared: _CallShared = field(default_factory=_CallShared)
     features: list = field(default_factory=list)
+    rows: list | None = None      # a call over several sessions (`forward_rows`): [(row slice, state, shared)]
 
 
 class ReferenceModel:
@@ -121,29 +122,14 @@ class ReferenceModel:
             raise ValueError("forward_rows needs one token per session")
         if len({id(st) for st in states}) != len(states):
             raise ValueError("forward_rows: a session appears twice in one call")
-        cfg = self.cfg
         calls = [self.begin([t], st) for t, st in zip(token_ids, states)]
-        ids = np.concatenate([c.ids for c in calls])
-        P = np.concatenate([c.positions for c in calls])
-        h = np.concatenate([c.h for c in calls])
-        pre = np.concatenate([c.pre for c in calls])
-        rows = [(slice(b, b + 1), c.state, c.shared) for b, c in enumerate(calls)]
-        features = []
-        for l in range(cfg.n_layers):
-            role, w = self.roles[l], self.w.layer(l)
-            if role.engram:
-                er = np.concatenate([self.w.engram_rows(l, c.hashes[:, role.engram_index]) for c in calls])
-                h = engram_apply(h, er, w, cfg, self.quant_sim, dead=ids == cfg.image_token_id)
-            if role.dspark_target:
-                features.append(round_bf16(h.mean(axis=1, dtype=np.float32)))
-
-            def attend(x, role=role, w=w):
-                return self._attention(role, w, x, P, None, None, None, rows=rows)
-            h, pre = self._block(l, w, h, pre, attend, None)
-        for c in calls:
-            c.state.pos = int(c.positions[-1]) + 1
-        logits = linear_f32(rms_norm(hc_pre(h, pre), self.w.global_(NORM), cfg.norm_eps), self.w.global_(HEAD))
-        return ForwardOut(logits, np.concatenate(features, axis=-1) if features else None)
+        call = Call(ids=np.concatenate([c.ids for c in calls]), positions=np.concatenate([c.positions for c in calls]),
+                    hashes=None if calls[0].hashes is None else np.concatenate([c.hashes for c in calls]), state=None,
+                    h=np.concatenate([c.h for c in calls]), pre=np.concatenate([c.pre for c in calls]),
+                    rows=[(slice(b, b + 1), c.state, c.shared) for b, c in enumerate(calls)])
+        for l in range(self.cfg.n_layers):
+            self.run_layer(call, l)
+        return self.finish(call)
 
     def begin(self, token_ids, state: State) -> "Call":
         """Start a call: Engram hashes, embeddings, the initial one-hot pre-mix."""
@@ -178,13 +164,14 @@ class ReferenceModel:
             observer(l, "block_in", call.h)
 
         def attend(x):
-            return self._attention(role, w, x, call.positions, call.state, call.shared, observer)
+            return self._attention(role, w, x, call.positions, call.state, call.shared, observer, rows=call.rows)
         call.h, call.pre = self._block(l, w, call.h, call.pre, attend, observer)
 
     def finish(self, call: "Call", last_only: bool = False, observer=None) -> ForwardOut:
         """Final collapse with the last block's pre-mix, norm and head; advances the state's position."""
         cfg = self.cfg
-        call.state.pos = int(call.positions[-1]) + 1
+        for r, state, _ in call.rows or [(slice(None), call.state, None)]:
+            state.pos = int(call.positions[r][-1]) + 1
         y = hc_pre(call.h, call.pre)
         if last_only:
             y = y[-1:]
