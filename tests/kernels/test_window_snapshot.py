@@ -27,10 +27,11 @@ def test_restore_leaves_the_ring_of_the_kept_rows(cuda_ready, first, count):
     for keep in range(count + 1):
         d_ring, d_pos = cuda.to_device(ring0), cuda.to_device(pos0)
         save, save_pos = cuda.device_array((L, S, dh), np.uint16), cuda.device_array((L, S), np.int64)
-        window_save(d_ring, d_pos, first, save, save_pos)
+        at = first if keep % 2 else cuda.to_device(positions)     # an int, or read on the device (a call's positions)
+        window_save(d_ring, d_pos, at, save, save_pos)
         for l in range(L):
             window_write(cuda.to_device(kv[l]), cuda.to_device(positions), d_ring[l][:W], d_pos[l])
-        window_restore(save, save_pos, first, keep, count, d_ring, d_pos)
+        window_restore(save, save_pos, at, keep, count, d_ring, d_pos)
         want_ring, want_pos = cuda.to_device(ring0), cuda.to_device(pos0)
         if keep:
             for l in range(L):
@@ -51,3 +52,7 @@ def test_launchers_check_shapes(cuda_ready):
     save, save_pos = cuda.device_array((2, 4, 4), np.uint16), cuda.device_array((2, 4), np.int64)
     with pytest.raises(ValueError, match="keep"):
         window_restore(save, save_pos, 0, 3, 5, ring, pos)
+    with pytest.raises(ValueError, match="first"):
+        window_save(ring, pos, -1, save, save_pos)
+    with pytest.raises(ValueError, match="int64 device array"):
+        window_save(ring, pos, cuda.device_array(1, np.int32), save, save_pos)
