@@ -33,7 +33,12 @@ class CpuBackend:
         return self.model.forward_rows(np.asarray(tokens, dtype=np.int64), list(states)).logits
 
     def propose(self, state, anchor, start_pos, pick=None):
-        """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (ref dspark_propose)."""
+        """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (ref dspark_propose).
+        `pick`: None (greedy), a speculative.DraftDraw (sampled drafts, drawn here on the host) or pick(row) ->
+        token."""
+        from ds4lib.engine.speculative import DraftDraw
+        if isinstance(pick, DraftDraw):
+            pick = pick.host_pick(start_pos)
         return self.model.dspark_propose(state, anchor, start_pos, pick)
 
     def mark(self, state):

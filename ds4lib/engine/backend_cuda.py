@@ -60,6 +60,7 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.config import Env
 from ds4lib.engine import cuda_graph, cuda_state
 from ds4lib.engine.cuda_dspark import CudaDraft
+from ds4lib.engine.cuda_graph import mapped as _mapped
 from ds4lib.engine.cuda_state import CudaState
 from ds4lib.engine.cuda_weights import CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
@@ -97,22 +98,6 @@ def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
         return 0
     step_rows = max(int(min_rows), 1 << max(0, (n - 1).bit_length() - 3))
     return -(-n // step_rows) * step_rows
-
-
-class _Mapped:
-    """Host-mapped memory: `host` (written by the host) and `dev` (a device array over the same bytes, read by
-    kernels; numba's mapped arrays cannot be re-viewed as device arrays directly)."""
-
-    def __init__(self, host, dev):
-        self.host, self.dev = host, dev
-
-
-def _mapped(shape, dtype):
-    host = cuda.mapped_array(shape, dtype)
-    if not _SIM:
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-        return _Mapped(host, DeviceNDArray(host.shape, host.strides, host.dtype, gpu_data=host.gpu_data))
-    return _Mapped(host, host)
 
 
 class _Call:
@@ -184,10 +169,11 @@ class CudaBackend:
         self.graphs = bool(graphs) and cuda_graph.available()
         self.bucket_min_rows = BUCKET_MIN_ROWS
         self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0,
-                      "sample_graph_replays": 0, "batch_graph_replays": 0}
+                      "sample_graph_replays": 0, "batch_graph_replays": 0, "verify_graph_replays": 0,
+                      "draft_graph_replays": 0, "ctx_graph_replays": 0, "rollback_graph_replays": 0}
         self._sample_graphs = {}     # sampling parameters -> the device sampler over the decode row, captured
         self._batch_graphs = {}      # (rope, B, each session and its bucket) -> a batched decode step, captured
-        self._batch_ios = {}         # B -> the batched step's fixed inputs and outputs (`_batch_io`)
+        self._batch_ios = {}         # (kind, B) -> the batched step's fixed inputs and outputs (`_batch_io`)
         self._batch_excess = (None, 0.0)  # the last batched step's key, and the time its rows alone cost beyond one
         self._capture_s = {}         # B -> host seconds of the last capture of a batched step of B rows
         self.batch_capture = "auto"  # "now": capture a new set of sessions at its first step (warm-up, benchmarks)
@@ -370,18 +356,48 @@ class CudaBackend:
 
     def mark(self, state):
         """Before a call whose rows may be partly rolled back (cuda_state.mark: snapshots what a call of up to
-        dspark_block_size + 1 rows can change)."""
-        return cuda_state.mark(state, self.cfg.dspark_block_size + 1, self.stream)
+        dspark_block_size + 1 rows can change). With graphs on the snapshot is lazy: the verify call's graph takes it
+        first, at the call's device positions (an eager call takes it before it runs)."""
+        return cuda_state.mark(state, self.cfg.dspark_block_size + 1, self.stream, lazy=self.graphs)
 
     def rollback(self, state, mark, kept_tokens):
-        """Keep only the first len(kept_tokens) rows fed since `mark` (cuda_state.rollback)."""
+        """Keep only the first len(kept_tokens) rows fed since `mark` (cuda_state.rollback). With graphs on, its
+        launches (ring slots, incomplete groups) replay a graph captured per (kept, fed) count and logged buffers."""
         kept = np.asarray(kept_tokens, dtype=np.int64)
         hist = mark.hist
         if self.geo is not None and len(kept):
             cids = np.where(kept == self.cfg.image_token_id, -1, self.ctx.token_map[kept]).astype(np.int64)
             _, hist = engram_hashes(cids, hist, self.geo, self.pad_cid)
         cuda_state.rollback(state, mark, len(kept), hist, self._ratios, self._pend_norm, self.cfg.norm_eps,
-                            self.stream)
+                            self.stream, launches=self._rollback_launches(state) if self.graphs else None)
+
+    def _rollback_launches(self, st):
+        """launches(n, fed) for cuda_state.rollback: `rollback_launches` replayed from a graph per (n, fed) and the
+        device buffers the call logged (its positions and compressor rows: a verify graph's, or an eager call's)."""
+        def launches(n, fed):
+            def run():
+                cuda_state.rollback_launches(st, n, fed, self._ratios, self._pend_norm, self.cfg.norm_eps,
+                                             self.stream)
+            logged = tuple(v.device_ctypes_pointer.value for l, pair in sorted(
+                (l, v) for l, v in st.log.items() if l != "pos") for v in pair)
+            key = ("rollback", n, fed, st.log["pos"].device_ctypes_pointer.value) + logged
+            if key not in st.graphs:
+                rb = [k for k in st.graphs if k[0] == "rollback"]
+                self._drop_graphs(st, lambda k: k in rb[:-24])        # the (n, fed) pairs of a few call shapes
+                graph, ran, _ = self._capture_or_run(run, "a rollback")
+                if graph is not None:
+                    graph.keep = [st.log["pos"], dict(st.log), st.snap]
+                    self.stats["graph_captures"] += 1
+                st.graphs[key] = graph
+                if ran:
+                    return
+            graph = st.graphs[key]
+            if graph is not None:
+                graph.launch()
+                self.stats["rollback_graph_replays"] += 1
+            else:
+                run()
+        return launches
 
     def synthetic_state(self, pos: int, seed: int = 0) -> CudaState:
         """A state as if `pos` tokens had been processed, with pseudo-random cache contents (the real-size
@@ -419,6 +435,9 @@ class CudaBackend:
             logits = self._decode(state, int(ids[0]))
             return ForwardOut(logits, self.d_feat_decode)
         T = len(ids)
+        if state.log is not None and not last_only and observer is None and state.calls == 0 \
+                and T <= self.cfg.dspark_block_size + 1:
+            return self._verify(state, ids)
         logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
             self.scr.clear()
@@ -438,7 +457,9 @@ class CudaBackend:
         return ForwardOut(logits, feat)
 
     def _plan(self, st, T, decode):
-        """Sizes of a call at the state's position (module docstring); grows the caches it will write."""
+        """Sizes of a call at the state's position (module docstring); grows the caches it will write. `decode`: the
+        sizes a captured graph replays at any position of the bucket (each compressor's latent rows bounded by
+        ceil(T / ratio), the readers' views bucketed), else the call's own."""
         if len(self.scr_var) >= _PRUNE_AT:                 # between calls: a capture must find the eager run's buffers
             self.scr_var.clear()
         c = _Call(T, st.pos, decode)
@@ -448,7 +469,7 @@ class CudaBackend:
                 continue
             l, ratio = r.layer, r.ratio
             g = (p0 + T) // ratio - p0 // ratio
-            c.gmax[l] = 1 if decode else g
+            c.gmax[l] = -(-T // ratio) if decode else g
             c.n_after[l] = st.ckv[l].n + g
             c.view[l] = _bucket(c.n_after[l], self.bucket_min_rows) if decode else c.n_after[l]
             for rows in (st.ckv, st.idxk):
@@ -477,6 +498,8 @@ class CudaBackend:
         for l, (codes, scales) in rows.items():
             c.engram[l] = (cuda.to_device(codes, stream=s), cuda.to_device(scales, stream=s))
         if st.log is not None:                             # a marked call: its positions for a rollback
+            if st.snap_pending:
+                cuda_state.snapshot_launches(st, p0, s)
             st.log["pos"] = c.pos
             st.calls += 1
         logits = self._body(st, c, rep, want, out, observer)
@@ -500,10 +523,9 @@ class CudaBackend:
         key = (self._rope_cap,) + self._graph_key(st, c)
         graph = st.graphs.get(key) if self.graphs else None
         if self.graphs and key not in st.graphs:           # a new bucket: capture first, run eagerly only if needed
-            for old in st.graphs.values():
-                self._close_graph(old)
+            self._drop_graphs(st, lambda k: not isinstance(k[0], str))
             graph, ran = self._capture(st, c)
-            st.graphs = {key: graph}                       # None: this bucket stays eager
+            st.graphs[key] = graph                         # None: this bucket stays eager
             if ran:                                        # this step already ran eagerly
                 self.stats["eager_steps"] += 1
                 self._commit(st, c)
@@ -516,6 +538,77 @@ class CudaBackend:
             self.stats["eager_steps"] += 1
         self._commit(st, c)
         return self.d_logits_decode
+
+    def _drop_graphs(self, st, which):
+        """Close and forget the session's captured graphs whose key satisfies `which` (decode keys start with the RoPE
+        capacity, a verify call's with "verify", a proposal's with "draft")."""
+        for k in [k for k in st.graphs if which(k)]:
+            self._close_graph(st.graphs.pop(k))
+
+    def _verify(self, st, ids):
+        """A marked call of T <= dspark_block_size + 1 rows (a speculative round's verification, every row's
+        logits): replayed from a graph captured per (T, bucket) on the session's state, like a decode step. The
+        call's rows come from host-mapped (position, token) rows and Engram staging (`_batch_io`), the
+        compressors' latent rows are bounded by ceil(T / ratio) and the views bucketed (`_plan(decode=True)`):
+        the kernels read the positions on the device, so the launches are the same at every position of the
+        bucket and the bits those of an eager call. The compressors' FP32 projections the rollback re-applies
+        are the buffers the captured launches write; they are logged again at each replay. With graphs off the
+        same launches run eagerly. Returns ForwardOut(logits [T, V], features [T, F]) in buffers the next verify
+        call of T rows overwrites."""
+        s, cfg = self.stream, self.cfg
+        T = len(ids)
+        self._rope_tables(st.pos + T)
+        c = self._plan(st, T, decode=True)
+        io = self._batch_io(T, kind="verify")
+        s.synchronize()                                    # the previous call may still read the mapped inputs
+        io["in"][:, 0] = np.arange(st.pos, st.pos + T)
+        io["in"][:, 1] = ids
+        n_cols = self.geo.n_cols if self.geo is not None else 0
+        for l, (codes, scales) in self._engram_host(st, ids).items():
+            io["engram"][l][0].host[:T * n_cols] = codes
+            io["engram"][l][1].host[:T * n_cols] = scales
+        c.pos, c.dead, c.feat = io["pos"], io["dead"], io["feat"]
+        c.engram = {l: (codes.dev, scales.dev) for l, (codes, scales) in io["engram"].items()}
+        st.log["pos"] = c.pos
+        st.calls += 1
+        snap = st.snap_pending                             # a lazy mark: the snapshot is this call's first launches
+        st.snap_pending = False
+        key = ("verify", self._rope_cap, T, snap) + self._graph_key(st, c)
+
+        def run():
+            step.batch_inputs(io["in_dev"], cfg.image_token_id, io["pos"], io["rep"], io["dead"], stream=s)
+            if snap:
+                cuda_state.snapshot_launches(st, io["pos"], s)
+            return self._body(st, c, io["rep"], "all", io["logits"], None)
+
+        ran = False
+        if not self.graphs:
+            run()
+            self.stats["eager_steps"] += 1
+            self._commit(st, c)
+            return ForwardOut(io["logits"], io["feat"])
+        if key not in st.graphs:                           # a new bucket or row count: capture, once
+            self._drop_graphs(st, lambda k: k[0] == "verify" and (k[1], k[4:]) != (key[1], key[4:]))
+            graph, ran, _ = self._capture_or_run(run, "a verify call")
+            if graph is not None:
+                graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                              dict(self._rope), io]
+                graph.log = {l: v for l, v in st.log.items() if l != "pos"}
+                self.stats["graph_captures"] += 1
+            st.graphs[key] = graph
+        graph = st.graphs[key]
+        if ran:
+            self.stats["eager_steps"] += 1
+        elif graph is not None:
+            st.log.update(graph.log)
+            graph.launch()
+            self.stats["graph_replays"] += 1
+            self.stats["verify_graph_replays"] += 1
+        else:
+            run()
+            self.stats["eager_steps"] += 1
+        self._commit(st, c)
+        return ForwardOut(io["logits"], io["feat"])
 
     def _decode_body(self, st, c):
         step.step_inputs(self.m_in, self.cfg.image_token_id, self.d_pos, self.d_rep, self.d_dead, stream=self.stream)
@@ -620,11 +713,12 @@ class CudaBackend:
         return tuple((l, c.view[l], st.ckv[l].buf.shape[0], st.idxk[l].buf.shape[0] if l in st.idxk else 0)
                      for l in sorted(c.view))
 
-    def _batch_io(self, B):
-        """The fixed inputs and outputs of a batched step of B rows (a replayed graph reads and writes these):
-        (position, token) rows in host-mapped memory, their device forms, the Engram rows' mapped staging, logits."""
-        if B in self._batch_ios:
-            return self._batch_ios[B]
+    def _batch_io(self, B, kind="batch"):
+        """The fixed inputs and outputs of a batched step of B rows, or (kind "verify") of a verify call of B rows (a
+        replayed graph reads and writes these): (position, token) rows in host-mapped memory, their device forms,
+        the Engram rows' mapped staging, logits, and a verify call's DSpark features."""
+        if (kind, B) in self._batch_ios:
+            return self._batch_ios[(kind, B)]
         cfg, s = self.cfg, self.stream
         m_in = _mapped((B, 2), np.int64)
         io = {"in": m_in.host, "in_dev": m_in.dev, "pos": cuda.device_array(B, np.int64, stream=s),
@@ -634,7 +728,9 @@ class CudaBackend:
         for l, (codes, scales) in self.m_engram.items():
             io["engram"][l] = (_mapped((B * self.geo.n_cols, codes.host.shape[1]), np.uint8),
                                _mapped((B * self.geo.n_cols, scales.host.shape[1]), np.uint8))
-        self._batch_ios[B] = io
+        io["feat"] = cuda.device_array((B, self.n_feat), np.float32, stream=s) \
+            if kind == "verify" and self.n_feat else None
+        self._batch_ios[(kind, B)] = io
         return io
 
     @staticmethod

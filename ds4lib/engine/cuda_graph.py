@@ -1,17 +1,36 @@
 """CUDA graphs for the CUDA backend: capture the launches a Python callable makes on a Numba stream, replay them.
 
-Owns `StepGraph`: `StepGraph.capture(stream, run)` records every launch `run()` issues on `stream` (nothing
-executes while capturing) through the CUDA runtime of `cuda.bindings`, instantiates the graph and keeps it;
-`launch()` replays it on the same stream (~1 µs per kernel node instead of Numba's ~17 µs eager launch);
-`nodes` counts its kernel and copy nodes. The caller keeps every device array the graph reads or writes alive for
-as long as the graph lives (`keep`), since a graph holds raw pointers. Capture uses the relaxed mode so that a
-launcher that happens to allocate a scratch array during capture still works; the backend warms every shape
-eagerly first, so none does in steady state.
-Not available under the CUDA simulator (no graphs there): `available()` says so.
+Owns `StepGraph`: `StepGraph.capture(stream, run)` records every launch `run()` issues on `stream` (nothing executes
+while capturing) through the CUDA runtime of `cuda.bindings`, instantiates the graph and keeps it; `launch()`
+replays it on the same stream (~1 µs per kernel node instead of Numba's ~17 µs eager launch); `nodes` counts its
+kernel and copy nodes; `mapped(shape, dtype)`: host-mapped memory the host writes a replayed graph's inputs into and
+its kernels read (`Mapped.host`, `Mapped.dev`). The caller keeps every device array the graph reads or writes alive
+for as long as the graph lives (`keep`), since a graph holds raw pointers. Capture uses the relaxed mode so that a
+launcher that happens to allocate a scratch array during capture still works; the backend warms every shape eagerly
+first, so none does in steady state. Not available under the CUDA simulator (no graphs there): `available()` says
+so.
 """
 from __future__ import annotations
 
-__all__ = ["StepGraph", "available"]
+__all__ = ["StepGraph", "Mapped", "available", "mapped"]
+
+
+class Mapped:
+    """Host-mapped memory: `host` (written by the host) and `dev` (a device array over the same bytes, read by
+    kernels; numba's mapped arrays cannot be re-viewed as device arrays directly)."""
+
+    def __init__(self, host, dev):
+        self.host, self.dev = host, dev
+
+
+def mapped(shape, dtype) -> Mapped:
+    from numba import cuda
+    from numba.cuda.core import config
+    host = cuda.mapped_array(shape, dtype)
+    if not config.ENABLE_CUDASIM:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        return Mapped(host, DeviceNDArray(host.shape, host.strides, host.dtype, gpu_data=host.gpu_data))
+    return Mapped(host, host)
 
 
 def _rt():

@@ -16,6 +16,9 @@ can touch:
   group to pool: the same writes a call of the kept rows makes).
 - caches: the row counts drop to the groups complete at the new position (rows past a count are never read).
 - Engram history and position: the marked history hashed forward over the kept tokens (by the caller), F + n.
+The device work is in launch-only functions (`snapshot_launches`, `rollback_launches`) that read the call's first
+position on the device, so the backend can replay them from CUDA graphs: a lazy mark leaves the snapshot to the
+call's own graph, and a rollback's launches are fixed by its (kept, fed) counts.
 The live content of a state (`host_arrays`: ring rows and slot positions, the incomplete group's rows, the cache rows
 in use, history, position) is what two states must share to give the same bits from then on.
 
@@ -32,8 +35,8 @@ from numba import cuda
 
 from kernels import compressor, window_snapshot
 
-__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "host_arrays", "clone", "nbytes",
-           "snapshot", "restore", "reset", "copy_into"]
+__all__ = ["CudaState", "CudaMark", "Rows", "new_state", "mark", "rollback", "snapshot_launches", "rollback_launches",
+           "host_arrays", "clone", "nbytes", "snapshot", "restore", "reset", "copy_into"]
 
 MIN_ROWS = 16                      # first capacity of a compressed-row cache
 
@@ -83,6 +86,7 @@ class CudaState:
     dring_host: np.ndarray | None = None
     dfeat_pend: object = None      # float32 [W, F]: features of decode steps not yet appended (slot p % W)
     dpend: list = field(default_factory=list)      # their positions, consecutive (cuda_dspark.CudaDraft.defer)
+    snap_pending: bool = False     # an open lazy mark whose snapshot the next call takes first (`mark`)
 
 
 @dataclass
@@ -114,8 +118,10 @@ def new_state(cfg, roles, call_rows: int, with_hist: bool, stream) -> CudaState:
     return CudaState(0, win, ring_pos, pkv, psc, ckv, idxk, hist, win_all, ring_pos_all)
 
 
-def mark(st: CudaState, rows: int, stream) -> CudaMark:
-    """Snapshot what a call of up to `rows` rows at st.pos can change, and open the compressors' row log."""
+def mark(st: CudaState, rows: int, stream, lazy: bool = False) -> CudaMark:
+    """Snapshot what a call of up to `rows` rows at st.pos can change, and open the compressors' row log. `lazy`:
+    the snapshot is left to the next call, which takes it first (`snapshot_launches` at its device positions: inside a
+    replayed verify graph); `st.snap_pending` says it is still to be taken."""
     L, _, dh = st.win_all.shape
     rows = min(int(rows), st.ring_pos_all.shape[1])
     if st.snap.get("rows") != rows:
@@ -123,17 +129,44 @@ def mark(st: CudaState, rows: int, stream) -> CudaMark:
                    "pos": cuda.device_array((L, rows), np.int64, stream=stream),
                    "pend": {l: (cuda.device_array_like(kv, stream=stream), cuda.device_array_like(kv, stream=stream))
                             for l, kv in st.pend_kv.items()}}
-    window_snapshot.window_save(st.win_all, st.ring_pos_all, st.pos, st.snap["win"], st.snap["pos"], stream=stream)
-    for l, (kv, sc) in st.snap["pend"].items():
-        kv.copy_to_device(st.pend_kv[l], stream=stream)
-        sc.copy_to_device(st.pend_sc[l], stream=stream)
     st.log, st.calls = {}, 0
+    st.snap_pending = bool(lazy)
+    if not lazy:
+        snapshot_launches(st, st.pos, stream)
     return CudaMark(st.pos, None if st.hist is None else st.hist.copy(), rows)
 
 
-def rollback(st: CudaState, mk: CudaMark, n: int, hist, ratios: dict, norm_w: dict, eps: float, stream) -> None:
+def snapshot_launches(st: CudaState, first, stream) -> None:
+    """A mark's snapshot: the ring slots of positions first .. first + S - 1 (`first` an int, or the device positions
+    of the call about to run) and each ratio > 1 compressor's incomplete group. Launches only (a graph may hold
+    them)."""
+    window_snapshot.window_save(st.win_all, st.ring_pos_all, first, st.snap["win"], st.snap["pos"], stream=stream)
+    for l, (kv, sc) in st.snap["pend"].items():
+        kv.copy_to_device(st.pend_kv[l], stream=stream)
+        sc.copy_to_device(st.pend_sc[l], stream=stream)
+    st.snap_pending = False
+
+
+def rollback_launches(st: CudaState, n: int, fed: int, ratios: dict, norm_w: dict, eps: float, stream) -> None:
+    """The device part of `rollback` keeping n of the fed rows (n < fed): the rejected rows' ring slots put back (the
+    call's first position read from its logged device positions), the incomplete groups restored and the kept rows'
+    state update re-applied. Launches only, their shapes fixed by (n, fed): a graph may hold them."""
+    window_snapshot.window_restore(st.snap["win"], st.snap["pos"], st.log["pos"], n, fed, st.win_all,
+                                   st.ring_pos_all, stream=stream)
+    for l, (kv, sc) in st.snap["pend"].items():
+        st.pend_kv[l].copy_to_device(kv, stream=stream)
+        st.pend_sc[l].copy_to_device(sc, stream=stream)
+        if n:
+            lkv, lsc = st.log[l]
+            compressor.compress(lkv[:n], lsc[:n], st.pend_kv[l], st.pend_sc[l], st.log["pos"][:n], ratios[l],
+                                norm_w[l], eps, 0, out=None, stream=stream)
+
+
+def rollback(st: CudaState, mk: CudaMark, n: int, hist, ratios: dict, norm_w: dict, eps: float, stream,
+             launches=None) -> None:
     """Keep the first n rows fed since `mk` (module docstring). `hist`: the Engram history after the kept tokens;
-    `ratios`: compressor layer -> ratio; `norm_w`: compressor layer -> its norm weight (the launcher checks shapes)."""
+    `ratios`: compressor layer -> ratio; `norm_w`: compressor layer -> its norm weight (the launcher checks shapes).
+    `launches(n, fed)`: runs `rollback_launches` (the backend replays them from a graph); default: eagerly."""
     if st.log is None:
         raise ValueError("rollback without a mark (or the mark was already rolled back)")
     fed = st.pos - mk.pos
@@ -144,21 +177,16 @@ def rollback(st: CudaState, mk: CudaMark, n: int, hist, ratios: dict, norm_w: di
                          f"can be rolled back")
     end = mk.pos + n
     if n < fed:
-        window_snapshot.window_restore(st.snap["win"], st.snap["pos"], mk.pos, n, fed, st.win_all, st.ring_pos_all,
-                                       stream=stream)
-        for l, (kv, sc) in st.snap["pend"].items():
-            st.pend_kv[l].copy_to_device(kv, stream=stream)
-            st.pend_sc[l].copy_to_device(sc, stream=stream)
-            if n:
-                lkv, lsc = st.log[l]
-                compressor.compress(lkv[:n], lsc[:n], st.pend_kv[l], st.pend_sc[l], st.log["pos"][:n], ratios[l],
-                                    norm_w[l], eps, 0, out=None, stream=stream)
+        if launches is None:
+            rollback_launches(st, n, fed, ratios, norm_w, eps, stream)
+        else:
+            launches(n, fed)
         for caches in (st.ckv, st.idxk):
             for l, r in caches.items():
                 r.n = min(r.n, end // ratios[l])
     st.hist = hist
     st.pos = end
-    st.log, st.calls = None, 0
+    st.log, st.calls, st.snap_pending = None, 0, False
 
 
 def host_arrays(st: CudaState, ratios: dict) -> dict:
@@ -307,7 +335,7 @@ def clone(st: CudaState, stream) -> CudaState:
                     {l: dup(a) for l, a in st.pend_kv.items()}, {l: dup(a) for l, a in st.pend_sc.items()},
                     caches[0], caches[1], None if st.hist is None else st.hist.copy(), win_all, ring_pos_all,
                     log=None if st.log is None else dict(st.log), calls=st.calls,
-                    snap=st.snap if st.log is not None else {})
+                    snap=st.snap if st.log is not None else {}, snap_pending=st.snap_pending)
     if st.dwin_all is not None:
         out.dwin_all, out.dring_pos_all, out.dring_host = dup(st.dwin_all), dup(st.dring_pos_all), st.dring_host.copy()
         out.dfeat_pend, out.dpend = dup(st.dfeat_pend), list(st.dpend)

@@ -5,7 +5,8 @@ exactly.
 A round, with the target having fed positions < F and `a` the pending token for position F:
   1. propose: the draft stages over [a, noise...] give draft logits and a confidence logit c_j per block position;
      the drafts d_1..d_B are their argmax (greedy) or are drawn from the draft distribution q_j at the request's
-     temperature and truncation (ds4lib.ref.sampling.probabilities) with the Markov bias following the drawn token.
+     temperature and truncation (`DraftDraw`: the sampler of ds4lib.ref.sampling, Gumbel-max over the kept tokens,
+     whose distribution is ds4lib.ref.sampling.probabilities) with the Markov bias following the drawn token.
   2. k from the Scheduler (never changes a greedy token: any k gives plain greedy's output).
   3. mark the state, forward [a, d_1..d_k] at F..F+k: target rows p_0..p_k.
   4. greedy: d_j kept while it is the argmax of p_{j-1}; the first mismatch yields that argmax instead. Sampled:
@@ -13,16 +14,19 @@ A round, with the target having fed positions < F and `a` the pending token for 
      normalise(max(0, p_{j-1} - q_j)) replaces it (`verify_rows`). All k kept: one more token from p_k.
   5. roll the state back to the kept rows (a, d_1..d_n) and append their DSpark context rows (erratum E2: accepted
      positions only). The last token becomes the next round's `a`.
-Every random number is the uniform of (seed, position, purpose) (`stream_uniform`), purposes DRAFT / ACCEPT /
-RESIDUAL / BONUS; the first token after the prompt is plain decoding's own (step 0), so it is the same token for a
-seed with or without speculation.
+Every random number is a uniform of (seed, position, purpose): `stream_uniform` for the acceptance and the residual
+draw, the sampler's per-token uniforms of step purpose << 56 | position for drafts (DRAFT) and the bonus token
+(BONUS); the first token after the prompt is plain decoding's own (step 0), so it is the same token for a seed with
+or without speculation.
 
-The backend contract (`supports`): propose(state, anchor, start_pos, pick) -> Proposal, mark(state),
+The backend contract (`supports`): propose(state, anchor, start_pos, draw) -> Proposal (draw None: greedy; a
+`DraftDraw`: sampled drafts, drawn by the backend where the logits are), mark(state),
 rollback(state, mark, kept_tokens), append_context(state, features, positions), plus forward / to_host / sample. A
 backend without them decodes plainly; a backend may verify with its own multi-row kernels behind `forward`. The CPU
 backend runs the reference; the CUDA backend drafts on the device (cuda_dspark), rolls its device state back
-(cuda_state) and verifies through its multi-row forward, with acceptance decided here on host copies of the target
-rows (the device sampler draws the bonus token).
+(cuda_state) and verifies through its multi-row forward (all three replayed from captured graphs: the proposal with
+its sampled drafts drawn inside, by the device sampler), with acceptance decided here on host copies of the target
+and draft rows (the device sampler draws the bonus token from the verify call's own row).
 
 Shapes: B block size, k drafted tokens verified, V vocab.
 """
@@ -34,9 +38,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ds4lib.ref.sampling import probabilities, uniforms
+from ds4lib.ref.sampling import sample as ref_sample
 
 __all__ = ["SPEC_METHODS", "supports", "stream_uniform", "draw", "accept_draft", "residual", "verify_rows",
-           "SpecStats", "Scheduler", "generate_speculative", "DRAFT", "ACCEPT", "RESIDUAL", "BONUS"]
+           "DraftDraw", "SpecStats", "Scheduler", "generate_speculative", "DRAFT", "ACCEPT", "RESIDUAL", "BONUS"]
 
 SPEC_METHODS = ("propose", "mark", "rollback", "append_context")
 DRAFT, ACCEPT, RESIDUAL, BONUS = 1, 2, 3, 4
@@ -94,6 +99,38 @@ def verify_rows(target, drafts, q_rows, params, seed: int, first_pos: int, sampl
         if not accept_draft(p, q_rows[j], drafts[j], stream_uniform(seed, pos, ACCEPT)):
             return j, draw(residual(p, q_rows[j]), stream_uniform(seed, pos, RESIDUAL))
     return k, sample_bonus(target[k], first_pos + k)
+
+
+@dataclass(frozen=True)
+class DraftDraw:
+    """How a sampled request's drafts are drawn: the token of block row i of a proposal after start_pos (it predicts
+    position start_pos + 2 + i) is ds4lib.ref.sampling.sample of the row's draft logits at the request's temperature
+    and truncation, seed `seed`, step `step(start_pos + 2 + i)`: Gumbel-max over the kept tokens, i.e. a draw from
+    q = probabilities(row). The CPU backend draws on the host (`host_pick`), the CUDA backend with its device sampler
+    (the same semantics, the same token)."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+
+    @classmethod
+    def of(cls, params, seed: int) -> "DraftDraw":
+        return cls(float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p), int(seed))
+
+    @staticmethod
+    def step(position: int) -> int:
+        return (DRAFT << _PURPOSE_SHIFT) | int(position)
+
+    def host_pick(self, start_pos: int):
+        """pick(row) -> token for ds4lib.ref.dspark.draft_tokens, rows in block order."""
+        rows = []
+
+        def pick(row):
+            rows.append(None)
+            return ref_sample(row, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p, seed=self.seed, step=self.step(start_pos + 1 + len(rows)))
+        return pick
 
 
 @dataclass
@@ -154,7 +191,8 @@ class Scheduler:
     floor plus one-off delays: the first step of a new cache bucket captures a CUDA graph, a kernel compiles, the
     collector runs; a mean let one such step make plain decoding look slow for the rest of a request): c_draft of
     the draft rounds, c_plain of the plain steps, and the line c_v1 + c_tok * rows fitted by least squares to the
-    verify time at each row count (a plain step counts as one row). rho = (first-position hits + m) / (sum of
+    verify time at each row count (a round's whole cost after its proposal: mark, verify call, acceptance, rollback
+    and the kept rows' context; a plain step counts as one row). rho = (first-position hits + m) / (sum of
     sigmoid(c_1) over the request's rounds + m), m the request's mean sigmoid(c_1): one pseudo-round at the request's
     own confidence keeps a first miss from setting rho to 0 for good and weighs as one round (a pseudo-round of
     confidence 1 weighed 1 / m rounds, 2-6 with ds4-tiny's underconfident heads, and held rho near 1 for the few
@@ -341,33 +379,32 @@ def _round(engine, s, anchor, params, seed, sched, stats, kmax):
     from ds4lib.engine.engine import EOS
     backend = engine.backend
     F = s.position
-    q_rows = []
-
-    def pick(row):
-        q = probabilities(row, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                          min_p=params.min_p)
-        q_rows.append(q)
-        return draw(q, stream_uniform(seed, F + len(q_rows), DRAFT))
-
+    sampled = params.temperature != 0
     t0 = _now()
-    prop = backend.propose(s.state, anchor, F - 1, None if params.temperature == 0 else pick)
+    prop = backend.propose(s.state, anchor, F - 1, DraftDraw.of(params, seed) if sampled else None)
     conf = np.asarray(prop.confidence, dtype=np.float64)
     sched.observe_draft(_now() - t0, conf)
     k = sched.choose(conf, kmax)
     drafts = [int(t) for t in prop.tokens[1:1 + k]]
+    q_rows = []
+    if sampled and k:                              # the distributions the drafts were drawn from
+        draft_logits = backend.to_host(prop.logits)
+        q_rows = [probabilities(draft_logits[j], temperature=params.temperature, top_k=params.top_k,
+                                top_p=params.top_p, min_p=params.min_p) for j in range(k)]
     rows = [int(anchor)] + drafts
     engine._check_tokens(rows)
     engine._check_room(s, len(rows))
+    t0 = _now()                                    # the verify cost: mark to the kept rows' context, all of it
     mark = backend.mark(s.state)
-    t0 = _now()
     out = backend.forward(s.state, rows)
     target = backend.to_host(out.logits)
-    dt = _now() - t0
-    n, nxt = verify_rows(target, drafts, q_rows, params, seed, F + 1, _bonus(backend, params, seed))
-    sched.observe_verify(len(rows), dt, conf, n)
+    bonus = _bonus(backend, params, seed)
+    n, nxt = verify_rows(target, drafts, q_rows, params, seed, F + 1,
+                         lambda row, position: bonus(out.logits[k], position))   # the row where it lives
     kept = rows[:1 + n]
     backend.rollback(s.state, mark, kept)
     backend.append_context(s.state, out.features[:1 + n], np.arange(F, F + 1 + n))
+    sched.observe_verify(len(rows), _now() - t0, conf, n)
     s.tokens.extend(kept)
     stats.observe_round(k, n)
     new = drafts[:n] + [int(nxt)]

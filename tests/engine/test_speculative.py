@@ -90,7 +90,8 @@ def test_greedy_is_token_identical_to_plain_for_every_k(engine, text):
         got = list(engine.generate_ids(ids, SamplingParams(temperature=0, max_tokens=14, draft_k=k)))
         assert got == plain, f"k={k}"
         st = engine.last_spec_stats
-        assert st.rounds > 0 and st.drafted > 0
+        if k is not None:                           # the scheduler (k None) may measure that plain steps win
+            assert st.rounds > 0 and st.drafted > 0, f"k={k}"
     assert engine.spec_stats.accepted > 0           # the accept path ran, not only rejections
 
 

@@ -184,6 +184,16 @@ def _check_draft(cpu, cuda, prompt, anchor, with_pick, prefilled=None):
         np.testing.assert_array_equal(pp.tokens, pg.tokens)
         assert len(seen) == B
         np.testing.assert_array_equal(np.stack(seen), gb.to_host(pg.logits))
+        # sampled drafts drawn by the device sampler: each the reference sampler's token of the same draft row
+        from ds4lib.engine.speculative import DraftDraw
+        from ds4lib.ref.sampling import sample as ref_sample
+        draw = DraftDraw(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0, seed=5)
+        ps = gb.draft.propose(gs, anchor, n - 1, pick=draw)
+        rows = gb.to_host(ps.logits)
+        for i in range(B):
+            assert ps.tokens[i + 1] == ref_sample(rows[i], temperature=1.0, top_p=0.9, seed=5,
+                                                  step=draw.step(n + 1 + i)), f"sampled draft {i}"
+        np.testing.assert_array_equal(gb.to_host(ps.base_logits), gb.to_host(pg.base_logits))
     return compared
 
 
@@ -338,3 +348,84 @@ def test_gpu_sampled_speculative_runs_and_keeps_plain_first_token(tiny_cuda):
         assert a == list(e.generate_ids(ids, SamplingParams(draft_k=2, **p)))
         assert a[0] == list(e.generate_ids(ids, SamplingParams(draft_k=0, **p)))[0]
     assert acc > 0 or e.cfg.vocab_size < 8192
+
+
+@pytest.mark.cuda
+def test_gpu_verify_calls_and_proposals_replay_their_graphs_bit_for_bit(tiny_cuda):
+    """A speculative round's two device calls replayed from captured graphs: a marked verify call of T = 1 .. B + 1
+    rows (bounded compressor rows, bucketed views) gives the eager launches' logits and features bit for bit, and the
+    logits of an unmarked call of the same rows; a greedy and a sampled proposal (whole, the drafts drawn by the device
+    sampler) and one with a host pick (its stages and base logits) give the eager drafts, confidences and draft
+    logits; a rollback keeping any number of rows, and a context append, leave the state of the eager path. Each graph
+    is captured once and then replayed."""
+    from ds4lib.engine.cuda_state import clone
+    be = tiny_cuda.backend
+    assert be.graphs, "CUDA graphs are not available on this machine"
+    cfg, s, B = tiny_cuda.cfg, be.stream, tiny_cuda.cfg.dspark_block_size
+    prompt = _prompt(tiny_cuda, 1)
+    base = be.new_state()
+    out = be.forward(base, prompt, last_only=True)
+    be.append_context(base, out.features, np.arange(len(prompt)))
+    rng = np.random.default_rng(7)
+    replays0 = dict(be.stats)
+    try:
+        for T in range(1, B + 2):
+            rows = [int(t) for t in rng.integers(9, cfg.vocab_size - 1, T)]
+            be.graphs = False
+            st = clone(base, s)
+            mk = be.mark(st)
+            got = be.forward(st, rows)
+            want_lg, want_ft = be.to_host(got.logits).copy(), be.to_host(got.features).copy()
+            be.rollback(st, mk, rows[:0])
+            be.graphs = True
+            st = clone(base, s)
+            for keep in range(T + 1):
+                kept = clone(base, s)                  # the state of feeding only the kept rows (an unmarked call)
+                if keep:
+                    be.forward(kept, rows[:keep])
+                for rep in range(2):                   # capture (lazy mark, verify, rollback), then replays
+                    cuda_state.copy_into(st, base, s)  # in place: the state's graphs stay
+                    mk = be.mark(st)
+                    got = be.forward(st, rows)
+                    what = f"T={T} keep {keep} rep {rep}"
+                    np.testing.assert_array_equal(be.to_host(got.logits), want_lg, err_msg=what)
+                    np.testing.assert_array_equal(be.to_host(got.features), want_ft, err_msg=what)
+                    be.rollback(st, mk, rows[:keep])
+                    _assert_live_equal(be, st, kept, what)
+            plain = clone(base, s)
+            np.testing.assert_array_equal(be.to_host(be.forward(plain, rows).logits), want_lg, err_msg=f"T={T} chunk")
+        grew = {k: be.stats[k] - replays0[k] for k in ("verify_graph_replays", "rollback_graph_replays")}
+        assert grew["verify_graph_replays"] >= sum(2 * T + 1 for T in range(1, B + 2)), grew
+        assert grew["rollback_graph_replays"] >= sum(T for T in range(1, B + 2)), grew
+
+        def pick(row):                                 # a deterministic host draw: the second-best token
+            return int(np.argsort(row, kind="stable")[-2])
+        from ds4lib.engine.speculative import DraftDraw
+        for draw in (None, pick, DraftDraw(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0, seed=3)):
+            want = []
+            for mode in (False, True, True, True):
+                be.graphs = mode
+                st = clone(base, s) if mode is False or not want[1:] else st
+                prop = be.propose(st, 77, len(prompt) - 1, draw)
+                want.append((prop.tokens.copy(), np.asarray(prop.confidence).copy(), be.to_host(prop.logits).copy()))
+            for i, (tok, conf, lg) in enumerate(want[1:]):
+                np.testing.assert_array_equal(tok, want[0][0], err_msg=f"{draw} rep {i}")
+                np.testing.assert_array_equal(conf, want[0][1], err_msg=f"{draw} rep {i}")
+                np.testing.assert_array_equal(lg, want[0][2], err_msg=f"{draw} rep {i}")
+        assert be.stats["draft_graph_replays"] - replays0["draft_graph_replays"] >= 6
+        # context rows of a round's kept rows (T <= B + 1) replay their graphs; the rings equal an eager append's
+        feats = be.to_host(be.forward(clone(base, s), [5] * (B + 1)).features).copy()
+        P = np.arange(len(prompt), len(prompt) + B + 1)
+        for T in (1, B + 1):
+            be.graphs = False
+            want_st = clone(base, s)
+            be.append_context(want_st, feats[:T], P[:T])
+            be.graphs = True
+            st = clone(base, s)
+            for rep in range(2):
+                cuda_state.copy_into(st, base, s)
+                be.append_context(st, feats[:T], P[:T])
+                _assert_live_equal(be, st, want_st, f"context rows T={T} rep {rep}")
+        assert be.stats["ctx_graph_replays"] - replays0["ctx_graph_replays"] >= 2
+    finally:
+        be.graphs = True
