@@ -315,8 +315,9 @@ def run_mode(backend, ctx, mode):
 def verify_cost(backend, ctx, rows_list, reps):
     """The verify call of a speculative round at context `ctx` for each T in rows_list (on the GPU only: main() skips
     it in the simulator run): mark, forward of T rows (all logits, as the verify takes them), rollback of every row,
-    so each call starts from the same state. Per T: the wall time of the eager calls and their summed kernel time from
-    a CUPTI trace (None without torch): the latter is what a graph-replayed verify would cost at best. Returns (rows,
+    so each call starts from the same state. Per T: the wall time of the calls (eager launches, or with graphs on the
+    verify graph captured by the warm call and replayed) and their summed kernel time from a CUPTI trace (None
+    without torch): the latter is what a replayed verify costs at best. Returns (rows,
     fit): fit = {c_v1_ms, c_tok_ms, of}, the least-squares line cost = c_v1 + c_tok * T (T = 1 + k: issue 13's
     scheduler cost line) through the kernel times (or the wall times without a trace)."""
     st = backend.synthetic_state(ctx, seed=ARGS.seed)
@@ -513,11 +514,11 @@ def main():
                   "compressed rows, a different count from the publisher's, which a multi-row call refuses; V4.1's "
                   "consumers read the publisher's layer)", file=sys.stderr, flush=True)
         elif ARGS.verify_rows:
-            print(f"context {ctx}: verify calls", file=sys.stderr, flush=True)
-            vr, fit = verify_cost(backends["eager"], ctx, [int(v) for v in ARGS.verify_rows.split(",")],
-                                  ARGS.verify_reps)
-            emit({"kind": "verify", "context": ctx, "calls": vr, "fit": fit,
-                  "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
+            for mode, backend in backends.items():    # eager launches, and (graph) replayed verify graphs
+                print(f"context {ctx}: verify calls ({mode})", file=sys.stderr, flush=True)
+                vr, fit = verify_cost(backend, ctx, [int(v) for v in ARGS.verify_rows.split(",")], ARGS.verify_reps)
+                emit({"kind": "verify", "context": ctx, "mode": mode, "calls": vr, "fit": fit,
+                      "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
     if ARGS.batch_rows:
         backend = backends.get("graph", backends["eager"])
         ctx = ARGS.contexts[0]
