@@ -24,6 +24,9 @@ still lets a disallowed NaN or +inf through as +inf, so the non-finite rule sees
 row whose allowed logits are all -inf gets -1 too. Without `mask` the kernels take their unmasked path (`use_mask`
 is a launch argument, the mask a 1 x 1 placeholder).
 
+`truncate` runs steps 1 and 2 alone and returns the per-row state (max, argmax, thresholds): kernels.spec_accept
+reads the kept sets of a speculative round's target and draft rows from it.
+
 Shapes: B rows, V vocab, NB = ceil(V / chunk) blocks per row.
 """
 import math
@@ -34,8 +37,8 @@ from numba import cuda
 from kernels.bf16 import f32_bits
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["sample", "sample_max_kernel", "sample_reduce_kernel", "sample_hist_kernel", "sample_scan_kernel",
-           "sample_gumbel_kernel", "sample_pick_kernel", "philox_uniform_device", "SIGNATURES"]
+__all__ = ["sample", "truncate", "sample_max_kernel", "sample_reduce_kernel", "sample_hist_kernel",
+           "sample_scan_kernel", "sample_gumbel_kernel", "sample_pick_kernel", "philox_uniform_device", "SIGNATURES"]
 
 THREADS = 128
 WARP = 32
@@ -373,6 +376,40 @@ SIGNATURES = {
 
 
 
+def truncate(logits, *, temperature=1.0, top_k=0, top_p=1.0, mask=None, chunk=CHUNK, tokens=None, scratch=None,
+             name="", stream=0):
+    """The passes before the draw (steps 1 and 2 of the module docstring) over logits [B, V] float32: per row the max
+    and first argmax (tokens [B] int64; -1 for a non-finite row) and the truncation thresholds. Returns (st, stf,
+    tokens): st int64 [B, N_STATE] (S_THETA_K, S_THETA_P: order keys a kept logit reaches; S_ARGMAX), stf float64
+    [B, 2] (F_MAX: the row max). Scratch entries are named with the prefix `name` (two truncations alive at once)."""
+    n_rows, n_vocab = tuple(logits.shape)
+    use_mask = mask is not None
+    if tokens is None:
+        tokens = cuda.device_array(n_rows, np.int64, stream=stream)
+    if not use_mask:
+        mask = _scratch(scratch, "no_mask", (1, 1), np.int32, stream)
+    nb = math.ceil(n_vocab / chunk)
+    part_v = _scratch(scratch, name + "part_v", (n_rows, nb), np.float64, stream)
+    part_i = _scratch(scratch, name + "part_i", (n_rows, nb), np.int64, stream)
+    st = _scratch(scratch, name + "state", (n_rows, N_STATE), np.int64, stream)
+    stf = _scratch(scratch, name + "state_f", (n_rows, 2), np.float64, stream)
+    hist_cnt = _scratch(scratch, "hist_cnt", (n_rows, BINS), np.int32, stream)
+    hist_w = _scratch(scratch, "hist_w", (n_rows, BINS), np.int64, stream)
+    sample_max_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, part_v, part_i)
+    sample_reduce_kernel[n_rows, THREADS, stream](part_v, part_i, st, stf, hist_cnt, hist_w, tokens)
+    if temperature == 0:
+        return st, stf, tokens
+    use_top_k = 0 < top_k < n_vocab
+    phases = ([PHASE_K] if use_top_k else []) + ([PHASE_P] if top_p < 1.0 else [])
+    for phase in phases:
+        for pass_id in range(3):
+            sample_hist_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, float(temperature), st,
+                                                              stf, pass_id, hist_cnt, hist_w)
+            sample_scan_kernel[n_rows, THREADS, stream](hist_cnt, hist_w, pass_id, phase, int(top_k), float(top_p),
+                                                        use_top_k, st, stf)
+    return st, stf, tokens
+
+
 def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, mask=None, chunk=CHUNK,
            out=None, kept=None, scratch=None, stream=0):
     """logits [B, V] float32, seeds [B] and steps [B] int64 (>= 0) -> tokens [B] int64 on the device; -1 for a
@@ -396,27 +433,15 @@ def sample(logits, seeds, steps, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0
         out = cuda.device_array(n_rows, np.int64, stream=stream)
     if n_rows == 0:
         return out
+    st, stf, _ = truncate(logits, temperature=temperature, top_k=top_k, top_p=top_p, mask=mask, chunk=chunk,
+                          tokens=out, scratch=scratch, stream=stream)
+    if temperature == 0:
+        return out
     if not use_mask:
         mask = _scratch(scratch, "no_mask", (1, 1), np.int32, stream)
     nb = math.ceil(n_vocab / chunk)
     part_v = _scratch(scratch, "part_v", (n_rows, nb), np.float64, stream)
     part_i = _scratch(scratch, "part_i", (n_rows, nb), np.int64, stream)
-    st = _scratch(scratch, "state", (n_rows, N_STATE), np.int64, stream)
-    stf = _scratch(scratch, "state_f", (n_rows, 2), np.float64, stream)
-    hist_cnt = _scratch(scratch, "hist_cnt", (n_rows, BINS), np.int32, stream)
-    hist_w = _scratch(scratch, "hist_w", (n_rows, BINS), np.int64, stream)
-    sample_max_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, part_v, part_i)
-    sample_reduce_kernel[n_rows, THREADS, stream](part_v, part_i, st, stf, hist_cnt, hist_w, out)
-    if temperature == 0:
-        return out
-    use_top_k = 0 < top_k < n_vocab
-    phases = ([PHASE_K] if use_top_k else []) + ([PHASE_P] if top_p < 1.0 else [])
-    for phase in phases:
-        for pass_id in range(3):
-            sample_hist_kernel[(nb, n_rows), THREADS, stream](logits, chunk, mask, use_mask, float(temperature), st,
-                                                              stf, pass_id, hist_cnt, hist_w)
-            sample_scan_kernel[n_rows, THREADS, stream](hist_cnt, hist_w, pass_id, phase, int(top_k), float(top_p),
-                                                        use_top_k, st, stf)
     write_kept = kept is not None
     if write_kept and tuple(kept.shape) != (n_rows, n_vocab):
         raise ValueError(f"sample: kept must be uint8 [{n_rows}, {n_vocab}]")

@@ -1,7 +1,7 @@
 """Where a speculative round's time goes on a backend (issue 13): the engine's speculative generation with every
-backend call it makes (propose, mark, forward, to_host, rollback, append_context, sample) and the host acceptance
-(speculative.verify_rows) timed with the stream synchronised after each, summed per call kind over one long
-generation after a warm-up generation of the same prompt.
+backend call it makes (propose, mark, forward, to_host, accept_rows, rollback, append_context, sample) and the host
+acceptance (speculative.verify_rows, the CPU path) timed with the stream synchronised after each, summed per call
+kind over one long generation after a warm-up generation of the same prompt.
 
     python bench/dev/spec_round_profile.py --cuda [--temps 0,1] [-n 256] [--draft-k 4] [--out FILE.json]
 
@@ -20,7 +20,7 @@ from ds4lib.corpus.slices import load_slice
 from ds4lib.engine import Engine, SamplingParams
 from ds4lib.engine import speculative
 
-KINDS = ("propose", "mark", "forward", "to_host", "rollback", "append_context", "sample")
+KINDS = ("propose", "mark", "forward", "to_host", "accept_rows", "rollback", "append_context", "sample")
 
 
 def main():
@@ -53,7 +53,8 @@ def main():
             return out
         setattr(obj, name, timed)
     for k in KINDS:
-        wrap(be, k, k)
+        if callable(getattr(be, k, None)):
+            wrap(be, k, k)
     wrap(speculative, "verify_rows", "verify_rows (host)")
     ids = [int(t) for t in load_slice("english/judge").tokens[0][:48]]
     results = []

@@ -72,7 +72,7 @@ from ds4lib.ref.rope import rope_freqs
 from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
 from kernels import (attention, compressor, dspark, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling,
-                     step, vq_gemv)
+                     spec_accept, step, vq_gemv)
 
 __all__ = ["CudaBackend", "CudaState"]
 
@@ -170,9 +170,12 @@ class CudaBackend:
         self.bucket_min_rows = BUCKET_MIN_ROWS
         self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0,
                       "sample_graph_replays": 0, "batch_graph_replays": 0, "verify_graph_replays": 0,
-                      "draft_graph_replays": 0, "ctx_graph_replays": 0, "rollback_graph_replays": 0}
+                      "draft_graph_replays": 0, "ctx_graph_replays": 0, "rollback_graph_replays": 0,
+                      "accept_graph_replays": 0}
         self._sample_graphs = {}     # sampling parameters -> the device sampler over the decode row, captured
         self._batch_graphs = {}      # (rope, B, each session and its bucket) -> a batched decode step, captured
+        self._accept_graphs = {}     # (k, sampling parameters, row buffers) -> a round's device acceptance, captured
+        self._accept_io = None       # its mapped inputs (seed, first position, bonus step) and output (n, token)
         self._batch_ios = {}         # (kind, B) -> the batched step's fixed inputs and outputs (`_batch_io`)
         self._batch_excess = (None, 0.0)  # the last batched step's key, and the time its rows alone cost beyond one
         self._capture_s = {}         # B -> host seconds of the last capture of a batched step of B rows
@@ -312,6 +315,63 @@ class CudaBackend:
     def propose(self, state, anchor, start_pos, pick=None):
         """The DSpark proposal after positions <= start_pos with `anchor` at start_pos + 1 (cuda_dspark)."""
         return self.draft.propose(state, anchor, start_pos, pick)
+
+    def accept_rows(self, logits, prop, drafts, params, seed, first_pos):
+        """(n kept, next token) of a speculative round decided on the device (kernels.spec_accept, the semantics of
+        speculative.verify_rows): the verify call's rows `logits` [k + 1, V], the proposal's draft rows (device), the
+        k drafts verified (host ints, written to mapped memory), the request's sampling parameters and seed, the
+        first draft's position. Replayed from a graph per (k, parameters, row buffers); the host reads back two
+        integers."""
+        from ds4lib.engine.speculative import BONUS
+        s = self.stream
+        k = len(drafts)
+        if self._accept_io is None:
+            B = self.cfg.dspark_block_size
+            self._accept_io = (_mapped((3,), np.int64), _mapped((2,), np.int64), _mapped((max(B, 1),), np.int64))
+        m_in, m_out, m_drafts = self._accept_io
+        if k > m_drafts.host.shape[0] or tuple(logits.shape) != (k + 1, self.cfg.vocab_size):
+            raise ValueError(f"accept_rows: {k} drafts (at most {m_drafts.host.shape[0]}) and logits "
+                             f"{tuple(logits.shape)} of k + 1 rows")
+        s.synchronize()                                    # a previous replay may still read the mapped inputs
+        m_in.host[:] = [int(np.array([int(seed) & (2 ** 64 - 1)], np.uint64).view(np.int64)[0]), int(first_pos),
+                        (BONUS << 56) | (int(first_pos) + k)]
+        m_drafts.host[:k] = drafts
+        drafts = m_drafts.dev
+        pkey = (float(params.temperature), int(params.top_k), float(params.top_p), float(params.min_p))
+        key = (k,) + pkey + tuple(a.device_ctypes_pointer.value for a in (logits, prop.logits, drafts))
+
+        def run():
+            spec_accept.accept(logits, prop.logits, drafts, k, m_in.dev, temperature=pkey[0], top_k=pkey[1],
+                               top_p=pkey[2], min_p=pkey[3], out=m_out.dev, scratch=self.scr, stream=s)
+
+        if not self.graphs:
+            run()
+        else:
+            if key not in self._accept_graphs:
+                if len(self._accept_graphs) >= _SAMPLE_GRAPHS:
+                    self._close_graph(self._accept_graphs.pop(next(iter(self._accept_graphs))))
+                graph, ran, _ = self._capture_or_run(run, "a speculative acceptance")
+                if graph is not None:
+                    graph.keep = [list(self.scr.values()), logits, prop.logits, self._accept_io]
+                    self.stats["graph_captures"] += 1
+                self._accept_graphs[key] = graph
+                if not ran:
+                    self._launch_or_run(graph, run)
+            else:
+                self._launch_or_run(self._accept_graphs[key], run)
+        s.synchronize()
+        n, tok = int(m_out.host[0]), int(m_out.host[1])
+        if tok < 0:
+            check_finite(self.to_host(logits))         # raises NonFiniteLogits, naming what the rows hold
+            raise NonFiniteLogits("the device acceptance found a non-finite logits row")
+        return n, tok
+
+    def _launch_or_run(self, graph, run):
+        if graph is not None:
+            graph.launch()
+            self.stats["accept_graph_replays"] += 1
+        else:
+            run()
 
     def append_context(self, state, features, positions):
         """DSpark context rows of fed positions from their features (ForwardOut.features) (cuda_dspark); a decode

@@ -11,22 +11,24 @@ A round, with the target having fed positions < F and `a` the pending token for 
   3. mark the state, forward [a, d_1..d_k] at F..F+k: target rows p_0..p_k.
   4. greedy: d_j kept while it is the argmax of p_{j-1}; the first mismatch yields that argmax instead. Sampled:
      d_j kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)); on the first rejection a token drawn from
-     normalise(max(0, p_{j-1} - q_j)) replaces it (`verify_rows`). All k kept: one more token from p_k.
+     normalise(max(0, p_{j-1} - q_j)) replaces it (`verify_rows`, `residual_token`). All k kept: one more token from
+     p_k. A backend with `accept_rows` decides this where the rows are (the CUDA backend: on the device).
   5. roll the state back to the kept rows (a, d_1..d_n) and append their DSpark context rows (erratum E2: accepted
      positions only). The last token becomes the next round's `a`.
-Every random number is a uniform of (seed, position, purpose): `stream_uniform` for the acceptance and the residual
-draw, the sampler's per-token uniforms of step purpose << 56 | position for drafts (DRAFT) and the bonus token
-(BONUS); the first token after the prompt is plain decoding's own (step 0), so it is the same token for a seed with
-or without speculation.
+Every random number is a uniform of (seed, position, purpose): `stream_uniform` for the acceptance (ACCEPT), the
+per-token uniforms of step purpose << 56 | position (ds4lib.ref.sampling.uniforms) for the drafts (DRAFT), the
+residual draw (RESIDUAL) and the bonus token (BONUS); the first token after the prompt is plain decoding's own
+(step 0), so it is the same token for a seed with or without speculation.
 
 The backend contract (`supports`): propose(state, anchor, start_pos, draw) -> Proposal (draw None: greedy; a
 `DraftDraw`: sampled drafts, drawn by the backend where the logits are), mark(state),
 rollback(state, mark, kept_tokens), append_context(state, features, positions), plus forward / to_host / sample. A
 backend without them decodes plainly; a backend may verify with its own multi-row kernels behind `forward`. The CPU
 backend runs the reference; the CUDA backend drafts on the device (cuda_dspark), rolls its device state back
-(cuda_state) and verifies through its multi-row forward (all three replayed from captured graphs: the proposal with
-its sampled drafts drawn inside, by the device sampler), with acceptance decided here on host copies of the target
-and draft rows (the device sampler draws the bonus token from the verify call's own row).
+(cuda_state) and verifies through its multi-row forward, and decides acceptance on the device (`accept_rows`,
+kernels.spec_accept: the host's semantics); all of a round's device work (proposal with its sampled drafts drawn by
+the device sampler, mark, verify call, acceptance, rollback, context rows) is replayed from captured graphs, and the
+host reads back the drafts, the confidences and two integers.
 
 Shapes: B block size, k drafted tokens verified, V vocab.
 """
@@ -40,8 +42,9 @@ import numpy as np
 from ds4lib.ref.sampling import probabilities, uniforms
 from ds4lib.ref.sampling import sample as ref_sample
 
-__all__ = ["SPEC_METHODS", "supports", "stream_uniform", "draw", "accept_draft", "residual", "verify_rows",
-           "DraftDraw", "SpecStats", "Scheduler", "generate_speculative", "DRAFT", "ACCEPT", "RESIDUAL", "BONUS"]
+__all__ = ["SPEC_METHODS", "supports", "stream_uniform", "draw", "accept_draft", "residual", "residual_token",
+           "verify_rows", "DraftDraw", "SpecStats", "Scheduler", "generate_speculative", "DRAFT", "ACCEPT", "RESIDUAL",
+           "BONUS"]
 
 SPEC_METHODS = ("propose", "mark", "rollback", "append_context")
 DRAFT, ACCEPT, RESIDUAL, BONUS = 1, 2, 3, 4
@@ -82,6 +85,23 @@ def residual(p, q):
     return r / s if s > 0 else p
 
 
+def residual_token(row, p, q, params, seed: int, position: int) -> int:
+    """The token that replaces a draft rejected at `position`: a draw from residual(p, q) by Gumbel-max over
+    r = p - q > 0 with the per-token uniforms of step RESIDUAL << 56 | position (argmax of log r_i - log(-log u_i),
+    the lowest index on ties); where no r_i is positive (p == q), the sampler's own draw from p (`row` the target
+    logits) with those uniforms. The CUDA backend's acceptance kernel (kernels.spec_accept) computes the same."""
+    step = (RESIDUAL << _PURPOSE_SHIFT) | int(position)
+    r = p - q
+    pos = r > 0
+    if not pos.any():
+        return int(ref_sample(row, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                              min_p=params.min_p, seed=seed, step=step))
+    u = uniforms(seed, step, len(p))
+    with np.errstate(divide="ignore"):
+        g = np.where(pos, np.log(np.where(pos, r, 1.0)) - np.log(-np.log(u)), -np.inf)
+    return int(np.argmax(g))
+
+
 def verify_rows(target, drafts, q_rows, params, seed: int, first_pos: int, sample_bonus):
     """(number of drafts kept, next token) for target rows p_0..p_k [k+1, V] and drafts d_1..d_k at positions
     first_pos..first_pos+k-1. `q_rows[j]`: the draft distribution d_{j+1} was drawn from (unused when greedy).
@@ -97,7 +117,7 @@ def verify_rows(target, drafts, q_rows, params, seed: int, first_pos: int, sampl
         p = probabilities(target[j], temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                           min_p=params.min_p)
         if not accept_draft(p, q_rows[j], drafts[j], stream_uniform(seed, pos, ACCEPT)):
-            return j, draw(residual(p, q_rows[j]), stream_uniform(seed, pos, RESIDUAL))
+            return j, residual_token(target[j], p, q_rows[j], params, seed, pos)
     return k, sample_bonus(target[k], first_pos + k)
 
 
@@ -386,21 +406,23 @@ def _round(engine, s, anchor, params, seed, sched, stats, kmax):
     sched.observe_draft(_now() - t0, conf)
     k = sched.choose(conf, kmax)
     drafts = [int(t) for t in prop.tokens[1:1 + k]]
-    q_rows = []
-    if sampled and k:                              # the distributions the drafts were drawn from
-        draft_logits = backend.to_host(prop.logits)
-        q_rows = [probabilities(draft_logits[j], temperature=params.temperature, top_k=params.top_k,
-                                top_p=params.top_p, min_p=params.min_p) for j in range(k)]
     rows = [int(anchor)] + drafts
     engine._check_tokens(rows)
     engine._check_room(s, len(rows))
     t0 = _now()                                    # the verify cost: mark to the kept rows' context, all of it
     mark = backend.mark(s.state)
     out = backend.forward(s.state, rows)
-    target = backend.to_host(out.logits)
-    bonus = _bonus(backend, params, seed)
-    n, nxt = verify_rows(target, drafts, q_rows, params, seed, F + 1,
-                         lambda row, position: bonus(out.logits[k], position))   # the row where it lives
+    if callable(getattr(backend, "accept_rows", None)):   # decided where the rows are (the CUDA backend's device)
+        n, nxt = backend.accept_rows(out.logits, prop, drafts, params, seed, F + 1)
+    else:
+        q_rows = []
+        if sampled and k:                          # the distributions the drafts were drawn from
+            draft_logits = backend.to_host(prop.logits)
+            q_rows = [probabilities(draft_logits[j], temperature=params.temperature, top_k=params.top_k,
+                                    top_p=params.top_p, min_p=params.min_p) for j in range(k)]
+        bonus = _bonus(backend, params, seed)
+        n, nxt = verify_rows(backend.to_host(out.logits), drafts, q_rows, params, seed, F + 1,
+                             lambda row, position: bonus(out.logits[k], position))   # the row where it lives
     kept = rows[:1 + n]
     backend.rollback(s.state, mark, kept)
     backend.append_context(s.state, out.features[:1 + n], np.arange(F, F + 1 + n))

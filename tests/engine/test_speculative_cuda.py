@@ -429,3 +429,26 @@ def test_gpu_verify_calls_and_proposals_replay_their_graphs_bit_for_bit(tiny_cud
         assert be.stats["ctx_graph_replays"] - replays0["ctx_graph_replays"] >= 2
     finally:
         be.graphs = True
+
+
+@pytest.mark.cuda
+def test_gpu_device_acceptance_gives_the_host_rounds_tokens(tiny_cuda, monkeypatch):
+    """The rounds decided on the device (CudaBackend.accept_rows, kernels.spec_accept) give the tokens of the host's
+    verify_rows over copies of the same rows: greedy and sampled (with truncation), several seeds, k = 2 and 4."""
+    from ds4lib.engine import SamplingParams
+    e = tiny_cuda
+    ids = _prompt(e, 0)
+    runs = []
+    for device in (True, False):
+        if not device:
+            monkeypatch.setattr(type(e.backend), "accept_rows", None)     # speculative._round's host path
+        got = []
+        for seed in range(4):
+            for p in (dict(temperature=0.0), dict(temperature=1.0, top_k=40, top_p=0.9)):
+                params = SamplingParams(max_tokens=24, seed=seed, draft_k=2 + 2 * (seed % 2), **p)
+                got.append(list(e.generate_ids(ids, params)))
+        runs.append(got)
+        if device:
+            assert e.backend.stats["accept_graph_replays"] > 0
+    monkeypatch.undo()
+    assert runs[0] == runs[1]
