@@ -613,12 +613,13 @@ class CudaBackend:
         the kernels read the positions on the device, so the launches are the same at every position of the
         bucket and the bits those of an eager call. The compressors' FP32 projections the rollback re-applies
         are the buffers the captured launches write; they are logged again at each replay. With graphs off the
-        same launches run eagerly. Returns ForwardOut(logits [T, V], features [T, F]) in buffers the next verify
-        call of T rows overwrites."""
+        same launches run eagerly over the call's own sizes (nothing is kept to replay; under the simulator a
+        bucketed view costs every masked row). Returns ForwardOut(logits [T, V], features [T, F]) in buffers the
+        next verify call of T rows overwrites."""
         s, cfg = self.stream, self.cfg
         T = len(ids)
         self._rope_tables(st.pos + T)
-        c = self._plan(st, T, decode=True)
+        c = self._plan(st, T, decode=self.graphs)          # bounded and bucketed only where a graph is kept
         io = self._batch_io(T, kind="verify")
         s.synchronize()                                    # the previous call may still read the mapped inputs
         io["in"][:, 0] = np.arange(st.pos, st.pos + T)
