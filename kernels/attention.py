@@ -26,7 +26,8 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    V4.1 decode step's value kernel latency-bound: 14.6 us); weights come from shared memory. Rows are summed in
    chunks of VALUE_CHUNK and the chunk sums in order; decode splits one chunk per block (enough blocks),
    prefill keeps one split: the same bits.
-4. combine: sums the splits in a fixed order, divides, rounds to BF16.
+4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
+   (`inverse_rope`, kernels.rope's arithmetic): one launch fewer per layer.
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
 Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
@@ -38,6 +39,7 @@ from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+from kernels.rope import rope_pair_value_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", "window_write_kernel",
@@ -286,20 +288,31 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
 
 
 @cuda.jit(cache=True)
-def attn_combine_kernel(part, den, out):
-    """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row)."""
+def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
+    """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row); with `has_rope`
+    the tail's adjacent pairs then rotate back to positions[t] exactly as kernels.rope's inverse rotation does
+    (the pair's other value from the neighbouring lane: a pair never straddles a warp)."""
     n_tok, n_split, n_heads, dh = part.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if g >= n_tok * n_heads * dh:
-        return
-    d = g % dh
-    h = (g // dh) % n_heads
-    t = g // (dh * n_heads)
+    ok = g < n_tok * n_heads * dh
+    gc = g if ok else 0                               # lanes past the end shadow element 0 (the shuffle needs them)
+    d = gc % dh
+    h = (gc // dh) % n_heads
+    t = gc // (dh * n_heads)
     num = part[t, 0, h, d]
     for s in range(1, n_split):
         num += part[t, s, h, d]
     dv = den[t, h]
-    out[t, h, d] = round_bf16_device(num / dv) if dv > np.float32(0.0) else np.float32(0.0)
+    v = round_bf16_device(num / dv) if dv > np.float32(0.0) else np.float32(0.0)
+    if has_rope:
+        other = cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        p = d // 2 - (dh // 2 - cos.shape[1])
+        if p >= 0:
+            c = cos[positions[t], p]
+            sn = -sin[positions[t], p]
+            v = rope_pair_value_device(v, other, d % 2 == 1, c, sn)
+    if ok:
+        out[t, h, d] = v
 
 
 SIGNATURES = {
@@ -311,7 +324,8 @@ SIGNATURES = {
     "attn_softmax_kernel": "void(float32[:, :, :], float32[:], float32[:, :])",
     "attn_value_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
                          "float32[:, :, :, :])",
-    "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], float32[:, :, :])",
+    "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], int64[:], float32[:, :], float32[:, :], boolean, "
+                           "float32[:, :, :])",
 }
 
 
@@ -376,10 +390,12 @@ def _score_rows_per_quad(n_tok, head_blocks, n_rows):
 
 
 def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=None, n_split=None, scratch=None,
-                     stream=0, rows_per_quad=None):
+                     stream=0, rows_per_quad=None, inverse_rope=None):
     """q [T, H, Dh] float32; win_keys [Nw, Dh] uint16 (BF16 bits) with win_idx [T, Kw] int32 rows (-1 invalid);
     cmp_keys [Nc, Dh] uint16 with cmp_idx [T, Kc] int32 (or both None); sink [H] float32 -> out [T, H, Dh].
-    `scratch` (a dict kept by the caller) holds the temporaries across calls."""
+    `scratch` (a dict kept by the caller) holds the temporaries across calls. `inverse_rope` = (positions [T] int64,
+    cos, sin [P, rd/2]): the output then leaves rotated back as `rope.rope(out, positions, cos, sin, inverse=True)`
+    would leave it, bit for bit, without that launch."""
     n_tok, n_heads, dh = tuple(q.shape)
     if q.dtype != np.float32 or dh % 4 or dh > DH_MAX or n_heads % HEADS_PER_BLOCK:
         raise ValueError(f"sparse_attention: q must be float32 [T, H, Dh] with H % {HEADS_PER_BLOCK} == 0, "
@@ -414,5 +430,15 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), rpq, z)
     attn_softmax_kernel[math.ceil(n_tok * n_heads / (THREADS // WARP)), THREADS, stream](z, sink, den)
     attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, wk, win_idx, ck, cmp_idx, part)
-    attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, out)
+    if inverse_rope is None:
+        positions = _scratch(scratch, "no_positions", (1,), np.int64, stream)
+        cos = sin = _scratch(scratch, "no_rope", (1, 1), np.float32, stream)
+    else:
+        positions, cos, sin = inverse_rope
+        if tuple(positions.shape) != (n_tok,) or positions.dtype != np.int64 or tuple(cos.shape) != tuple(sin.shape) \
+                or len(cos.shape) != 2 or 2 * cos.shape[1] > dh:
+            raise ValueError(f"sparse_attention: inverse_rope positions {positions.shape} / tables {cos.shape} "
+                             f"{sin.shape} do not fit q {q.shape}")
+    attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, positions, cos, sin,
+                                                                       inverse_rope is not None, out)
     return out

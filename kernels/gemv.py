@@ -31,7 +31,7 @@ from numba import cuda
 
 from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 
-__all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel",
+__all__ = ["gemv", "act_quant_fp8", "act_quant_fp8_lane_device", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel",
            "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
            "e4m3_round_device", "e2m1_round_device", "pow2_ceil_device", "SIGNATURES"]
 
@@ -200,6 +200,17 @@ def _group_amax_device(v, width):
     return a
 
 
+@cuda.jit(device=True, inline=True)
+def act_quant_fp8_lane_device(v):
+    """act_quant_fp8's value of v when the warp's 32 lanes hold one aligned block of 32: amax of the block floored
+    at 1e-4, power-of-two scale, clamp, E4M3 rounding. Every lane of the warp calls it (a lane outside the data
+    passes 0). The one definition: act_quant_fp8_kernel and the fused producers (kernels.rms_norm, kernels.moe)."""
+    amax = max(_group_amax_device(v, 32), np.float32(1e-4))
+    s = pow2_ceil_device(mul_rn_device(amax, _INV448))
+    y = min(max(v / s, -E4M3_MAX), E4M3_MAX)
+    return e4m3_round_device(y) * s
+
+
 @cuda.jit(cache=True)
 def act_quant_fp8_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; one element per thread, one quantisation block per warp."""
@@ -208,12 +219,9 @@ def act_quant_fp8_kernel(x, out):
     n = x.shape[0]
     if i - lane >= n:
         return
-    v = x[i] if i < n else np.float32(0.0)
-    amax = max(_group_amax_device(v, 32), np.float32(1e-4))
-    s = pow2_ceil_device(mul_rn_device(amax, _INV448))
-    y = min(max(v / s, -E4M3_MAX), E4M3_MAX)
+    q = act_quant_fp8_lane_device(x[i] if i < n else np.float32(0.0))
     if i < n:
-        out[i] = e4m3_round_device(y) * s
+        out[i] = q
 
 
 @cuda.jit(cache=True)

@@ -3,14 +3,29 @@
 Owns: the mixes of one sub-layer (weightless RMS of the flattened S*D state, the [(2+S)*S, S*D] FP32
 projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and the expand hc_post.
 
-- `hc_mixes`: two kernels. The first streams fn (FP32, 1.97 MB per sub-layer in V4.1) once: each block owns
-  COLS_PER_BLOCK of the S*D columns (V4.1: 160 blocks, a column per thread), accumulates the 24 dot products
-  and the sum of squares in float64 (exact products, so the result is the reference's exact dot rounded once,
-  up to float64 rounding), and reduces them through shared memory into per-slice partials in a fixed order
-  (two barriers). The second, one block per token, sums the partials in a fixed order (FIN_PARTS threads per
-  mix with loads in flight: a lane adding 160 partials one dependent load at a time took 13 us on the H200)
-  and its first warp runs the mixes and the 20 Sinkhorn iterations with one lane per comb entry; row and
-  column sums are gathered and added in the reference's order.
+- `hc_mixes`: two kernels, or for T <= FUSED_T_MAX (decode, short verify calls) both in one launch. The first
+  streams fn (FP32, 1.97 MB per sub-layer in V4.1) once: each block owns COLS_PER_BLOCK of the S*D columns (V4.1:
+  160 blocks, a column per thread), accumulates the 24 dot products and the sum of squares in float64 (exact
+  products, so the result is the reference's exact dot rounded once, up to float64 rounding), and reduces them
+  through shared memory into per-slice partials in a fixed order (two barriers). The second, one block per token,
+  sums the partials in a fixed order (FIN_PARTS threads per mix with loads in flight: a lane adding 160 partials one
+  dependent load at a time took 13 us on the H200) and its first warp runs the mixes and the 20 Sinkhorn iterations
+  with one lane per comb entry; row and column sums are gathered and added in the reference's order.
+  `hc_mix_fused_kernel` (the finishing kernel alone cost 6.3 us a call on the H200, the pair 11.5 us, 80 calls a
+  token) runs the same device functions, so it gives the same bits: every block writes its partials, and the last
+  block to take a ticket from a device counter sums and finishes every token (its 128 threads take the 200 (mix,
+  part) sums of each token in turn, warp w finishes tokens w, w+4, ...) and puts the counter back to zero, so a
+  captured graph replays it and eager calls follow. Memory order, the CUDA "last block" pattern (as
+  q4k_gemv.q4k_mma_kernel's split rows): each thread fences (cuda.threadfence, PTX membar.gl = fence.sc.gpu) after
+  its partial stores, the block barrier orders that before thread 0's relaxed atomic ticket; in the last block the
+  barrier after the ticket and a second fence by every thread order the ticket before its loads. A fence.sc.gpu has
+  acquire semantics: on sm_90 ptxas emits MEMBAR.SC.GPU then CCTL.IVALL, which invalidates the SM's L1 (not coherent
+  across SMs), so the plain loads after it cannot be served stale lines (checked with nvdisasm; Numba emits generic
+  ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128) rounds of
+  dependent loads, T/4 Sinkhorn runs per warp) while the two-kernel path finishes tokens in parallel blocks: hence
+  FUSED_T_MAX = 4 (not measured yet). The counter (int32 [1]) comes from the caller's scratch dict, zero-filled when
+  created (scratch_array zero=True, a host-to-device copy): make it with an eager call before capturing a graph that
+  uses it (the CUDA backend warms every shape eagerly), and share it only among launches on one stream.
 - `hc_pre`: out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]), the four exact products summed in float64.
 - `hc_post`: out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread owns a
   column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state).
@@ -25,8 +40,8 @@ from numba import cuda
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_pre_kernel",
-           "hc_post_kernel", "SIGNATURES"]
+__all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
+           "hc_pre_kernel", "hc_post_kernel", "SIGNATURES"]
 
 HC = 4                        # streams (hc_mult)
 N_MIX = (2 + HC) * HC         # 24 mixes: pre, post, comb
@@ -36,14 +51,15 @@ WARP = 32
 COLS_PER_BLOCK = 128          # S*D columns per partial block (V4.1: 160 blocks, one column per thread)
 FIN_PARTS = 8                 # threads summing one mix's partials in the finishing kernel
 FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
+FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
 
 
-@cuda.jit(cache=True)
-def hc_mix_partial_kernel(h2, fn, cols, partial):
+@cuda.jit(device=True, inline=True)
+def _mix_partial_device(h2, fn, cols, partial):
     """partial[t, b, m] = sum over block b's columns k of fn[m, k] h2[t, k] (m < 24), partial[t, b, 24] the
     sum of squares; float64. Each thread keeps its columns' 25 sums; they meet in shared memory, where thread
     (m, q) adds the 32 values of quarter q of row m in lane order, then thread m the four quarters: two
-    barriers, a fixed order."""
+    barriers, a fixed order. Every thread of the block (THREADS) calls it."""
     tid = cuda.threadIdx.x
     b = cuda.blockIdx.x
     n_tok, n_cols = h2.shape
@@ -76,6 +92,12 @@ def hc_mix_partial_kernel(h2, fn, cols, partial):
         # the next token's first barrier orders these reads of `quarter` before its overwrites
 
 
+@cuda.jit(cache=True)
+def hc_mix_partial_kernel(h2, fn, cols, partial):
+    """The partials of every token, one block per COLS_PER_BLOCK columns (_mix_partial_device)."""
+    _mix_partial_device(h2, fn, cols, partial)
+
+
 @cuda.jit(device=True, inline=True)
 def _sigmoid_device(x):
     return np.float32(1.0) / (np.float32(1.0) + exp_f32_device(-x))
@@ -90,39 +112,34 @@ def _gather_sum_device(c, src0, stride):
     return s
 
 
-@cuda.jit(cache=True)
-def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
-    """One block per token. The partials are summed by FIN_PARTS threads per mix (part p adds blocks p,
-    p + FIN_PARTS, ... in order, four loads in flight), then the parts in order; then the first warp finishes:
-    lanes 0-3 pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j)."""
-    t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    n_blk = partial.shape[1]
-    parts = cuda.shared.array((N_ACC, FIN_PARTS), np.float64)
-    if tid < N_ACC * FIN_PARTS:
-        m_ = tid // FIN_PARTS
-        p = tid % FIN_PARTS
-        s = 0.0
-        b = p
-        while b + 3 * FIN_PARTS < n_blk:
-            v0 = partial[t, b, m_]
-            v1 = partial[t, b + FIN_PARTS, m_]
-            v2 = partial[t, b + 2 * FIN_PARTS, m_]
-            v3 = partial[t, b + 3 * FIN_PARTS, m_]
-            s = (((s + v0) + v1) + v2) + v3
-            b += 4 * FIN_PARTS
-        while b < n_blk:
-            s += partial[t, b, m_]
-            b += FIN_PARTS
-        parts[m_, p] = s
-    cuda.syncthreads()
-    if tid >= WARP:
-        return                                   # warp-uniform: the first warp finishes alone
-    lane = tid
+@cuda.jit(device=True, inline=True)
+def _part_sum_device(partial, t, m_, p, n_blk):
+    """Part p of mix m_ of token t: partial[t, b, m_] for b = p, p + FIN_PARTS, ... added in that order, four
+    loads in flight."""
+    s = 0.0
+    b = p
+    while b + 3 * FIN_PARTS < n_blk:
+        v0 = partial[t, b, m_]
+        v1 = partial[t, b + FIN_PARTS, m_]
+        v2 = partial[t, b + 2 * FIN_PARTS, m_]
+        v3 = partial[t, b + 3 * FIN_PARTS, m_]
+        s = (((s + v0) + v1) + v2) + v3
+        b += 4 * FIN_PARTS
+    while b < n_blk:
+        s += partial[t, b, m_]
+        b += FIN_PARTS
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _mix_finish_device(parts, pt, t, lane, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
+    """One warp finishes token t from its parts parts[pt] (N_ACC x FIN_PARTS, added in part order): lanes 0-3
+    pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j). Every lane of the warp calls it; its shuffles are
+    unconditional (the simulator's shuffle is a barrier of the block's live threads)."""
     acc = 0.0
     if lane <= N_MIX:
         for p in range(FIN_PARTS):
-            acc += parts[lane, p]
+            acc += parts[pt, lane, p]
     ssq = cuda.shfl_sync(0xFFFFFFFF, acc, N_MIX)
     var = np.float32(ssq / n_cols)
     rs = np.float32(1.0) / np.float32(math.sqrt(var + norm_eps))
@@ -149,6 +166,56 @@ def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, 
         c = c / (_gather_sum_device(c, col0, HC) + hc_eps)
     if 2 * HC <= lane < N_MIX:
         comb[t, i, j] = c
+
+
+@cuda.jit(cache=True)
+def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
+    """One block per token. The partials are summed by FIN_PARTS threads per mix (_part_sum_device), then the
+    first warp finishes (_mix_finish_device)."""
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    parts = cuda.shared.array((1, N_ACC, FIN_PARTS), np.float64)
+    if tid < N_ACC * FIN_PARTS:
+        parts[0, tid // FIN_PARTS, tid % FIN_PARTS] = _part_sum_device(partial, t, tid // FIN_PARTS, tid % FIN_PARTS,
+                                                                       partial.shape[1])
+    cuda.syncthreads()
+    if tid >= WARP:
+        return                                   # warp-uniform: the first warp finishes alone
+    _mix_finish_device(parts, 0, t, tid, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
+
+
+@cuda.jit(cache=True)
+def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post,
+                        comb):
+    """hc_mix_partial_kernel and hc_mix_finish_kernel in one launch (T <= FUSED_T_MAX, THREADS threads a block):
+    each block writes its partials, then the block that draws the last ticket of `counter` (int32 [1], zero on
+    entry; left zero) sums every token's partials and finishes them, warp w taking tokens w, w + 4, ... The
+    same device functions as the two kernels, so the same bits (module docstring: memory order)."""
+    tid = cuda.threadIdx.x
+    n_tok = h2.shape[0]
+    n_blk = cuda.gridDim.x
+    last = cuda.shared.array(1, np.int32)
+    parts = cuda.shared.array((FUSED_T_MAX, N_ACC, FIN_PARTS), np.float64)
+    _mix_partial_device(h2, fn, cols, partial)
+    cuda.threadfence()                           # release: this thread's partials before the block's ticket
+    cuda.syncthreads()
+    if tid == 0:
+        ticket = cuda.atomic.add(counter, 0, 1)
+        last[0] = 1 if ticket == n_blk - 1 else 0
+        if ticket == n_blk - 1:
+            counter[0] = 0                       # every block has drawn: no other access in this launch
+    cuda.syncthreads()
+    if last[0] == 0:
+        return                                   # block-uniform
+    cuda.threadfence()                           # acquire: the other blocks' partials after their tickets
+    n_pairs = N_ACC * FIN_PARTS
+    for i in range(tid, n_tok * n_pairs, THREADS):
+        t = i // n_pairs
+        q = i % n_pairs
+        parts[t, q // FIN_PARTS, q % FIN_PARTS] = _part_sum_device(partial, t, q // FIN_PARTS, q % FIN_PARTS, n_blk)
+    cuda.syncthreads()
+    for t in range(tid // WARP, n_tok, THREADS // WARP):     # warp-uniform; no barrier after this
+        _mix_finish_device(parts, t, t, tid % WARP, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
 
 
 @cuda.jit(cache=True)
@@ -190,6 +257,9 @@ SIGNATURES = {
     "hc_mix_partial_kernel": "void(float32[:, :], float32[:, :], int64, float64[:, :, :])",
     "hc_mix_finish_kernel": "void(float64[:, :, :], float32[:], float32[:], int64, float32, float32, int64, "
                             "float32[:, :], float32[:, :], float32[:, :, :])",
+    "hc_mix_fused_kernel": "void(float32[:, :], float32[:, :], int64, float64[:, :, :], int32[:], float32[:], "
+                           "float32[:], int64, float32, float32, int64, float32[:, :], float32[:, :], "
+                           "float32[:, :, :])",
     "hc_pre_kernel": "void(float32[:, :, :], float32[:, :], float32[:, :])",
     "hc_post_kernel": "void(float32[:, :], float32[:, :, :], float32[:, :], float32[:, :, :], float32[:, :, :])",
 }
@@ -205,7 +275,9 @@ def _check_state(h, name):
 
 
 def hc_mixes(h, fn, base, scale, *, norm_eps, hc_eps, iters, out=None, scratch=None, stream=0):
-    """h [T, 4, D] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) float32. fn [24, 4D], base [24], scale [3]."""
+    """h [T, 4, D] -> (pre [T, 4], post [T, 4], comb [T, 4, 4]) float32. fn [24, 4D], base [24], scale [3].
+    T <= FUSED_T_MAX: one launch, whose ticket counter is a zero-filled scratch array made at the first such call
+    (module docstring: make it eagerly, before a CUDA graph capture)."""
     n_tok, _, d = _check_state(h, "hc_mixes")
     if tuple(fn.shape) != (N_MIX, HC * d) or tuple(base.shape) != (N_MIX,) or tuple(scale.shape) != (3,):
         raise ValueError(f"hc_mixes: fn {fn.shape}, base {base.shape}, scale {scale.shape} do not fit D={d}")
@@ -217,9 +289,14 @@ def hc_mixes(h, fn, base, scale, *, norm_eps, hc_eps, iters, out=None, scratch=N
         return out
     n_blk = (HC * d + COLS_PER_BLOCK - 1) // COLS_PER_BLOCK
     partial = _scratch(scratch, "partial", (n_tok, n_blk, N_ACC), np.float64, stream)
-    hc_mix_partial_kernel[n_blk, THREADS, stream](h.reshape((n_tok, HC * d)), fn, COLS_PER_BLOCK, partial)
-    hc_mix_finish_kernel[n_tok, FIN_THREADS, stream](partial, base, scale, HC * d, np.float32(norm_eps),
-                                              np.float32(hc_eps), int(iters), *out)
+    h2 = h.reshape((n_tok, HC * d))                                         # [T, S*D]
+    finish = (base, scale, HC * d, np.float32(norm_eps), np.float32(hc_eps), int(iters), *out)
+    if n_tok <= FUSED_T_MAX:
+        counter = _scratch(scratch, "hc_mix_counter", (1,), np.int32, stream, zero=True)
+        hc_mix_fused_kernel[n_blk, THREADS, stream](h2, fn, COLS_PER_BLOCK, partial, counter, *finish)
+    else:
+        hc_mix_partial_kernel[n_blk, THREADS, stream](h2, fn, COLS_PER_BLOCK, partial)
+        hc_mix_finish_kernel[n_tok, FIN_THREADS, stream](partial, *finish)
     return out
 
 

@@ -8,11 +8,19 @@ Owns:
   the top-k by (selection score descending, lower expert id first), weights = s at the chosen ids divided by
   (their sum + 1e-20) (sum in selection order) times route_scale. Each lane holds E/32 experts; the k
   rounds are warp arg-max reductions.
+  With a VQ plan (one token only), the same block also writes the expert-major work list kernels.vq_gemv.vq_plan
+  would make of the chosen ids (K distinct ids: K tiles of one pair each, experts ascending; lane k places pair k
+  at its id's rank), so decode launches no plan kernel.
 - `swiglu`: a = silu(min(g, limit)) * clamp(u, -limit, limit) (* routing weight of the row), BF16 — the
-  elementwise step between the gate/up GEMVs and the down GEMV of an expert (routed or shared).
-Does not own: the expert GEMVs (FP4/VQ weights: the quantized-format kernels), the expert-major reduction.
+  elementwise step between the gate/up GEMVs and the down GEMV of an expert (routed or shared); with `out_q` the
+  same kernel also writes act_quant_fp8(a) (block 32: with F % 32 == 0 a warp's 32 elements are one block of a
+  row, so the amax is a shuffle reduction; kernels.gemv.act_quant_fp8_lane_device). g and u may be strided
+  views (the two halves of one [n, 2F] GEMV output).
+Does not own: the expert GEMVs (FP4/VQ weights: the quantized-format kernels), the expert-major reduction, the
+plan for several tokens (kernels.vq_gemv.vq_plan).
 
-Shapes: T tokens, D hidden, E experts (<= 512), K active experts (<= 16), n rows of an expert batch, F width.
+Shapes: T tokens, D hidden, E experts (<= 512), K active experts (<= 16), n rows of an expert batch, F width,
+G = 32 quant block.
 """
 import math
 
@@ -20,10 +28,10 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
-from kernels.gemv import gemv
+from kernels.gemv import act_quant_fp8_lane_device, gemv
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["route", "swiglu", "route_topk_kernel", "swiglu_kernel", "SIGNATURES"]
+__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swiglu_kernel", "swiglu_q_kernel", "SIGNATURES"]
 
 WARP = 32
 THREADS = 128
@@ -31,6 +39,7 @@ E_PER_LANE = 16               # experts per lane: E <= 512
 E_MAX = WARP * E_PER_LANE
 E_PER_BLOCK_THREAD = E_MAX // THREADS     # experts scored per thread of a routing block
 K_MAX = 16
+QUANT_BLOCK = 32              # act_quant_fp8's block
 NEG_INF = np.float32(-np.inf)
 
 
@@ -40,12 +49,31 @@ def _better_device(v, e, v2, e2):
     return v2 > v or (v2 == v and e2 < e)
 
 
+@cuda.jit(device=True, inline=True)
+def _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles):
+    """vq_plan_kernel's plan of one token's K distinct ids: lane k < K places pair k (= t*K + k, t = 0) at the rank
+    of its id, with a tile (id, rank, 1) of its own; n_tiles = K."""
+    if lane < top_k:
+        e = got_id[lane]
+        rank = 0
+        for k in range(top_k):
+            if got_id[k] < e:
+                rank += 1
+        pairs[rank] = lane
+        tiles[rank, 0] = e
+        tiles[rank, 1] = rank
+        tiles[rank, 2] = 1
+    if lane == 0:
+        n_tiles[0] = top_k
+
+
 @cuda.jit(cache=True)
 def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
-                      weights):
+                      weights, has_plan, pairs, tiles, n_tiles):
     """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]. The block's threads score
     the experts (thread i: experts i, i + THREADS, ..., their loads issued before any arithmetic) into shared
-    memory; then the first warp takes the top-k, each lane holding experts lane + 32 j."""
+    memory; then the first warp takes the top-k, each lane holding experts lane + 32 j. has_plan (T = 1 only):
+    also pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids."""
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.x
     n_tok, n_exp = logits.shape
@@ -114,6 +142,26 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
                 w = w / (total + np.float32(1e-20))
             ids[t, i] = got_id[i]
             weights[t, i] = w * route_scale
+    if has_plan:
+        _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles)
+
+
+@cuda.jit(device=True, inline=True)
+def swiglu_value_device(gv, uv, w, has_w, r, limit):
+    """bf16(w[r] * (silu(min(g, limit)) * clamp(u, +-limit))) of one element's g and u; limit <= 0: no clamp, no
+    weight unless has_w. The one definition of the step's arithmetic (swiglu's kernels, kernels.vq_gemv's staging)."""
+    if limit > np.float32(0.0):
+        uv = min(max(uv, -limit), limit)
+        gv = min(gv, limit)
+    a = gv / (np.float32(1.0) + exp_f32_device(-gv)) * uv
+    if has_w:
+        a = w[r] * a
+    return round_bf16_device(a)
+
+
+@cuda.jit(device=True, inline=True)
+def _swiglu_device(g, u, w, has_w, limit, r, c):
+    return swiglu_value_device(g[r, c], u[r, c], w, has_w, r, limit)
 
 
 @cuda.jit(cache=True)
@@ -125,30 +173,42 @@ def swiglu_kernel(g, u, w, has_w, limit, out):
         return
     r = i // f
     c = i % f
-    gv = g[r, c]
-    uv = u[r, c]
-    if limit > np.float32(0.0):
-        uv = min(max(uv, -limit), limit)
-        gv = min(gv, limit)
-    a = gv / (np.float32(1.0) + exp_f32_device(-gv)) * uv
-    if has_w:
-        a = w[r] * a
-    out[r, c] = round_bf16_device(a)
+    out[r, c] = _swiglu_device(g, u, w, has_w, limit, r, c)
+
+
+@cuda.jit(cache=True)
+def swiglu_q_kernel(g, u, w, has_w, limit, out, out_q):
+    """swiglu_kernel and out_q = act_quant_fp8(out) (F % 32 == 0: a warp's elements are one block of a row, and
+    a warp is wholly inside or wholly past the n*F elements, so its return is warp-uniform)."""
+    n, f = g.shape
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= n * f:
+        return
+    r = i // f
+    c = i % f
+    a = _swiglu_device(g, u, w, has_w, limit, r, c)
+    out[r, c] = a
+    out_q[r, c] = act_quant_fp8_lane_device(a)
 
 
 SIGNATURES = {
     "route_topk_kernel": "void(float32[:, :], float32[:], float32[:], boolean, float32, int64, float32, boolean, "
-                         "float32[:, :], int32[:, :], float32[:, :])",
+                         "float32[:, :], int32[:, :], float32[:, :], boolean, int32[:], int32[:, :], int32[:])",
     "swiglu_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :])",
+    "swiglu_q_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :], "
+                       "float32[:, :])",
 }
 
 
 
 
 def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta=None, normalise=True,
-          out=None, scratch=None, stream=0):
+          plan=None, out=None, scratch=None, stream=0):
     """x [T, D] float32, gate_w [E, D] uint16 BF16 bits, gate_bias [E] float32 (+ bias_delta [E]) ->
-    (scores [T, E], ids [T, K] int32, weights [T, K]) as ds4lib.ref.moe.route (score_func sqrtsoftplus)."""
+    (scores [T, E], ids [T, K] int32, weights [T, K]) as ds4lib.ref.moe.route (score_func sqrtsoftplus).
+
+    `plan` (T = 1 only): a kernels.vq_gemv.VQPlan for K pairs of E experts whose pairs, tiles and n_tiles the
+    routing kernel fills as vq_plan(ids, E) would (plan.ids is not read; give the plan ids = out[1])."""
     n_tok = x.shape[0]
     n_exp = gate_w.shape[0]
     if n_exp > WARP * E_PER_LANE or not 0 < top_k <= min(K_MAX, n_exp) or tuple(gate_bias.shape) != (n_exp,):
@@ -156,6 +216,9 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
                          f"bias {gate_bias.shape}")
     if bias_delta is not None and tuple(bias_delta.shape) != (n_exp,):
         raise ValueError(f"route: bias_delta must be [{n_exp}]")
+    has_plan = plan is not None
+    if has_plan:
+        _check_plan(plan, n_tok, n_exp, top_k)
     if out is None:
         out = (cuda.device_array((n_tok, n_exp), np.float32, stream=stream),
                cuda.device_array((n_tok, top_k), np.int32, stream=stream),
@@ -166,24 +229,52 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
                   stream=stream)
     has_delta = bias_delta is not None
     delta = bias_delta if has_delta else gate_bias
+    if has_plan:
+        pairs, tiles, n_tiles = plan.pairs, plan.tiles, plan.n_tiles
+    else:
+        pairs = n_tiles = _scratch(scratch, "no_plan", (1,), np.int32, stream)         # never written
+        tiles = _scratch(scratch, "no_plan_tiles", (1, 3), np.int32, stream)
     route_topk_kernel[n_tok, THREADS, stream](
         logits, gate_bias, delta, has_delta, np.float32(gate_temp), int(top_k), np.float32(route_scale),
-        bool(normalise), *out)
+        bool(normalise), *out, has_plan, pairs, tiles, n_tiles)
     return out
 
 
-def swiglu(g, u, limit, weights=None, out=None, scratch=None, stream=0):
-    """g, u [n, F] float32 (BF16 GEMV outputs), weights [n] (routed rows) -> out [n, F] BF16 values."""
+def _check_plan(plan, n_tok, n_exp, top_k):
+    if n_tok != 1:
+        raise ValueError(f"route: a plan is written for one token only (T = {n_tok}: use kernels.vq_gemv.vq_plan)")
+    if any(not hasattr(plan, f) for f in ("pairs", "tiles", "n_tiles", "n_pairs", "n_experts")) \
+            or plan.n_pairs != top_k or plan.n_experts != n_exp:
+        raise ValueError(f"route: plan must be a VQPlan of {top_k} pairs over {n_exp} experts")
+    ok = (plan.pairs.dtype == np.int32 and plan.tiles.dtype == np.int32 and plan.n_tiles.dtype == np.int32
+          and tuple(plan.pairs.shape) == (top_k,) and tuple(plan.tiles.shape) == (top_k, 3)
+          and tuple(plan.n_tiles.shape) == (1,))
+    if not ok:
+        raise ValueError(f"route: plan arrays must be int32 pairs [{top_k}], tiles [{top_k}, 3], n_tiles [1]")
+
+
+def swiglu(g, u, limit, weights=None, out=None, out_q=None, scratch=None, stream=0):
+    """g, u [n, F] float32 (BF16 GEMV outputs; strided views allowed), weights [n] (routed rows) -> out [n, F] BF16
+    values; with out_q [n, F] (F % 32 == 0) also out_q = act_quant_fp8(out) from the same kernel."""
     shape = tuple(g.shape)
-    if len(shape) != 2 or tuple(u.shape) != shape or g.dtype != np.float32:
+    if len(shape) != 2 or tuple(u.shape) != shape or g.dtype != np.float32 or u.dtype != np.float32:
         raise ValueError(f"swiglu: g {g.shape} and u {u.shape} must be float32 [n, F]")
     has_w = weights is not None
     if has_w and tuple(weights.shape) != (shape[0],):
         raise ValueError(f"swiglu: weights must be [{shape[0]}]")
     if out is None:
         out = cuda.device_array(shape, np.float32, stream=stream)
+    elif tuple(out.shape) != shape or out.dtype != np.float32:
+        raise ValueError(f"swiglu: out must be float32 {list(shape)}, got {out.dtype} {tuple(out.shape)}")
+    if out_q is not None and (tuple(out_q.shape) != shape or out_q.dtype != np.float32 or shape[1] % QUANT_BLOCK):
+        raise ValueError(f"swiglu: out_q must be float32 {list(shape)} with F % {QUANT_BLOCK} == 0, got "
+                         f"{out_q.dtype} {tuple(out_q.shape)}")
     n = shape[0] * shape[1]
     if n:
         w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
-        swiglu_kernel[(n + THREADS - 1) // THREADS, THREADS, stream](g, u, w, has_w, np.float32(limit), out)
+        grid = (n + THREADS - 1) // THREADS
+        if out_q is None:
+            swiglu_kernel[grid, THREADS, stream](g, u, w, has_w, np.float32(limit), out)
+        else:
+            swiglu_q_kernel[grid, THREADS, stream](g, u, w, has_w, np.float32(limit), out, out_q)
     return out

@@ -1,6 +1,14 @@
-"""RMSNorm on the device: y = x * rsqrt(mean(x^2) + eps) * w, rounded to BF16 (ds4lib.ref.norm.rms_norm).
+"""RMSNorm on the device: y = x * rsqrt(mean(x^2) + eps) * w, rounded to BF16 (ds4lib.ref.norm.rms_norm), alone or
+fused with its neighbours of a decode step (each fused form gives the bits of the chain of kernels it replaces).
 
-Owns `rms_norm` and `block_sum_rows_f64_device`, the shared-memory float64 block sum other kernels use.
+Owns:
+- `rms_norm`: out = rms_norm(x, w); with `out_q` also out_q = act_quant_fp8(out) (kernels.gemv) from the same kernel.
+- `hc_rms_norm`: out = rms_norm(hc_pre(h, pre), w) (kernels.hc.hc_pre's collapse, recomputed per element and never
+  written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three.
+- `rms_norm_rope_q`: rms_norm, then kernels.rope's forward rotation of the tail (rope_pair_value_device, the pair's
+  other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were.
+- `block_sum_rows_f64_device`, the shared-memory float64 block sum other kernels use.
+Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantisers (kernels.gemv).
 
 One block per row, n threads (a multiple of 32, chosen from D by the launcher so that one pass of ELEMS elements
 per thread covers the row: n = 32 * ceil(D / (32 * ELEMS)), at most THREADS_MAX). Thread t owns elements
@@ -9,6 +17,11 @@ and of w per thread with unconditional loads (the index is clamped, not branched
 registers before any store), so the whole row is in flight at once. The squares are summed in float64 per
 thread, then over the block in a fixed tree: shuffles within each warp, then the warps' sums by the same
 shuffle tree (every warp computes it, so no second barrier). The order depends only on D (n is a function of D).
+The hc forms load h [4, D] and pre [4] instead of x and form each x element as hc_pre_kernel does (the four exact
+float64 products added in stream order, rounded to FP32 then BF16), with the same threads and order as rms_norm.
+The quantised output: for each pass element m, a warp's 32 lanes hold the 32 contiguous elements
+base + m * n + 32 * warp + lane, which with D % 32 == 0 is exactly one quantisation block, entirely inside or
+entirely past the row; its amax is a shuffle reduction, and act_quant_fp8_kernel's operations follow.
 
 Squares of BF16 values carry at most 16 significant bits, so the float64 total is exact when the row's nonzero
 magnitudes lie within a factor 2^((37 - log2 D) / 2) of each other (2^12 at D = 5120), and a few float64 ulps
@@ -17,20 +30,26 @@ the total lies within those ulps of a float32 rounding boundary (about one row i
 output follow the reference's FP32 steps: var = f32(total / D), scale = 1 / f32(sqrt(var + eps)),
 y = bf16(w * (x * scale)).
 
-Shapes: x [T, D] float32 (BF16 values), w [D], out [T, D].
+Shapes: T tokens, D hidden, G = 32 quant block; x [T, D] float32 (BF16 values), w [D], out and out_q [T, D];
+h [T, 4, D], pre [T, 4].
 """
 import math
 
 import numpy as np
 from numba import cuda
 
-from kernels.bf16 import round_bf16_device
+from kernels.bf16 import mul_rn_device, round_bf16_device
+from kernels.gemv import act_quant_fp8_lane_device
+from kernels.hc import HC
+from kernels.rope import rope_pair_value_device
 
-__all__ = ["rms_norm", "rms_norm_kernel", "block_sum_rows_f64_device", "SIGNATURES"]
+__all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
+           "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel", "block_sum_rows_f64_device", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
+QUANT_BLOCK = 32                # act_quant_fp8's block: one warp's elements of a pass
 
 
 @cuda.jit(device=True, inline=True)
@@ -68,47 +87,261 @@ def _load_pass_device(x, w, row, base, d, xs, ws):
         ws[m] = w[j]
 
 
+@cuda.jit(device=True, inline=True)
+def _load_hc_pass_device(h, pv, w, row, base, d, xs, ws):
+    """_load_pass_device of x = hc_pre(h, pre): xs[m] = bf16(f32(sum_i pre[i] h[row, i, j])) with pv the row's
+    pre in float64, the products exact and added in stream order from 0.0 (hc_pre_kernel's operations)."""
+    for m in range(ELEMS):
+        j = min(base + m * cuda.blockDim.x + cuda.threadIdx.x, d - 1)
+        acc = 0.0
+        for i in range(HC):
+            acc += pv[i] * np.float64(h[row, i, j])
+        xs[m] = round_bf16_device(np.float32(acc))
+        ws[m] = w[j]
+
+
+@cuda.jit(device=True, inline=True)
+def _add_squares_device(xs, base, d, acc):
+    """acc plus the squares of the pass's elements inside the row, in float64, in element order."""
+    for m in range(ELEMS):
+        v = np.float64(xs[m]) if base + m * cuda.blockDim.x + cuda.threadIdx.x < d else 0.0
+        acc += v * v
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
+def _row_scale_device(acc, sh, d, eps):
+    """1 / f32(sqrt(f32(total / D) + eps)) from the thread's float64 sum of squares (every thread calls it)."""
+    total = _block_sum_f64_device(acc, sh)
+    var = np.float32(total / d)
+    return np.float32(1.0) / np.float32(math.sqrt(var + eps))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_pass_device(xs, ws, scale, row, base, d, out):
+    for m in range(ELEMS):
+        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
+        if j < d:
+            out[row, j] = round_bf16_device(ws[m] * (xs[m] * scale))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q):
+    """_store_pass_device and act_quant_fp8 of the stored values (D % 32 == 0: a warp's block is whole)."""
+    for m in range(ELEMS):
+        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
+        y = round_bf16_device(ws[m] * (xs[m] * scale))
+        q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))     # every lane: a warp-wide reduction
+        if j < d:
+            out[row, j] = y
+            out_q[row, j] = q
+
+
 @cuda.jit(cache=True)
 def rms_norm_kernel(x, w, eps, out):
     """out[r] = bf16(w * (x[r] * scale_r)) for row r = blockIdx.x (module docstring)."""
     row = cuda.blockIdx.x
-    nt = cuda.blockDim.x
     d = x.shape[1]
-    step = nt * ELEMS
+    step = cuda.blockDim.x * ELEMS
     sh = cuda.shared.array(WARP, np.float64)
     xs = cuda.local.array(ELEMS, np.float32)
     ws = cuda.local.array(ELEMS, np.float32)
     acc = 0.0
     for base in range(0, d, step):
         _load_pass_device(x, w, row, base, d, xs, ws)
-        for m in range(ELEMS):
-            v = np.float64(xs[m]) if base + m * nt + cuda.threadIdx.x < d else 0.0
-            acc += v * v
-    total = _block_sum_f64_device(acc, sh)
-    var = np.float32(total / d)
-    scale = np.float32(1.0) / np.float32(math.sqrt(var + eps))
+        acc = _add_squares_device(xs, base, d, acc)
+    scale = _row_scale_device(acc, sh, d, eps)
     for base in range(0, d, step):
         if step < d:                              # several passes: reload (one pass kept its values in registers)
             _load_pass_device(x, w, row, base, d, xs, ws)
+        _store_pass_device(xs, ws, scale, row, base, d, out)
+
+
+@cuda.jit(cache=True)
+def rms_norm_q_kernel(x, w, eps, out, out_q):
+    """rms_norm_kernel, and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)."""
+    row = cuda.blockIdx.x
+    d = x.shape[1]
+    step = cuda.blockDim.x * ELEMS
+    sh = cuda.shared.array(WARP, np.float64)
+    xs = cuda.local.array(ELEMS, np.float32)
+    ws = cuda.local.array(ELEMS, np.float32)
+    acc = 0.0
+    for base in range(0, d, step):
+        _load_pass_device(x, w, row, base, d, xs, ws)
+        acc = _add_squares_device(xs, base, d, acc)
+    scale = _row_scale_device(acc, sh, d, eps)
+    for base in range(0, d, step):
+        if step < d:
+            _load_pass_device(x, w, row, base, d, xs, ws)
+        _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q)
+
+
+@cuda.jit(device=True, inline=True)
+def _load_pre_device(pre, row, pv):
+    for i in range(HC):
+        pv[i] = np.float64(pre[row, i])
+
+
+@cuda.jit(cache=True)
+def hc_rms_norm_kernel(h, pre, w, eps, out):
+    """rms_norm_kernel of x = hc_pre(h, pre), x formed in registers (module docstring)."""
+    row = cuda.blockIdx.x
+    d = h.shape[2]
+    step = cuda.blockDim.x * ELEMS
+    sh = cuda.shared.array(WARP, np.float64)
+    xs = cuda.local.array(ELEMS, np.float32)
+    ws = cuda.local.array(ELEMS, np.float32)
+    pv = cuda.local.array(HC, np.float64)
+    _load_pre_device(pre, row, pv)
+    acc = 0.0
+    for base in range(0, d, step):
+        _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
+        acc = _add_squares_device(xs, base, d, acc)
+    scale = _row_scale_device(acc, sh, d, eps)
+    for base in range(0, d, step):
+        if step < d:
+            _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
+        _store_pass_device(xs, ws, scale, row, base, d, out)
+
+
+@cuda.jit(cache=True)
+def hc_rms_norm_q_kernel(h, pre, w, eps, out, out_q):
+    """hc_rms_norm_kernel, and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)."""
+    row = cuda.blockIdx.x
+    d = h.shape[2]
+    step = cuda.blockDim.x * ELEMS
+    sh = cuda.shared.array(WARP, np.float64)
+    xs = cuda.local.array(ELEMS, np.float32)
+    ws = cuda.local.array(ELEMS, np.float32)
+    pv = cuda.local.array(HC, np.float64)
+    _load_pre_device(pre, row, pv)
+    acc = 0.0
+    for base in range(0, d, step):
+        _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
+        acc = _add_squares_device(xs, base, d, acc)
+    scale = _row_scale_device(acc, sh, d, eps)
+    for base in range(0, d, step):
+        if step < d:
+            _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
+        _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q)
+
+
+@cuda.jit(cache=True)
+def rms_norm_rope_q_kernel(x, w, eps, positions, cos, sin, out, out_q):
+    """rms_norm_kernel, then kernels.rope's forward rotation of the tail's adjacent pairs at positions[r] (in place,
+    the head dims as normed), then out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0). A pair (2i, 2i+1) sits in two
+    neighbouring lanes of one warp (element j is thread j mod n's), so its other value is one shuffle away."""
+    row = cuda.blockIdx.x
+    d = x.shape[1]
+    step = cuda.blockDim.x * ELEMS
+    first = d // 2 - cos.shape[1]                 # first rotated pair
+    sh = cuda.shared.array(WARP, np.float64)
+    xs = cuda.local.array(ELEMS, np.float32)
+    ws = cuda.local.array(ELEMS, np.float32)
+    acc = 0.0
+    for base in range(0, d, step):
+        _load_pass_device(x, w, row, base, d, xs, ws)
+        acc = _add_squares_device(xs, base, d, acc)
+    scale = _row_scale_device(acc, sh, d, eps)
+    pos = positions[row]
+    for base in range(0, d, step):
+        if step < d:
+            _load_pass_device(x, w, row, base, d, xs, ws)
         for m in range(ELEMS):
-            j = base + m * nt + cuda.threadIdx.x
+            j = base + m * cuda.blockDim.x + cuda.threadIdx.x
+            y = round_bf16_device(ws[m] * (xs[m] * scale))
+            other = cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
+            p = j // 2 - first
+            if j < d and p >= 0:
+                y = rope_pair_value_device(y, other, j % 2 == 1, cos[pos, p], sin[pos, p])
+            q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))
             if j < d:
-                out[row, j] = round_bf16_device(ws[m] * (xs[m] * scale))
+                out[row, j] = y
+                out_q[row, j] = q
 
 
-SIGNATURES = {"rms_norm_kernel": "void(float32[:, :], float32[:], float32, float32[:, :])"}
+SIGNATURES = {
+    "rms_norm_rope_q_kernel": "void(float32[:, :], float32[:], float32, int64[:], float32[:, :], float32[:, :], "
+                              "float32[:, :], float32[:, :])",
+    "rms_norm_kernel": "void(float32[:, :], float32[:], float32, float32[:, :])",
+    "rms_norm_q_kernel": "void(float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+    "hc_rms_norm_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :])",
+    "hc_rms_norm_q_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+}
 
 
-def rms_norm(x, w, eps, out=None, stream=0):
-    """x [T, D], w [D] (device or host float32 arrays) -> out [T, D]."""
-    if x.ndim != 2 or w.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm: x {x.shape} and w {w.shape} do not match")
+def _threads(d):
+    """Threads of a row's block: one pass of ELEMS elements each up to THREADS_MAX (a function of D only)."""
+    return min(THREADS_MAX, WARP * -(-d // (WARP * ELEMS)))
+
+
+def _outputs(name, n_rows, d, w, out, out_q, stream):
+    """Checks w, out and out_q against [T, D] (allocating out); returns out."""
+    if tuple(w.shape) != (d,) or w.dtype != np.float32:
+        raise ValueError(f"{name}: w must be float32 [{d}], got {w.dtype} {tuple(w.shape)}")
     if out is None:
-        out = cuda.device_array(x.shape, dtype=np.float32, stream=stream)
-    n_rows, d = x.shape
+        out = cuda.device_array((n_rows, d), dtype=np.float32, stream=stream)
+    elif tuple(out.shape) != (n_rows, d) or out.dtype != np.float32:
+        raise ValueError(f"{name}: out must be float32 [{n_rows}, {d}], got {out.dtype} {tuple(out.shape)}")
+    if out_q is not None:
+        if tuple(out_q.shape) != (n_rows, d) or out_q.dtype != np.float32 or d % QUANT_BLOCK:
+            raise ValueError(f"{name}: out_q must be float32 [{n_rows}, {d}] with D % {QUANT_BLOCK} == 0, got "
+                             f"{out_q.dtype} {tuple(out_q.shape)}")
+    return out
+
+
+def rms_norm(x, w, eps, out=None, out_q=None, stream=0):
+    """x [T, D], w [D] (device or host float32 arrays) -> out [T, D]; with out_q [T, D] (D % 32 == 0) also
+    out_q = act_quant_fp8(out) from the same kernel."""
+    if x.ndim != 2 or x.dtype != np.float32:
+        raise ValueError(f"rms_norm: x must be float32 [T, D], got {x.dtype} {tuple(x.shape)}")
+    n_rows, d = tuple(x.shape)
+    out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
     if n_rows and d:
-        threads = min(THREADS_MAX, WARP * -(-d // (WARP * ELEMS)))
-        rms_norm_kernel[n_rows, threads, stream](x, w, np.float32(eps), out)
+        if out_q is None:
+            rms_norm_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), out)
+        else:
+            rms_norm_q_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), out, out_q)
+    return out
+
+
+def rms_norm_rope_q(x, w, eps, positions, cos, sin, out, out_q, stream=0):
+    """x [T, D], w [D] float32, positions [T] int64, cos, sin [P, rd/2] (kernels.rope's tables) -> out [T, D] =
+    rope(rms_norm(x, w, eps), positions) and out_q = act_quant_fp8(out) (D % 32 == 0), one launch where three
+    were: the window key row of a decode step (ref attention.window_kv)."""
+    if x.ndim != 2 or x.dtype != np.float32:
+        raise ValueError(f"rms_norm_rope_q: x must be float32 [T, D], got {x.dtype} {tuple(x.shape)}")
+    n_rows, d = tuple(x.shape)
+    if out_q is None:
+        raise ValueError("rms_norm_rope_q: out_q is required")
+    out = _outputs("rms_norm_rope_q", n_rows, d, w, out, out_q, stream)
+    if tuple(positions.shape) != (n_rows,) or positions.dtype != np.int64:
+        raise ValueError(f"rms_norm_rope_q: positions must be int64 [{n_rows}]")
+    if tuple(cos.shape) != tuple(sin.shape) or len(cos.shape) != 2 or cos.dtype != np.float32 \
+            or 2 * cos.shape[1] > d or d % 2:
+        raise ValueError(f"rms_norm_rope_q: cos {cos.shape} and sin {sin.shape} must be float32 [P, rd/2] with "
+                         f"rd <= D = {d}")
+    if n_rows and d:
+        rms_norm_rope_q_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), positions, cos, sin, out, out_q)
+    return out
+
+
+def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, stream=0):
+    """h [T, 4, D], pre [T, 4], w [D] float32 -> out = rms_norm(hc_pre(h, pre), w, eps) [T, D]; with out_q [T, D]
+    (D % 32 == 0) also out_q = act_quant_fp8(out). The collapsed x is not written."""
+    shape = tuple(h.shape)
+    if len(shape) != 3 or shape[1] != HC or h.dtype != np.float32:
+        raise ValueError(f"hc_rms_norm: h must be float32 [T, {HC}, D], got {h.dtype} {shape}")
+    n_rows, _, d = shape
+    if tuple(pre.shape) != (n_rows, HC) or pre.dtype != np.float32:
+        raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
+    out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
+    if n_rows and d:
+        if out_q is None:
+            hc_rms_norm_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out)
+        else:
+            hc_rms_norm_q_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q)
     return out
 
 

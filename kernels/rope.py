@@ -16,9 +16,19 @@ from numba import cuda
 
 from kernels.bf16 import mul_rn_device, round_bf16_device
 
-__all__ = ["rope", "rope_kernel", "SIGNATURES"]
+__all__ = ["rope", "rope_pair_value_device", "rope_kernel", "SIGNATURES"]
 
 THREADS = 128
+
+
+@cuda.jit(device=True, inline=True)
+def rope_pair_value_device(v, other, odd, c, s):
+    """One rotated value of a pair (a, b): bf16(a c - b s) for the even element (v = a, other = b), bf16(a s + b c)
+    for the odd one (v = b, other = a); each product rounded on its own. The one definition (rope_kernel, and the
+    fused producers that hold a pair in two neighbouring lanes: kernels.attention's combine, kernels.rms_norm)."""
+    if odd:
+        return round_bf16_device(mul_rn_device(other, s) + mul_rn_device(v, c))
+    return round_bf16_device(mul_rn_device(v, c) - mul_rn_device(other, s))
 
 
 @cuda.jit(cache=True)
@@ -43,8 +53,8 @@ def rope_kernel(x, positions, cos, sin, inverse, first_pair, out):
     pos = positions[t]
     c = cos[pos, p]
     s = -sin[pos, p] if inverse else sin[pos, p]
-    out[t, h, 2 * j] = round_bf16_device(mul_rn_device(a, c) - mul_rn_device(b, s))
-    out[t, h, 2 * j + 1] = round_bf16_device(mul_rn_device(a, s) + mul_rn_device(b, c))
+    out[t, h, 2 * j] = rope_pair_value_device(a, b, False, c, s)
+    out[t, h, 2 * j + 1] = rope_pair_value_device(b, a, True, c, s)
 
 
 SIGNATURES = {

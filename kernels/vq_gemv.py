@@ -14,10 +14,14 @@ Owns:
   linear_q(x, dequant_matrix(C, g, idx) [* s for w2]) of the reference: xq = act_quant_fp8(x) (block 32; applied
   first when `quantize`), the f16 row gain and the optional per-expert, per-output-channel sidecar gain s (float32,
   w2) applied to the row sum, BF16 result. The sum is formed by the tensor cores (below), so it matches the
-  reference within a tolerance, not bit for bit.
+  reference within a tolerance, not bit for bit. `swiglu=(u, weights, limit)` (w2, quantize=True): x is an expert's
+  gate g and the staging computes a = swiglu(g, u, limit, weights) as it loads (`vq_stage_swiglu_kernel`; one launch
+  fewer per MoE layer than kernels.moe.swiglu then vq_gemv, the same bits: both run kernels.moe.swiglu_value_device,
+  and a test holds the two paths bit-equal).
 - `moe_combine`: y[t] = bf16( sum over the token's experts in ascending id of ye[t*K + k] + shared[t] ) (FP32,
   ds4lib.ref.moe.moe's order).
-Does not own: the router (kernels.moe.route), SwiGLU (kernels.moe.swiglu), the shared expert (kernels.q4k_gemv).
+Does not own: the router (kernels.moe.route), the SwiGLU step on its own (kernels.moe.swiglu: the shared expert, and
+the spec of `swiglu=`), the shared expert (kernels.q4k_gemv).
 
 How `vq_gemv` runs. The tensor cores multiply 8 weight rows by 32 inputs for up to 16 pairs per codeword step: a
 lane's codeword (8 E4M3 codes) is exactly its B fragments of two chained `mma.sync.m16n8k16` f16 MMAs (kernels.mma;
@@ -55,15 +59,16 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels.bf16 import f16_bits_device, mul_rn_device, round_bf16_device
+from kernels.bf16 import exp_f32_device, f16_bits_device, mul_rn_device, round_bf16_device
 from kernels.gemv import pow2_ceil_device
+from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, mma_f16_device
 from kernels.q4k_gemv import INV448, _aq_device, _code_word_device, _fp8_block_scale_device, _quad_max_device
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_gemv", "moe_combine", "VQPlan", "vq_plan_kernel",
-           "vq_relayout_kernel", "vq_stage_kernel", "vq_gemv_kernel", "vq_gemv_wide_kernel", "moe_combine_kernel", "mma_geometry",
-           "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
+__all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "moe_combine", "VQPlan",
+           "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel", "vq_gemv_wide_kernel",
+           "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -301,25 +306,19 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
 
 
 # ------------------------------------------------------------------------- activations as E4M3 codes
-@cuda.jit(cache=True)
-def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
-    """x float32 [n, 8J] (FP8-grid values; `raw`: unquantised, act_quant_fp8's rule applied first with its kernel's
-    operations) -> codes1 uint64 [n * Jp] (codeword c's 8 inputs as E4M3 codes, low byte first, zeros for c >= J; in
-    the GEMV's fragment order: c = 32s + 4k + t of row r at r*Jp + 32s + 8t + k) and scl1 float32 [n * Jp/4] (block
-    q of 32 inputs' power-of-two scale P at r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of
-    lanes per block of 32."""
-    red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
-    n_x = x.shape[0]
+@cuda.jit(device=True, inline=True)
+def _stage_slot_device(n_x, n_cwp):
+    """(in range, row r, codeword c) of the staging thread; threads past the end take row 0, codeword 0."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     ok = i < n_x * n_cwp                   # every thread of the block takes part in the quad exchanges
     j = i if ok else 0
-    r = j // n_cwp
-    c = j % n_cwp
-    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
-    if c < J:
-        k = VQ_DIM * c
-        v0, v1, v2, v3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-        v4, v5, v6, v7 = x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
+    return ok, j // n_cwp, j % n_cwp
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, codes1, scl1, red):
+    """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 code word and, in the quad's first lane,
+    the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
     w = cuda.threadIdx.x // WARP
     am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
     am = _quad_max_device(am, red[w])
@@ -336,6 +335,43 @@ def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
         codes1[r * n_cwp + SEG_CW * (c // SEG_CW) + 8 * (c % 4) + (c % SEG_CW) // 4] = word
         if c % 4 == 0:
             scl1[r * (n_cwp // 4) + c // 4] = p
+
+
+@cuda.jit(cache=True)
+def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
+    """x float32 [n, 8J] (FP8-grid values; `raw`: unquantised, act_quant_fp8's rule applied first with its kernel's
+    operations) -> codes1 uint64 [n * Jp] (codeword c's 8 inputs as E4M3 codes, low byte first, zeros for c >= J; in
+    the GEMV's fragment order: c = 32s + 4k + t of row r at r*Jp + 32s + 8t + k) and scl1 float32 [n * Jp/4] (block
+    q of 32 inputs' power-of-two scale P at r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of
+    lanes per block of 32."""
+    red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
+    ok, r, c = _stage_slot_device(x.shape[0], n_cwp)
+    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+    if c < J:
+        k = VQ_DIM * c
+        v0, v1, v2, v3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
+        v4, v5, v6, v7 = x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
+    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, codes1, scl1, red)
+
+
+@cuda.jit(cache=True)
+def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, codes1, scl1):
+    """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded (kernels.moe.swiglu_value_device):
+    the SwiGLU step of an expert folded into its down projection's staging. g, u float32 [n, 8J], w float32 [n]."""
+    red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
+    ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
+    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+    if c < J:
+        k = VQ_DIM * c
+        g0, g1, g2, g3 = g[r, k], g[r, k + 1], g[r, k + 2], g[r, k + 3]
+        g4, g5, g6, g7 = g[r, k + 4], g[r, k + 5], g[r, k + 6], g[r, k + 7]
+        u0, u1, u2, u3 = u[r, k], u[r, k + 1], u[r, k + 2], u[r, k + 3]
+        u4, u5, u6, u7 = u[r, k + 4], u[r, k + 5], u[r, k + 6], u[r, k + 7]
+        v0, v1 = swiglu_value_device(g0, u0, w, has_w, r, limit), swiglu_value_device(g1, u1, w, has_w, r, limit)
+        v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
+        v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
+        v6, v7 = swiglu_value_device(g6, u6, w, has_w, r, limit), swiglu_value_device(g7, u7, w, has_w, r, limit)
+    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, codes1, scl1, red)
 
 
 # ------------------------------------------------------------------------------------------ the GEMV
@@ -576,6 +612,8 @@ SIGNATURES = {
     "vq_relayout_kernel": "void(uint32[:], uint8[:], int64, int64, uint32[:], uint8[:], int64, int64, boolean, int64, "
                           "int64, int64, int64, int64)",
     "vq_stage_kernel": "void(float32[:, :], boolean, int64, int64, uint64[:], float32[:])",
+    "vq_stage_swiglu_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, int64, int64, "
+                              "uint64[:], float32[:])",
     "vq_gemv_kernel": _VQ_SIG,
     "vq_gemv_wide_kernel": _VQ_SIG,
     "moe_combine_kernel": "void(float32[:, :], int32[:, :], float32[:, :], float32[:, :])",
@@ -654,6 +692,16 @@ def vq_device_layout(index, plane, shape_a, shape_b, stream=0):
     return dst, dst_pl
 
 
+def vq_plan_buffers(n_tok, k_act, n_experts, stream=0):
+    """An unfilled VQPlan for T tokens of K experts each (ids None), tiles of min(T*K, TILE_MAX) rows as a call's
+    plan takes them: what `vq_plan(out=...)` fills, or kernels.moe.route(plan=...) for one token."""
+    n_pairs = int(n_tok) * int(k_act)
+    return VQPlan(None, cuda.device_array(max(n_pairs, 1), np.int32, stream=stream),
+                  cuda.device_array((max(n_pairs, 1), 3), np.int32, stream=stream),
+                  cuda.device_array(1, np.int32, stream=stream), n_pairs, int(n_experts),
+                  max(1, min(n_pairs, TILE_MAX)))
+
+
 def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
     """Routing ids int32 [T, K] (distinct per token) -> VQPlan (device work list; `out` a VQPlan to reuse)."""
     n_tok, k_act = tuple(ids.shape)
@@ -678,8 +726,8 @@ def scratch_bytes(n_x, cols):
     return n_x * n_cwp * 8 + n_x * (n_cwp // 4) * 4
 
 
-def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, scale=None, quantize=True, out=None,
-            scratch=None, stream=0):
+def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, scale=None, quantize=True, swiglu=None,
+            out=None, scratch=None, stream=0):
     """Routed-expert GEMV (module docstring) -> out float32 [len(mats), n_pairs, R] (BF16 values).
 
     x float32 [n_x, Kin] (pair p reads row p // x_div: the token for w1/w3 with x_div = K, the pair's own SwiGLU row
@@ -687,6 +735,8 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     plane uint8 [E, 3, P] (13-bit layers) or None in the device layout (vq_device_layout); gains (g1, g2, g3) uint16
     [E, rows] f16 bits; mats: (0, 2) for w1 and w3 together or (1,) for w2, all of shape (R, Kin); scale float32
     [E, R] (sidecar gains of w2) or None; quantize: x is unquantised (act_quant_fp8's rule is applied first).
+    swiglu: (u, weights, limit) with u float32 like x, weights float32 [n_x] or None: x is the gate g, and the
+    staging reads a = kernels.moe.swiglu(g, u, limit, weights) instead of x (bit for bit; quantize=True only).
     """
     rows, cols = (int(v) for v in shape)
     mats = tuple(int(m) for m in mats)
@@ -717,6 +767,13 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         raise ValueError(f"vq_gemv: scale must be float32 [{n_exp}, {rows}]")
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2 or x.shape[1] != cols:
         raise ValueError(f"vq_gemv: x must be float32 [n, {cols}], got {x.dtype} {x.shape}")
+    if swiglu is not None:
+        u, weights, limit = swiglu
+        if not quantize or u.dtype != np.float32 or tuple(u.shape) != tuple(x.shape):
+            raise ValueError(f"vq_gemv: swiglu needs quantize=True and u float32 {tuple(x.shape)}, got {u.dtype} "
+                             f"{tuple(u.shape)}")
+        if weights is not None and (weights.dtype != np.float32 or tuple(weights.shape) != (x.shape[0],)):
+            raise ValueError(f"vq_gemv: swiglu weights must be float32 [{x.shape[0]}] or None")
     n_pairs = plan.n_pairs
     if plan.n_experts != n_exp or x_div <= 0 or (n_pairs and (n_pairs - 1) // x_div >= x.shape[0]):
         raise ValueError("vq_gemv: the plan, the experts and x do not fit")
@@ -732,7 +789,13 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     codes1 = _scratch(scratch, "x_codes", (n_x * n_cwp,), np.uint64, stream)
     scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
     n = n_x * n_cwp
-    vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, codes1, scl1)
+    if swiglu is None:
+        vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, codes1, scl1)
+    else:
+        has_w = weights is not None
+        w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
+        vq_stage_swiglu_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](
+            x, u, w, has_w, np.float32(limit), J, n_cwp, codes1, scl1)
     dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)
     n_units = n_pairs * n_mats * -(-n_rg // RG_PER_UNIT)    # an upper bound: a tile holds at least one pair

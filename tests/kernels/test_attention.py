@@ -88,6 +88,31 @@ def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
     np.testing.assert_array_equal(got[0], got[2])
 
 
+def test_inverse_rope_in_the_combine_equals_the_rope_kernel(cuda_ready):
+    """sparse_attention(..., inverse_rope=(positions, cos, sin)) leaves exactly what sparse_attention then
+    rope.rope(inverse=True) leave (the engine's decode path), for a chunk of 3 queries at odd positions, a query
+    with no valid row and one with a single row; the arguments are checked."""
+    from kernels.attention import sparse_attention
+    from kernels.rope import rope
+    rng = np.random.default_rng(7)
+    keys = _rows(rng, 6)
+    q = round_bf16(rng.standard_normal((3, 4, DH)))
+    idx = np.array([[0, 3, 5, 2], [-1, -1, -1, -1], [4, -1, -1, -1]], np.int32)
+    pos = np.array([11, 12, 13], np.int64)
+    freqs = (1.0 / CFG.rope_theta ** (np.arange(0, CFG.rope_head_dim, 2) / CFG.rope_head_dim)).astype(np.float32)
+    ang = np.outer(np.arange(32, dtype=np.float32), freqs).astype(np.float32)
+    cos, sin = (cuda_ready.to_device(np.cos(ang).astype(np.float32)), cuda_ready.to_device(np.sin(ang).astype(np.float32)))
+    args = (cuda_ready.to_device(q), cuda_ready.to_device(f32_to_bf16_bits(keys)), cuda_ready.to_device(idx), None,
+            None, cuda_ready.to_device(rng.standard_normal(4).astype(np.float32)), DH ** -0.5)
+    p_dev = cuda_ready.to_device(pos)
+    want = rope(sparse_attention(*args), p_dev, cos, sin, inverse=True).copy_to_host()
+    got = sparse_attention(*args, inverse_rope=(p_dev, cos, sin)).copy_to_host()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(got, sparse_attention(*args).copy_to_host())        # the tail did rotate
+    with pytest.raises(ValueError, match="inverse_rope"):
+        sparse_attention(*args, inverse_rope=(cuda_ready.to_device(pos[:2]), cos, sin))
+
+
 def test_no_valid_rows_give_zero_and_window_only(cuda_ready):
     from kernels.attention import sparse_attention
     rng = np.random.default_rng(5)

@@ -23,7 +23,8 @@ def _case(rng, T, D):
 
 @pytest.mark.parametrize("T,D", [(1, CFG.dim),      # decode
                                  (2, 200),          # ragged: 800 columns over blocks of 128
-                                 (1, 1200)])        # 38 partial blocks: the finishing kernel's 4-load loop
+                                 (1, 1200),         # 38 partial blocks: the finishing sum's 4-load loop
+                                 (5, 96)])          # T > FUSED_T_MAX: the two-kernel path
 def test_hc_mixes_collapse_expand(cuda_ready, T, D):
     from kernels.hc import hc_mixes, hc_post, hc_pre
     rng = np.random.default_rng(T * 1000 + D)
@@ -44,6 +45,45 @@ def test_hc_mixes_collapse_expand(cuda_ready, T, D):
     got = hc_post(cuda_ready.to_device(y), d_h, cuda_ready.to_device(want_post), cuda_ready.to_device(want_comb),
                   out=d_h).copy_to_host()                                  # in place over the state
     assert_matches("hc_post", got, want)
+
+
+def _two_kernels(cuda, h, fn, base, scale):
+    """hc_mixes' two-kernel path (partial, then finish), launched directly whatever T."""
+    from kernels.hc import (COLS_PER_BLOCK, FIN_THREADS, HC, N_ACC, THREADS, hc_mix_finish_kernel,
+                            hc_mix_partial_kernel)
+    T, _, D = h.shape
+    n_blk = -(-HC * D // COLS_PER_BLOCK)
+    partial = cuda.device_array((T, n_blk, N_ACC), np.float64)
+    out = (cuda.device_array((T, HC), np.float32), cuda.device_array((T, HC), np.float32),
+           cuda.device_array((T, HC, HC), np.float32))
+    hc_mix_partial_kernel[n_blk, THREADS](cuda.to_device(h.reshape(T, HC * D)), cuda.to_device(fn), COLS_PER_BLOCK,
+                                          partial)
+    hc_mix_finish_kernel[T, FIN_THREADS](partial, cuda.to_device(base), cuda.to_device(scale), HC * D,
+                                         np.float32(KW["norm_eps"]), np.float32(KW["hc_eps"]), KW["iters"], *out)
+    return tuple(a.copy_to_host() for a in out)
+
+
+@pytest.mark.parametrize("D", [96, 200])             # 384 columns: 3 partial blocks; 800: 7, the last ragged
+def test_hc_mixes_fused_equals_two_kernels(cuda_ready, D):
+    """T <= FUSED_T_MAX takes the one-launch kernel: the same bits as the two kernels for T = 1, 2, 3 (several
+    blocks, so the last-ticket block sums the others' partials); its counter is zero again after each call, and
+    a second call over the same scratch gives the same bits."""
+    from kernels.hc import FUSED_T_MAX, hc_mixes
+    assert FUSED_T_MAX >= 3
+    for T in (1, 2, 3):
+        rng = np.random.default_rng(T * 100 + D)
+        h, fn, base, scale = _case(rng, T, D)
+        want = _two_kernels(cuda_ready, h, fn, base, scale)
+        scr = {}
+        args = [cuda_ready.to_device(a) for a in (h, fn, base, scale)]
+        first = tuple(a.copy_to_host() for a in hc_mixes(*args, **KW, scratch=scr))
+        (counter,) = [a for k, a in scr.items() if k[0] == "hc_mix_counter"]
+        assert counter.copy_to_host().tolist() == [0]
+        again = tuple(a.copy_to_host() for a in hc_mixes(*args, **KW, scratch=scr))
+        assert counter.copy_to_host().tolist() == [0]
+        for got in (first, again):
+            for g, w in zip(got, want):
+                assert np.array_equal(g, w)
 
 
 def test_hc_empty(cuda_ready):

@@ -54,3 +54,93 @@ def test_swiglu_matches_expert_ffn(cuda_ready, routed):
                  weights=None if wts is None else cuda_ready.to_device(wts)).copy_to_host()
     assert_matches("swiglu", got, want)
     assert (np.abs(g) > CFG.swiglu_limit).any()
+
+
+# ------------------------------------------------------------------- fused forms: the chain's bits, not ref's
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+@pytest.mark.parametrize("n,F,routed", [(1, 64, False),     # shared expert, decode
+                                        (3, 96, True),      # routed rows; 288 elements: a ragged last block
+                                        (2, 1024, True)])
+def test_swiglu_with_out_q_is_swiglu_then_act_quant(cuda_ready, n, F, routed):
+    """g and u as the two halves of one [n, 2F] GEMV output (strided views); rows of zeros and of wide dynamic
+    range; out bit-identical to swiglu alone, out_q to act_quant_fp8 of it."""
+    from kernels.gemv import act_quant_fp8
+    from kernels.moe import swiglu
+    rng = np.random.default_rng(n * 1000 + F)
+    gu = round_bf16(rng.standard_normal((n, 2 * F)) * 4)
+    gu[0, :F:5] = 0.0
+    if n >= 2:
+        gu[1] = round_bf16(rng.standard_normal(2 * F) * np.exp2(rng.integers(-20, 8, 2 * F)))
+        gu[1, 32:64] = 0.0                                           # a zero block: the amax floor
+    wts = (rng.random(n) * np.exp2(rng.integers(-8, 2, n))).astype(np.float32) if routed else None
+    d_gu = cuda_ready.to_device(gu)
+    g, u = d_gu[:, :F], d_gu[:, F:]
+    d_w = None if wts is None else cuda_ready.to_device(wts)
+    want = swiglu(cuda_ready.to_device(np.ascontiguousarray(gu[:, :F])),
+                  cuda_ready.to_device(np.ascontiguousarray(gu[:, F:])), CFG.swiglu_limit, weights=d_w)
+    want_q = act_quant_fp8(want).copy_to_host()
+    want = want.copy_to_host()
+    np.testing.assert_array_equal(_bits(swiglu(g, u, CFG.swiglu_limit, weights=d_w).copy_to_host()), _bits(want))
+    out_q = cuda_ready.device_array((n, F), np.float32)
+    got = swiglu(g, u, CFG.swiglu_limit, weights=d_w, out_q=out_q).copy_to_host()
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q))
+    assert not np.array_equal(want_q, want)                          # the quantiser did something
+
+
+@pytest.mark.parametrize("E,K", [(CFG.n_routed_experts, CFG.n_activated_experts),
+                                 (40, 16),                             # K_MAX, ragged experts
+                                 (160, 6)])                            # 5 experts a lane
+def test_route_writes_the_vq_plan_of_one_token(cuda_ready, E, K):
+    """route(plan=...) leaves scores, ids and weights bit-identical and writes vq_plan(ids, E)'s arrays."""
+    from kernels.moe import route
+    from kernels.vq_gemv import TILE_MAX, vq_plan
+    rng = np.random.default_rng(E * 100 + K)
+    D = CFG.dim
+    x = round_bf16(rng.standard_normal((1, D)))
+    gate = cuda_ready.to_device(f32_to_bf16_bits(round_bf16(rng.standard_normal((E, D)) * 0.05)))
+    bias = cuda_ready.to_device((rng.standard_normal(E) * 0.1).astype(np.float32))
+    d_x = cuda_ready.to_device(x)
+    want = [a.copy_to_host() for a in route(d_x, gate, bias, K, CFG.route_scale)]
+    want_plan = vq_plan(cuda_ready.to_device(want[1]), E, tile_rows=min(K, TILE_MAX))
+    plan = want_plan._replace(pairs=cuda_ready.to_device(np.full(K, -1, np.int32)),     # -1: nothing written yet
+                              tiles=cuda_ready.to_device(np.full((K, 3), -1, np.int32)),
+                              n_tiles=cuda_ready.to_device(np.full(1, -1, np.int32)))
+    got = [a.copy_to_host() for a in route(d_x, gate, bias, K, CFG.route_scale, plan=plan)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    assert not np.array_equal(want[1][0], np.sort(want[1][0]))       # selection order is not id order
+    n = int(want_plan.n_tiles.copy_to_host()[0])
+    assert n == K and int(plan.n_tiles.copy_to_host()[0]) == n
+    np.testing.assert_array_equal(plan.pairs.copy_to_host(), want_plan.pairs.copy_to_host())
+    np.testing.assert_array_equal(plan.tiles.copy_to_host(), want_plan.tiles.copy_to_host())
+
+
+def test_fused_moe_steps_refuse_bad_arguments(cuda_ready):
+    """Checked before any launch."""
+    from kernels.moe import route, swiglu
+    from kernels.vq_gemv import vq_plan
+    f32 = lambda *s: np.zeros(s, np.float32)                        # noqa: E731
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 80), f32(2, 80), 10.0, out_q=f32(2, 80))      # F % 32 != 0
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 64), f32(2, 64), 10.0, out_q=f32(1, 64))      # out_q shape
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 64), f32(2, 64), 10.0, out_q=np.zeros((2, 64)))   # out_q dtype
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 64), f32(2, 32), 10.0)                         # u shape
+    E, K, D = 16, 4, 64
+    gate, bias = np.zeros((E, D), np.uint16), f32(E)
+    plan = vq_plan(cuda_ready.to_device(np.arange(2 * K, dtype=np.int32).reshape(2, K)), E)
+    with pytest.raises(ValueError):
+        route(f32(2, D), gate, bias, K, 1.0, plan=plan)                # two tokens: the plan kernel's job
+    plan1 = vq_plan(cuda_ready.to_device(np.arange(K, dtype=np.int32).reshape(1, K)), E)
+    with pytest.raises(ValueError):
+        route(f32(1, D), gate, bias, K - 1, 1.0, plan=plan1)           # plan for another K
+    with pytest.raises(ValueError):
+        route(f32(1, D), np.zeros((E + 1, D), np.uint16), f32(E + 1), K, 1.0, plan=plan1)   # another E
+    with pytest.raises(ValueError):
+        route(f32(1, D), gate, bias, K, 1.0, plan=tuple(plan1))        # not a VQPlan

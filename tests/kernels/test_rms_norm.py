@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from ds4lib.formats.floats import round_bf16
 from ds4lib.ref.norm import rms_norm as rms_norm_ref
@@ -67,3 +68,143 @@ def test_sm90_ptx_keeps_the_row_in_registers():
     from tests.kernels.compile_sm90 import ptx_counts
     v = ptx_counts(["rms_norm:rms_norm_kernel"], [".local", "shfl.sync"])["rms_norm:rms_norm_kernel"]
     assert v["sm90"] and v[".local"] == 0 and v["shfl.sync"] >= 10, v
+
+
+# ------------------------------------------------------------------- fused forms: the chain's bits, not ref's
+def _wide_rows(rng, rows, d):
+    """BF16 rows: random ones, then (rows >= 2) a row of zeros, then (rows >= 3) a row whose magnitudes span
+    2^-20 .. 2^12 element by element, with exact zeros and a run of tiny values (whole blocks at the amax floor)."""
+    x = _row(rng, rows, d)
+    if rows >= 2:
+        x[1] = 0.0
+    if rows >= 3:
+        x[2] = round_bf16(rng.standard_normal(d) * np.exp2(rng.integers(-20, 12, d)))
+        x[2, ::7] = 0.0
+        x[2, 32:64] *= np.float32(1e-30)
+    return x
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 96), (3, 1024)])
+def test_rms_norm_with_out_q_is_rms_norm_then_act_quant(cuda_ready, T, D):
+    """out bit-identical to rms_norm alone, out_q to act_quant_fp8 of it (zero row, wide dynamic range, T = 1)."""
+    from kernels.gemv import act_quant_fp8
+    from kernels.rms_norm import rms_norm
+    rng = np.random.default_rng(10 + D)
+    x = _wide_rows(rng, T, D)
+    w = round_bf16(1 + 0.1 * rng.standard_normal(D))
+    d_x, d_w = cuda_ready.to_device(x), cuda_ready.to_device(w)
+    want = rms_norm(d_x, d_w, 1e-6)
+    want_q = act_quant_fp8(want).copy_to_host()
+    out_q = cuda_ready.device_array((T, D), np.float32)
+    got = rms_norm(d_x, d_w, 1e-6, out_q=out_q).copy_to_host()
+    np.testing.assert_array_equal(_bits(got), _bits(want.copy_to_host()))
+    np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q))
+
+
+@pytest.mark.parametrize("T,D,half", [(1, 64, 8), (3, 512, 32)])
+def test_rms_norm_rope_q_is_rms_norm_then_rope_then_act_quant(cuda_ready, T, D, half):
+    """The window key row's fused kernel: out bit-identical to rms_norm then rope.rope (in place, forward) at the
+    rows' positions, out_q to act_quant_fp8 of that; a zero row and a wide row included; bad tables refused."""
+    from kernels.gemv import act_quant_fp8
+    from kernels.rms_norm import rms_norm, rms_norm_rope_q
+    from kernels.rope import rope
+    rng = np.random.default_rng(40 + D)
+    x = _wide_rows(rng, T, D)
+    w = round_bf16(1 + 0.1 * rng.standard_normal(D))
+    ang = np.outer(np.arange(50, dtype=np.float32), rng.uniform(0.01, 1, half).astype(np.float32)).astype(np.float32)
+    cos, sin = cuda_ready.to_device(np.cos(ang)), cuda_ready.to_device(np.sin(ang))
+    pos = cuda_ready.to_device(np.arange(37, 37 + T, dtype=np.int64))
+    d_x, d_w = cuda_ready.to_device(x), cuda_ready.to_device(w)
+    want = rope(rms_norm(d_x, d_w, 1e-6), pos, cos, sin)
+    want_q = act_quant_fp8(want).copy_to_host()
+    out, out_q = cuda_ready.device_array((T, D), np.float32), cuda_ready.device_array((T, D), np.float32)
+    rms_norm_rope_q(d_x, d_w, 1e-6, pos, cos, sin, out, out_q)
+    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(want.copy_to_host()))
+    np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q))
+    assert not np.array_equal(out.copy_to_host(), rms_norm(d_x, d_w, 1e-6).copy_to_host())   # the tail rotated
+    with pytest.raises(ValueError, match="rms_norm_rope_q"):
+        rms_norm_rope_q(d_x, d_w, 1e-6, pos, cos, cuda_ready.to_device(np.sin(ang[:, :2])), out, out_q)
+    with pytest.raises(ValueError, match="rms_norm_rope_q"):
+        rms_norm_rope_q(d_x, d_w, 1e-6, pos, cos, sin, out, None)
+
+
+def _hc_case(rng, T, D):
+    h = round_bf16(rng.standard_normal((T, 4, D)) * rng.uniform(0.5, 3, (T, 4, 1)))
+    if T >= 2:
+        h[1] = 0.0                                                   # a zero token: x = 0, out = 0, out_q = 0
+    if T >= 3:
+        h[2] = round_bf16(rng.standard_normal((4, D)) * np.exp2(rng.integers(-20, 12, (4, D))))
+    pre = (1 / (1 + np.exp(-rng.standard_normal((T, 4)))) + 1e-6).astype(np.float32)   # sigmoid + hc_eps
+    w = round_bf16(1 + 0.1 * rng.standard_normal(D))
+    return h, pre, w
+
+
+@pytest.mark.parametrize("T,D", [(1, 64), (3, 96), (3, 1024)])
+def test_hc_rms_norm_is_hc_pre_then_rms_norm_then_act_quant(cuda_ready, T, D):
+    from kernels.gemv import act_quant_fp8
+    from kernels.hc import hc_pre
+    from kernels.rms_norm import hc_rms_norm, rms_norm
+    rng = np.random.default_rng(20 + D)
+    h, pre, w = _hc_case(rng, T, D)
+    d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
+    want = rms_norm(hc_pre(d_h, d_pre), d_w, 1e-6)
+    want_q = act_quant_fp8(want).copy_to_host()
+    want = want.copy_to_host()
+    np.testing.assert_array_equal(_bits(hc_rms_norm(d_h, d_pre, d_w, 1e-6).copy_to_host()), _bits(want))
+    out_q = cuda_ready.device_array((T, D), np.float32)
+    got = hc_rms_norm(d_h, d_pre, d_w, 1e-6, out_q=out_q).copy_to_host()
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q))
+
+
+def test_fused_rms_norms_over_several_passes(cuda_ready):
+    """32 threads on D = 512: two passes of 8 elements a thread (the launcher takes one pass up to D = 8192, too
+    long a row for the simulator), each pass's warp block quantised on its own."""
+    from kernels.gemv import act_quant_fp8
+    from kernels.hc import hc_pre
+    from kernels.rms_norm import hc_rms_norm_kernel, hc_rms_norm_q_kernel, rms_norm_kernel, rms_norm_q_kernel
+    rng = np.random.default_rng(30)
+    T, D, eps = 3, 512, np.float32(1e-6)
+    h, pre, w = _hc_case(rng, T, D)
+    d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
+    d_x = hc_pre(d_h, d_pre)
+    want = cuda_ready.device_array((T, D), np.float32)
+    rms_norm_kernel[T, 32](d_x, d_w, eps, want)
+    want_q = _bits(act_quant_fp8(want).copy_to_host())
+    want = _bits(want.copy_to_host())
+    outs = [cuda_ready.device_array((T, D), np.float32) for _ in range(5)]
+    rms_norm_q_kernel[T, 32](d_x, d_w, eps, outs[0], outs[1])
+    hc_rms_norm_kernel[T, 32](d_h, d_pre, d_w, eps, outs[2])
+    hc_rms_norm_q_kernel[T, 32](d_h, d_pre, d_w, eps, outs[3], outs[4])
+    got = [_bits(o.copy_to_host()) for o in outs]
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(got[i], want, err_msg=f"out {i}")
+    for i in (1, 4):
+        np.testing.assert_array_equal(got[i], want_q, err_msg=f"out_q {i}")
+
+
+def test_fused_rms_norms_refuse_bad_arguments():
+    """Checked before any launch (host arrays suffice)."""
+    from kernels.rms_norm import hc_rms_norm, rms_norm
+    f32 = lambda *s: np.zeros(s, np.float32)                        # noqa: E731
+    bad = [
+        lambda: rms_norm(f32(2, 100), f32(100), 1e-6, out_q=f32(2, 100)),              # D % 32 != 0
+        lambda: rms_norm(f32(2, 64), f32(64), 1e-6, out_q=f32(1, 64)),                 # out_q shape
+        lambda: rms_norm(f32(2, 64), f32(64), 1e-6, out_q=np.zeros((2, 64))),          # out_q dtype
+        lambda: rms_norm(np.zeros((2, 64)), f32(64), 1e-6),                            # x dtype
+        lambda: rms_norm(f32(2, 64), f32(32), 1e-6),                                   # w shape
+        lambda: rms_norm(f32(2, 64), f32(64), 1e-6, out=f32(2, 32)),                   # out shape
+        lambda: hc_rms_norm(f32(2, 3, 64), f32(2, 3), f32(64), 1e-6),                  # 3 streams
+        lambda: hc_rms_norm(f32(2, 4, 64), f32(1, 4), f32(64), 1e-6),                  # pre shape
+        lambda: hc_rms_norm(f32(2, 4, 64), f32(2, 4), f32(64).astype(np.float64), 1e-6),   # w dtype
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 64)),    # out_q shape
+        lambda: hc_rms_norm(f32(2, 4, 80), f32(2, 4), f32(80), 1e-6, out_q=f32(2, 80)),    # D % 32 != 0
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"case {i} did not raise")

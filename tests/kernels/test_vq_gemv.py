@@ -3,7 +3,8 @@
 Simulator shapes are tiny (the MMA is emulated exactly there). Covered: the device layout index by index (rows
 and codewords padded, w2 transposed), long rows (J = 320: ten segments, 3 rows padded to 8), short rows (J = 12,
 padded to 32), 12- and 13-bit layers, one-pair tiles and tiles of 2 and 16 pairs (MMA rows 8..15), bit equality
-between tile sizes, sidecar gains, empty experts, NaN codebooks refused.
+between tile sizes, sidecar gains, empty experts, NaN codebooks refused, SwiGLU folded into the w2 staging (bit-equal
+to kernels.moe.swiglu then the GEMV).
 """
 import numpy as np
 import pytest
@@ -213,6 +214,31 @@ def test_13_12_13_bit_layers_in_turn(cuda_ready):
         assert_matches("gemv_bf16", got[0], _want(layers[bits], 0, [act_quant_fp8(x, 32)[0]], ids[0]))
 
 
+def test_swiglu_folded_into_the_staging_equals_swiglu_then_gemv(cuda_ready):
+    """vq_gemv(g, ..., swiglu=(u, weights, limit)) == vq_gemv(moe.swiglu(g, u, limit, weights), ...) bit for bit, g
+    and u the two halves of one [2, n, F] gate/up output: with and without routing weights, a clamping limit and
+    limit <= 0 (no clamp); J = 12 codewords padded to 32. swiglu= needs quantize=True."""
+    from kernels.moe import swiglu
+    from kernels.vq_gemv import vq_gemv, vq_plan
+    rng = np.random.default_rng(7)
+    n_exp, rows, cols = 2, 8, 96
+    layer = _layer(rng, n_exp, rows, cols, 12)
+    dl = _device_layer(cuda_ready, layer)
+    ids = np.array([[1, 0], [0, 1]], np.int32)
+    plan = vq_plan(cuda_ready.to_device(ids), n_exp, tile_rows=2)
+    gu = round_bf16(rng.standard_normal((2, 4, cols)) * 4)            # |u| and g beyond the limit: some clamps
+    d_gu = cuda_ready.to_device(gu)
+    d_w = cuda_ready.to_device(rng.uniform(0.05, 1.0, 4).astype(np.float32))
+    kw = dict(mats=(1,), shape=(rows, cols), quantize=True)
+    for weights, limit in ((d_w, 2.5), (d_w, 0.0), (None, 2.5), (None, -1.0)):
+        a = swiglu(d_gu[0], d_gu[1], limit, weights=weights)
+        want = vq_gemv(a, plan, *dl, **kw).copy_to_host()
+        got = vq_gemv(d_gu[0], plan, *dl, swiglu=(d_gu[1], weights, limit), **kw).copy_to_host()
+        assert np.array_equal(got, want), (weights is None, limit)
+    with pytest.raises(ValueError):
+        vq_gemv(d_gu[0], plan, *dl, mats=(1,), shape=(rows, cols), quantize=False, swiglu=(d_gu[1], None, 1.0))
+
+
 def test_moe_combine_ascending_expert_order(cuda_ready):
     from kernels.vq_gemv import moe_combine
     rng = np.random.default_rng(2)
@@ -256,7 +282,7 @@ def test_bad_arguments(cuda_ready):
 def test_sm90_ptx_has_no_local_memory_and_uses_the_tensor_cores():
     """Compiled for sm_90 without a GPU: the GEMV keeps its state in registers and multiplies on the FP8 tensor
     cores; the staging and relayout kernels use no local memory either."""
-    names = ("vq_gemv_kernel", "vq_gemv_wide_kernel", "vq_stage_kernel", "vq_relayout_kernel")
+    names = ("vq_gemv_kernel", "vq_gemv_wide_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_relayout_kernel")
     r = ptx_counts([f"vq_gemv:{k}" for k in names], [".local", "mma.sync.aligned.m16n8k16", "cvt.rn.f16x2.e4m3x2"])
     for k in names:
         v = r[f"vq_gemv:{k}"]
