@@ -62,7 +62,7 @@ from ds4lib.engine import cuda_graph, cuda_state
 from ds4lib.engine.cuda_dspark import CudaDraft
 from ds4lib.engine.cuda_graph import mapped as _mapped
 from ds4lib.engine.cuda_state import CudaState
-from ds4lib.engine.cuda_weights import CudaWeights, upload_base
+from ds4lib.engine.cuda_weights import SHARED_W13, CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
 from ds4lib.formats.floats import f32_to_bf16_bits
 from ds4lib.formats.names import layer_prefix
@@ -926,18 +926,17 @@ class CudaBackend:
         kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr, stream=s)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
         hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
-        pre_in = c.pre
-        xa = hc.hc_pre(h, pre_in, out=self._buf("hcp", (T, D)), stream=s)
-        x = rms_norm.rms_norm(xa, w["attn_norm.weight"], cfg.norm_eps, out=self._buf("x_attn", (T, D)), stream=s)
-        y = attend(x) if attend is not None else self._attention(l, st, c, x, observer)
+        x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
+        rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
+        y = attend(x) if attend is not None else self._attention(l, st, c, x, xq, observer)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
         hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f, **kw)
-        xf = hc.hc_pre(h, mix_a[0], out=self._buf("hcp", (T, D)), stream=s)
-        x = rms_norm.rms_norm(xf, w["ffn_norm.weight"], cfg.norm_eps, out=self._buf("x_ffn", (T, D)), stream=s)
-        y = self._moe(l, c, x, observer)
+        x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
+        rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
+        y = self._moe(l, c, x, xq, observer)
         if observer:
             observer(l, "moe_out", y.copy_to_host())
         hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
@@ -947,13 +946,13 @@ class CudaBackend:
             observer(l, "block_pre", c.pre.copy_to_host())
 
     # ------------------------------------------------------------------ attention
-    def _attention(self, l, st, c, x, observer):
-        """The layer's attention over x [T, D]: the projections over all T rows at once; what reads or writes a
-        session's state (window ring, compressor, indexer, sparse attention) per session, over its own rows (a
-        batched decode step: one row of each session in c.rows)."""
+    def _attention(self, l, st, c, x, xq, observer):
+        """The layer's attention over x [T, D] (xq: its act_quant_fp8 values): the projections over all T rows at
+        once; what reads or writes a session's state (window ring, compressor, indexer, sparse attention) per
+        session, over its own rows (a batched decode step: one row of each session in c.rows)."""
         cfg, s = self.cfg, self.stream
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
-        xq, qrq, q3 = self._query(l, c, x)
+        xq, qrq, q3 = self._query(l, c, x, xq)
         kvq = self._window_kv(l, c, xq)
         if c.rows is None:
             o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer)
@@ -981,21 +980,23 @@ class CudaBackend:
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
                 self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
-        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, out=out)
+        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, c.pos, out=out)
         attention.window_write(kvq, c.pos, buf[:W], st.ring_pos[l], stream=s)
         return o
 
-    def _query(self, l, c, x):
-        """x [T, D] -> (FP8 x, FP8 q latent, RoPE'd queries [T, H, Dh]) (ref attention.query_path)."""
+    def _query(self, l, c, x, xq=None):
+        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, FP8 q latent, RoPE'd queries
+        [T, H, Dh]) (ref attention.query_path)."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
-        xq = self._aq8(x, "x_attn_q")
+        if xq is None:
+            xq = self._aq8(x, "x_attn_q")
         qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, fp8=True,
                           out=self._buf("qa", (T, cfg.q_lora_rank)))
-        qr = rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
-                               stream=s)
-        qrq = self._aq8(qr, "qr_q")
+        qrq = self._buf("qr_q", (T, cfg.q_lora_rank))             # only the FP8 values of the normed latent are read
+        rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
+                          out_q=qrq, stream=s)
         q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, fp8=True, out=self._buf("q", (T, H * dh)))
         q3 = q.reshape(T, H, dh)
         rope.rope(q3, c.pos, cos, sin, stream=s)
@@ -1007,26 +1008,28 @@ class CudaBackend:
         T, dh = c.T, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
         kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, fp8=True, out=self._buf("kv", (T, dh)))
-        kvn = rms_norm.rms_norm(kv, w["attn.kv_norm.weight"], cfg.norm_eps, out=self._buf("kvn", (T, dh)), stream=s)
-        rope.rope(kvn, c.pos, cos, sin, stream=s)
-        return self._aq8(kvn, "kvq")
+        kvq = self._buf("kvq", (T, dh))
+        rms_norm.rms_norm_rope_q(kv, w["attn.kv_norm.weight"], cfg.norm_eps, c.pos, cos, sin,
+                                 self._buf("kvn", (T, dh)), kvq, stream=s)
+        return kvq
 
-    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, out=None):
+    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None):
+        """Sparse attention of queries q3 [T, H, Dh] at positions `pos`, its output rotated back (inverse RoPE)."""
         cfg, H, dh = self.cfg, self.cfg.n_heads, self.cfg.head_dim
+        cos, sin = self._rope[self.roles[l].yarn]
         T = q3.shape[0]
         n_rows = win_idx.shape[1] + (cmp_idx.shape[1] if cmp_idx is not None else 0)
         split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
         return attention.sparse_attention(q3, keys, win_idx, cmp_keys, cmp_idx, self.L[l]["attn.attn_sink"],
                                           dh ** -0.5, out=self._buf("attn_o", (T, H, dh)) if out is None else out,
-                                          n_split=split,
+                                          n_split=split, inverse_rope=(pos, cos, sin),
                                           scratch=self.scr, stream=self.stream)
 
     def _output(self, l, c, o):
-        """Attention output [T, H, Dh] -> [T, D]: inverse RoPE, wo_a per group, wo_b (ref output_projection)."""
-        cfg, s, w = self.cfg, self.stream, self.L[l]
+        """Attention output [T, H, Dh], already rotated back by `_attend` -> [T, D]: wo_a per group, wo_b (ref
+        output_projection)."""
+        cfg, w = self.cfg, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
-        cos, sin = self._rope[self.roles[l].yarn]
-        rope.rope(o, c.pos, cos, sin, inverse=True, stream=s)
         u = self._linear(o.reshape(T, H * dh), w["attn.wo_a.weight"], quantize=False, rpg=cfg.o_lora_rank,
                          out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)))
         return self._linear(u, w["attn.wo_b.weight"], quantize=True, out=self._buf("attn_y", (T, cfg.dim)))
@@ -1107,29 +1110,36 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, observer):
+    def _moe(self, l, c, x, xq, observer):
+        """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values): routing (with the expert plan for one
+        token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert (gate and
+        up in one GEMV, SwiGLU writing the down projection's FP8 input), the expert-major combine."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
-        xq = self._aq8(x, "x_ffn_q")
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
+        key = ("plan", T, E, K)
+        plan = self._const.get(key)
+        if plan is None or plan.n_pairs != T * K:
+            plan = self._const[key] = vq_gemv.vq_plan_buffers(T, K, E, stream=s)
         moe.route(x, w["ffn.gate.weight"].w, w["ffn.gate.bias"], K, cfg.route_scale, gate_temp=cfg.gate_temp,
-                  normalise=cfg.norm_topk_prob, out=rout, scratch=self.scr, stream=s)
+                  normalise=cfg.norm_topk_prob, out=rout, plan=plan if T == 1 else None, scratch=self.scr, stream=s)
         _, ids, rw = rout
-        plan = vq_gemv.vq_plan(ids, E, tile_rows=min(T * K, vq_gemv.TILE_MAX), out=self._const.get(("plan", T, E, K)),
-                               stream=s)
-        self._const[("plan", T, E, K)] = plan
+        plan = plan._replace(ids=ids) if T == 1 else vq_gemv.vq_plan(ids, E, tile_rows=plan.tile_rows, out=plan,
+                                                                      stream=s)
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
-        act = moe.swiglu(gu[0], gu[1], cfg.swiglu_limit, weights=rw.reshape(T * K), out=self._buf("vq_act", (T * K, F)),
-                         scratch=self.scr, stream=s)
-        ye = vq_gemv.vq_gemv(act, plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
+        ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
+                             swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
-        g = self._linear(xq, w["ffn.shared_experts.w1.weight"], quantize=False, fp8=True, out=self._buf("sh_g", (T, F)))
-        u = self._linear(xq, w["ffn.shared_experts.w3.weight"], quantize=False, fp8=True, out=self._buf("sh_u", (T, F)))
-        a = moe.swiglu(g, u, cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), scratch=self.scr, stream=s)
-        ysh = self._linear(a, w["ffn.shared_experts.w2.weight"], quantize=True, out=self._buf("sh_y", (T, D)))
+        w13 = w[SHARED_W13]
+        gu_sh = self._linear(xq, w13, quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)))
+        a_q = self._buf("sh_aq", (T, F))
+        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
+                   scratch=self.scr, stream=s)
+        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
+                           out=self._buf("sh_y", (T, D)))
         if observer:
             scores, ids_h, wts = (rout[0].copy_to_host(), ids.copy_to_host().astype(np.int64), rw.copy_to_host())
             observer(l, "router_scores", scores)

@@ -181,9 +181,9 @@ class CudaDraft:
         c = _DraftCall(T, pos)
         w0 = be.L[cfg.n_layers]
         mp = be._linear(feats, w0["main_proj.weight"], quantize=True, out=be._buf("d_main_proj", (T, cfg.dim)))
-        main_x = rms_norm.rms_norm(mp, w0["main_norm.weight"], cfg.norm_eps, out=be._buf("d_main_x", (T, cfg.dim)),
-                                   stream=s)
-        xq = be._aq8(main_x, "d_main_xq")
+        xq = be._buf("d_main_xq", (T, cfg.dim))
+        rms_norm.rms_norm(mp, w0["main_norm.weight"], cfg.norm_eps, out=be._buf("d_main_x", (T, cfg.dim)), out_q=xq,
+                          stream=s)
         for i, l in enumerate(self.stages):
             kvq = be._window_kv(l, c, xq)
             attention.window_write(kvq, c.pos, st.dwin_all[i][:W], st.dring_pos_all[i], stream=s)
@@ -246,7 +246,7 @@ class CudaDraft:
                 xq, _, q3 = be._query(l, c, x)
                 keys = st.dwin_all[i]
                 attention.cache_write(be._window_kv(l, c, xq), rows, keys, stream=s)
-                return be._output(l, c, be._attend(l, q3, keys, io["idx"], None, None))
+                return be._output(l, c, be._attend(l, q3, keys, io["idx"], None, None, c.pos))
             be._layer(l, st, c, h, observer, attend=attend)
         return hc.hc_pre(h, c.pre, out=be._buf("d_y", (B, D)), stream=s)
 

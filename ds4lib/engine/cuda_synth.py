@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from ds4lib.engine.cuda_weights import GEMV_WEIGHTS, CudaWeights, Lin
+from ds4lib.engine.cuda_weights import GEMV_WEIGHTS, CudaWeights, Lin, join_shared_gate_up
 from ds4lib.formats.gguf import base_file_layout
 from ds4lib.formats.names import EMBED, HEAD, NORM, layer_prefix
 from ds4lib.formats.vq import EXPERT_MATRICES
@@ -165,6 +165,7 @@ def synthetic_weights(cfg, bits, seed: int = 0, stream=0) -> CudaWeights:
         w["vq_gains"] = tuple(gains[l])
         w["vq_scale"] = None
         w["vq_experts"] = cfg.moe_shape(l)[0]
+        join_shared_gate_up(w, stream=stream)                    # as upload_base
     if stream:
         stream.synchronize()
     else:

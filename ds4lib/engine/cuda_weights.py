@@ -12,6 +12,8 @@ and `upload_base`, which builds them from a ds4 base file:
   word; NaN codes refused), `vq_experts` E, and `vq_scale` float32 [E, D]: the ② sidecar / ③
   post-training down-projection gains (None without them). Router deltas are added to `ffn.gate.bias` in float32,
   exactly as ds4lib.engine.weights.StackWeights does.
+- The shared expert's w1 and w3 joined into one linear `ffn.shared_experts.w13` of 2F rows (`join_shared_gate_up`):
+  one GEMV launch for both.
 Synthetic weights at the true V4.1 shapes for the real-size benchmark are built into the same structure on the
 device directly (ds4lib.engine.cuda_synth).
 """
@@ -29,11 +31,13 @@ from ds4lib.formats.names import EMBED, HEAD, NORM, layer_prefix
 from ds4lib.formats.vq import EXPERT_MATRICES
 from kernels import vq_gemv
 
-__all__ = ["CudaWeights", "Lin", "upload_base", "GEMV_WEIGHTS"]
+__all__ = ["CudaWeights", "Lin", "upload_base", "join_shared_gate_up", "GEMV_WEIGHTS", "SHARED_W13"]
 
 # stored 2-D tensors that feed kernels.gemv (kept as BF16 bit patterns when their values are BF16-exact)
 GEMV_WEIGHTS = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.indexer.wq_b.weight",
                 "attn.indexer.weights_proj.weight", "attn.indexer.wk.weight", "ffn.gate.weight")
+SHARED_W1, SHARED_W3 = "ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"
+SHARED_W13 = "ffn.shared_experts.w13"   # the shared expert's gate and up rows in one linear (join_shared_gate_up)
 
 
 @dataclass
@@ -110,5 +114,23 @@ def upload_base(cfg, base, gains, bias, stages: bool = False) -> CudaWeights:
         w["vq_gains"] = tuple(W.up(vq.gains[m].view(np.uint16)) for m in EXPERT_MATRICES)
         w["vq_scale"] = W.up(np.asarray(gains[l], dtype=np.float32)) if l in gains else None
         w["vq_experts"] = vq.n_experts
+        join_shared_gate_up(w)
         W.L.append(w)
     return W
+
+
+def join_shared_gate_up(w, stream=0):
+    """Replace a layer's shared-expert w1 [F, D] and w3 [F, D] by one linear `SHARED_W13` of 2F rows (w1's rows,
+    then w3's), made on the device, when both are stored the same way: the gate and the up projection read the
+    same activations, so one GEMV launch serves both (rows are independent in every stored kind, and each output
+    row is the same function of its own row and x). The two originals are dropped: the bytes stay the same."""
+    a, b = w.get(SHARED_W1), w.get(SHARED_W3)
+    if not isinstance(a, Lin) or not isinstance(b, Lin) or (a.kind, a.rows, a.k) != (b.kind, b.rows, b.k) \
+            or a.w.shape[1:] != b.w.shape[1:] or a.w.dtype != b.w.dtype:
+        return w
+    joined = cuda.device_array((a.w.shape[0] + b.w.shape[0],) + tuple(a.w.shape[1:]), a.w.dtype, stream=stream)
+    joined[:a.w.shape[0]].copy_to_device(a.w, stream=stream)
+    joined[a.w.shape[0]:].copy_to_device(b.w, stream=stream)
+    w[SHARED_W13] = Lin(a.kind, joined, a.rows + b.rows, a.k)
+    del w[SHARED_W1], w[SHARED_W3]
+    return w

@@ -94,6 +94,24 @@ def test_micro_structure_equals_upload_base(micro_pair):
     assert synth.nbytes == real.nbytes
 
 
+def test_shared_gate_up_are_one_linear_of_both_rows(micro_base, micro_pair):
+    """upload_base joins the shared expert's w1 and w3 into one linear (w1's rows, then w3's), byte for byte, and
+    drops the originals; synthetic weights do the same (the structure test above)."""
+    from ds4lib.engine.cuda_weights import SHARED_W13, join_shared_gate_up
+    from ds4lib.formats.names import layer_prefix
+    cfg, base = micro_base
+    _, real, _ = micro_pair
+    for l, w in enumerate(real.L):
+        p = layer_prefix(cfg, l) + "ffn.shared_experts."
+        a, b = base.raw(p + "w1.weight"), base.raw(p + "w3.weight")
+        lin = w[SHARED_W13]
+        assert (lin.rows, lin.k) == (a.shape[0] + b.shape[0], base.layout[p + "w1.weight"].shape[-1])
+        assert np.array_equal(lin.w.copy_to_host(), np.concatenate([a.view(np.uint8), b.view(np.uint8)]))
+        assert "ffn.shared_experts.w1.weight" not in w and "ffn.shared_experts.w3.weight" not in w
+    odd = {"ffn.shared_experts.w1.weight": real.L[0][SHARED_W13], "ffn.shared_experts.w3.weight": None}
+    assert join_shared_gate_up(dict(odd)) == odd                # not two linears of one kind and shape: kept
+
+
 @pytest.mark.slow
 def test_micro_contents_are_finite_and_valid(micro_pair):
     from ds4lib.engine.cuda_weights import Lin
