@@ -32,9 +32,15 @@ fixes the cache views (each owner's rows rounded up to a multiple of max(512 row
 `_bucket`), the buffers and the RoPE table: rows past a query's reach are masked by the kernels' own position rules,
 so a wider view gives the same bits. The first step of a bucket is captured and the graph launched; where a launcher
 created an array while capturing (a process's first step, a larger scratch shape) the graph is dropped, that step
-runs eagerly and is captured again right after, in the same call. The device sampler over a decode step's logits row is replayed from a graph of
-its own per sampling parameter set, its seed and step read from host-mapped memory. `graphs=False` (or
-DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
+runs eagerly and is captured again right after, in the same call. The device sampler over a decode step's logits
+row is replayed from a graph of its own per sampling parameter set, its seed and step read from host-mapped memory.
+`graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
+
+Two streams: what a layer needs only later runs on a side stream beside the critical path — each sub-layer's mHC
+mixes (read h, first needed by its hc_post) and the shared expert (beside the routed experts) —, forked from the
+main stream and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds
+them as parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
+bits are the same.
 
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
 from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
@@ -141,6 +147,12 @@ class CudaBackend:
         except Exception as e:   # noqa: BLE001 - no driver / no device: a clear refusal
             raise EngineError(f"the CUDA backend needs a GPU: {type(e).__name__}: {e}") from None
         self.stream = cuda.stream()
+        # a second stream for work off the layer's critical path (the mHC mixes, the shared expert): forked from
+        # and joined back into the main stream by events, so a captured step holds them as parallel branches
+        sim = _cuda_config.ENABLE_CUDASIM                    # (the simulator runs launches in order anyway)
+        self.side = self.stream if sim else cuda.stream()
+        self._events = None if sim else (cuda.event(timing=False), cuda.event(timing=False))
+        self.scr_side = {}            # the side stream's own scratch (its launchers' counters and partials)
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
@@ -260,18 +272,32 @@ class CudaBackend:
         self._rope_cap = cap
 
     # ------------------------------------------------------------------ linears
-    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False):
+    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False):
         """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference.
-        `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize)."""
-        s, T = self.stream, x.shape[0]
+        `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize).
+        `side`: on the side stream with its scratch (between `_fork` and `_join`)."""
+        s, T = (self.side if side else self.stream), x.shape[0]
         if out is None:
             out = self._buf(f"lin{id(lin)}", (T, lin.rows))
         if lin.kind in ("q4_K", "q8_0"):
             return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
-                                     out=out, scratch=self.scr, stream=s, fp8_input=fp8 and not quantize)
+                                     out=out, scratch=self.scr_side if side else self.scr, stream=s,
+                                     fp8_input=fp8 and not quantize)
         if quantize:
             x = gemv.act_quant_fp8(x, out=self._buf("lin_xq", tuple(x.shape)), stream=s)
         return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
+
+    def _fork(self):
+        """Work queued on the side stream from here on starts after everything queued on the main stream so far."""
+        if self.side is not self.stream:
+            self._events[0].record(self.stream)
+            self._events[0].wait(self.side)
+
+    def _join(self):
+        """Work queued on the main stream from here on starts after everything queued on the side stream so far."""
+        if self.side is not self.stream:
+            self._events[1].record(self.side)
+            self._events[1].wait(self.stream)
 
     def _aq8(self, x, name):
         return gemv.act_quant_fp8(x, out=self._buf(name, tuple(x.shape)), stream=self.stream)
@@ -501,6 +527,7 @@ class CudaBackend:
         logits = None if last_only else cuda.device_array((T, self.cfg.vocab_size), np.float32, stream=self.stream)
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
             self.scr.clear()
+            self.scr_side.clear()
         feat = None
         if self.n_feat:                                    # valid until the next call of this size
             feat = self._buf("features", (T, self.n_feat)) if T <= self.max_chunk else \
@@ -652,7 +679,8 @@ class CudaBackend:
             self._drop_graphs(st, lambda k: k[0] == "verify" and (k[1], k[4:]) != (key[1], key[4:]))
             graph, ran, _ = self._capture_or_run(run, "a verify call")
             if graph is not None:
-                graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                graph.keep = [list(self.scr_side.values()),
+                              list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
                               dict(self._rope), io]
                 graph.log = {l: v for l, v in st.log.items() if l != "pos"}
                 self.stats["graph_captures"] += 1
@@ -748,7 +776,8 @@ class CudaBackend:
                 self._capture_s[B] = time.perf_counter() - t
             self._batch_excess = (None, 0.0)
             if graph is not None:
-                graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+                graph.keep = [list(self.scr_side.values()),
+                              list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
                               dict(self._rope), io, list(states)]
                 self.stats["graph_captures"] += 1
             if len(self._batch_graphs) >= _BATCH_GRAPHS:   # least recently used first
@@ -822,7 +851,7 @@ class CudaBackend:
         recorded, not run, and the graph must not outlive memory it points to. Those arrays are dropped again, so
         that the eager run the caller makes instead creates them for real, and retry is True. A capture that failed
         is (None, False), with a warning."""
-        dicts = (self.scr, self.scr_var, self._const)
+        dicts = (self.scr, self.scr_side, self.scr_var, self._const)
         before = [set(d) for d in dicts]
         error = None
         try:
@@ -847,7 +876,8 @@ class CudaBackend:
         """(graph, ran) of `_capture_or_run` for the decode body, the graph keeping every array it points to."""
         graph, ran, _ = self._capture_or_run(lambda: self._decode_body(st, c), "the decode step")
         if graph is not None:
-            graph.keep = [list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
+            graph.keep = [list(self.scr_side.values()),
+                          list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
                           dict(self._rope), self.m_engram]
             self.stats["graph_captures"] += 1
             self.stats["graph_nodes"] = graph.nodes
@@ -923,20 +953,26 @@ class CudaBackend:
             dspark.dspark_features(h, self.feat_col[l], c.feat, stream=s)
         if observer:
             observer(l, "block_in", h.copy_to_host())
-        kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr, stream=s)
+        # the mixes of a sub-layer read h and are first needed by its hc_post (pre: by the next sub-layer's
+        # collapse), so they run on the side stream beside the collapse and the attention / MoE
+        kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr_side,
+                  stream=self.side)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
+        self._fork()
         hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
         x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
         rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
         y = attend(x) if attend is not None else self._attention(l, st, c, x, xq, observer)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
+        self._join()
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
+        self._fork()
         hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f, **kw)
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
-        y = self._moe(l, c, x, xq, observer)
+        y = self._moe(l, c, x, xq, observer)                 # joins the side stream
         if observer:
             observer(l, "moe_out", y.copy_to_host())
         hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
@@ -1117,6 +1153,13 @@ class CudaBackend:
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
+        self._fork()                                     # the shared expert beside the routed ones
+        gu_sh = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=True)
+        a_q = self._buf("sh_aq", (T, F))
+        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
+                   scratch=self.scr_side, stream=self.side)
+        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
+                           out=self._buf("sh_y", (T, D)), side=True)
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
         key = ("plan", T, E, K)
         plan = self._const.get(key)
@@ -1133,13 +1176,7 @@ class CudaBackend:
         ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
-        w13 = w[SHARED_W13]
-        gu_sh = self._linear(xq, w13, quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)))
-        a_q = self._buf("sh_aq", (T, F))
-        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
-                   scratch=self.scr, stream=s)
-        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
-                           out=self._buf("sh_y", (T, D)))
+        self._join()                                     # the shared expert (and the layer's FFN mixes) are done
         if observer:
             scores, ids_h, wts = (rout[0].copy_to_host(), ids.copy_to_host().astype(np.int64), rw.copy_to_host())
             observer(l, "router_scores", scores)

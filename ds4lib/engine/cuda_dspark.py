@@ -151,7 +151,8 @@ class CudaDraft:
                 be._drop_graphs(st, lambda k: k[0] == "ctx" and k[1] != key[1])
                 graph, ran, _ = be._capture_or_run(run, "a DSpark context append")
                 if graph is not None:
-                    graph.keep = [list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
+                    graph.keep = [list(be.scr_side.values()),
+                                  list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
                                   dict(be._rope), io]
                     be.stats["graph_captures"] += 1
                 st.graphs[key] = graph
@@ -327,7 +328,8 @@ class CudaDraft:
                 graph, ran, out = be._capture_or_run(run, "a DSpark proposal")
                 if graph is not None:
                     graph.out = held["out"]                # the buffers the replays write
-                    graph.keep = [list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
+                    graph.keep = [list(be.scr_side.values()),
+                                  list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
                                   dict(be._rope), self._io()]
                     be.stats["graph_captures"] += 1
                 st.graphs[key] = graph
