@@ -954,25 +954,24 @@ class CudaBackend:
         if observer:
             observer(l, "block_in", h.copy_to_host())
         # the mixes of a sub-layer read h and are first needed by its hc_post (pre: by the next sub-layer's
-        # collapse), so they run on the side stream beside the collapse and the attention / MoE
+        # collapse), so they run on the side stream: after the collapse, beside the attention / the routed experts
         kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr_side,
                   stream=self.side)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
-        self._fork()
-        hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
         x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
         rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
+        self._fork()                                     # after the collapse: it has the GPU to itself
+        hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
         y = attend(x) if attend is not None else self._attention(l, st, c, x, xq, observer)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         self._join()
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
-        self._fork()
-        hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f, **kw)
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
-        y = self._moe(l, c, x, xq, observer)                 # joins the side stream
+        y = self._moe(l, c, x, xq, observer, beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"],
+                                                                        w["hc_ffn_scale"], out=mix_f, **kw))
         if observer:
             observer(l, "moe_out", y.copy_to_host())
         hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
@@ -1146,20 +1145,14 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, xq, observer):
+    def _moe(self, l, c, x, xq, observer, beside=None):
         """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert (gate and
-        up in one GEMV, SwiGLU writing the down projection's FP8 input), the expert-major combine."""
+        up in one GEMV, SwiGLU writing the down projection's FP8 input) on the side stream with `beside()` (launches
+        of the caller's) before it, the expert-major combine."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
-        self._fork()                                     # the shared expert beside the routed ones
-        gu_sh = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=True)
-        a_q = self._buf("sh_aq", (T, F))
-        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
-                   scratch=self.scr_side, stream=self.side)
-        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
-                           out=self._buf("sh_y", (T, D)), side=True)
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
         key = ("plan", T, E, K)
         plan = self._const.get(key)
@@ -1170,13 +1163,22 @@ class CudaBackend:
         _, ids, rw = rout
         plan = plan._replace(ids=ids) if T == 1 else vq_gemv.vq_plan(ids, E, tile_rows=plan.tile_rows, out=plan,
                                                                       stream=s)
+        self._fork()                                     # the shared expert beside the routed ones, after the routing
+        if beside is not None:
+            beside()
+        gu_sh = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=True)
+        a_q = self._buf("sh_aq", (T, F))
+        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
+                   scratch=self.scr_side, stream=self.side)
+        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
+                           out=self._buf("sh_y", (T, D)), side=True)
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
         ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
-        self._join()                                     # the shared expert (and the layer's FFN mixes) are done
+        self._join()                                     # the shared expert and `beside` are done
         if observer:
             scores, ids_h, wts = (rout[0].copy_to_host(), ids.copy_to_host().astype(np.int64), rw.copy_to_host())
             observer(l, "router_scores", scores)
