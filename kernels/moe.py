@@ -31,7 +31,8 @@ from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.gemv import act_quant_fp8_lane_device, gemv
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swiglu_kernel", "swiglu_q_kernel", "SIGNATURES"]
+__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swiglu_kernel", "swiglu_q_kernel",
+           "SIGNATURES"]
 
 WARP = 32
 THREADS = 128

@@ -137,94 +137,61 @@ def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q):
             out_q[row, j] = q
 
 
-@cuda.jit(cache=True)
-def rms_norm_kernel(x, w, eps, out):
-    """out[r] = bf16(w * (x[r] * scale_r)) for row r = blockIdx.x (module docstring)."""
-    row = cuda.blockIdx.x
-    d = x.shape[1]
-    step = cuda.blockDim.x * ELEMS
-    sh = cuda.shared.array(WARP, np.float64)
-    xs = cuda.local.array(ELEMS, np.float32)
-    ws = cuda.local.array(ELEMS, np.float32)
-    acc = 0.0
-    for base in range(0, d, step):
-        _load_pass_device(x, w, row, base, d, xs, ws)
-        acc = _add_squares_device(xs, base, d, acc)
-    scale = _row_scale_device(acc, sh, d, eps)
-    for base in range(0, d, step):
-        if step < d:                              # several passes: reload (one pass kept its values in registers)
-            _load_pass_device(x, w, row, base, d, xs, ws)
-        _store_pass_device(xs, ws, scale, row, base, d, out)
-
-
-@cuda.jit(cache=True)
-def rms_norm_q_kernel(x, w, eps, out, out_q):
-    """rms_norm_kernel, and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)."""
-    row = cuda.blockIdx.x
-    d = x.shape[1]
-    step = cuda.blockDim.x * ELEMS
-    sh = cuda.shared.array(WARP, np.float64)
-    xs = cuda.local.array(ELEMS, np.float32)
-    ws = cuda.local.array(ELEMS, np.float32)
-    acc = 0.0
-    for base in range(0, d, step):
-        _load_pass_device(x, w, row, base, d, xs, ws)
-        acc = _add_squares_device(xs, base, d, acc)
-    scale = _row_scale_device(acc, sh, d, eps)
-    for base in range(0, d, step):
-        if step < d:
-            _load_pass_device(x, w, row, base, d, xs, ws)
-        _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q)
-
-
 @cuda.jit(device=True, inline=True)
 def _load_pre_device(pre, row, pv):
     for i in range(HC):
         pv[i] = np.float64(pre[row, i])
 
 
-@cuda.jit(cache=True)
-def hc_rms_norm_kernel(h, pre, w, eps, out):
-    """rms_norm_kernel of x = hc_pre(h, pre), x formed in registers (module docstring)."""
-    row = cuda.blockIdx.x
-    d = h.shape[2]
-    step = cuda.blockDim.x * ELEMS
-    sh = cuda.shared.array(WARP, np.float64)
-    xs = cuda.local.array(ELEMS, np.float32)
-    ws = cuda.local.array(ELEMS, np.float32)
-    pv = cuda.local.array(HC, np.float64)
-    _load_pre_device(pre, row, pv)
-    acc = 0.0
-    for base in range(0, d, step):
-        _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
-        acc = _add_squares_device(xs, base, d, acc)
-    scale = _row_scale_device(acc, sh, d, eps)
-    for base in range(0, d, step):
-        if step < d:
-            _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
-        _store_pass_device(xs, ws, scale, row, base, d, out)
+@cuda.jit(device=True, inline=True)
+def _no_pre_device(pre, row, pv):
+    pass
 
 
-@cuda.jit(cache=True)
-def hc_rms_norm_q_kernel(h, pre, w, eps, out, out_q):
-    """hc_rms_norm_kernel, and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)."""
-    row = cuda.blockIdx.x
-    d = h.shape[2]
-    step = cuda.blockDim.x * ELEMS
-    sh = cuda.shared.array(WARP, np.float64)
-    xs = cuda.local.array(ELEMS, np.float32)
-    ws = cuda.local.array(ELEMS, np.float32)
-    pv = cuda.local.array(HC, np.float64)
-    _load_pre_device(pre, row, pv)
-    acc = 0.0
-    for base in range(0, d, step):
-        _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
-        acc = _add_squares_device(xs, base, d, acc)
-    scale = _row_scale_device(acc, sh, d, eps)
-    for base in range(0, d, step):
-        if step < d:
-            _load_hc_pass_device(h, pv, w, row, base, d, xs, ws)
-        _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q)
+@cuda.jit(device=True, inline=True)
+def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
+    _load_pass_device(x, w, row, base, d, xs, ws)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_x_pass_device(xs, ws, scale, row, base, d, out, out_q):
+    _store_pass_device(xs, ws, scale, row, base, d, out)
+
+
+def _make_norm_kernel(hc_in, quant):
+    """The row kernel of rms_norm (x [T, D]) or hc_rms_norm (`hc_in`: h [T, 4, D] and pre [T, 4] collapsed per
+    element), with act_quant_fp8 of the output into out_q (`quant`). Arguments (src, pre, w, eps, out, out_q); the
+    forms without them take and ignore a dummy pre / out_q. One body, the loads and stores chosen at build time."""
+    prep = _load_pre_device if hc_in else _no_pre_device
+    load = _load_hc_pass_device if hc_in else _load_x_pass_device
+    store = _store_q_pass_device if quant else _store_x_pass_device
+
+    @cuda.jit(cache=True)
+    def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
+        row = cuda.blockIdx.x
+        d = src.shape[src.ndim - 1]
+        step = cuda.blockDim.x * ELEMS
+        sh = cuda.shared.array(WARP, np.float64)
+        xs = cuda.local.array(ELEMS, np.float32)
+        ws = cuda.local.array(ELEMS, np.float32)
+        pv = cuda.local.array(HC, np.float64)
+        prep(pre, row, pv)
+        acc = 0.0
+        for base in range(0, d, step):
+            load(src, pv, w, row, base, d, xs, ws)
+            acc = _add_squares_device(xs, base, d, acc)
+        scale = _row_scale_device(acc, sh, d, eps)
+        for base in range(0, d, step):
+            if step < d:                          # several passes: reload (one pass kept its values in registers)
+                load(src, pv, w, row, base, d, xs, ws)
+            store(xs, ws, scale, row, base, d, out, out_q)
+    return rms_norm_row_kernel
+
+
+rms_norm_kernel = _make_norm_kernel(False, False)          # out[r] = bf16(w * (x[r] * scale_r)), r = blockIdx.x
+rms_norm_q_kernel = _make_norm_kernel(False, True)         # and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)
+hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pre), formed in registers
+hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 
 
 @cuda.jit(cache=True)
@@ -264,10 +231,11 @@ def rms_norm_rope_q_kernel(x, w, eps, positions, cos, sin, out, out_q):
 SIGNATURES = {
     "rms_norm_rope_q_kernel": "void(float32[:, :], float32[:], float32, int64[:], float32[:, :], float32[:, :], "
                               "float32[:, :], float32[:, :])",
-    "rms_norm_kernel": "void(float32[:, :], float32[:], float32, float32[:, :])",
-    "rms_norm_q_kernel": "void(float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
-    "hc_rms_norm_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :])",
-    "hc_rms_norm_q_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+    "rms_norm_kernel": "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+    "rms_norm_q_kernel": "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+    "hc_rms_norm_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
+    "hc_rms_norm_q_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], "
+                            "float32[:, :])",
 }
 
 
@@ -299,10 +267,9 @@ def rms_norm(x, w, eps, out=None, out_q=None, stream=0):
     n_rows, d = tuple(x.shape)
     out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
     if n_rows and d:
-        if out_q is None:
-            rms_norm_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), out)
-        else:
-            rms_norm_q_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), out, out_q)
+        kernel = rms_norm_kernel if out_q is None else rms_norm_q_kernel
+        kernel[n_rows, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: not read)
+                                            out if out_q is None else out_q)
     return out
 
 
@@ -338,10 +305,8 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, stream=0):
         raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
     out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
     if n_rows and d:
-        if out_q is None:
-            hc_rms_norm_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out)
-        else:
-            hc_rms_norm_q_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q)
+        kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
+        kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out
 
 

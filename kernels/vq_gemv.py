@@ -67,7 +67,8 @@ from kernels.q4k_gemv import INV448, _aq_device, _code_word_device, _fp8_block_s
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "moe_combine", "VQPlan",
-           "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel", "vq_gemv_wide_kernel",
+           "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
+           "vq_gemv_wide_kernel",
            "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -356,8 +357,8 @@ def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
 
 @cuda.jit(cache=True)
 def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, codes1, scl1):
-    """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded (kernels.moe.swiglu_value_device):
-    the SwiGLU step of an expert folded into its down projection's staging. g, u float32 [n, 8J], w float32 [n]."""
+    """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded
+    (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging. g, u float32 [n, 8J], w float32 [n]."""
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
     ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)

@@ -52,10 +52,11 @@ def test_rms_norm_does_not_depend_on_block_size(cuda_ready):
     x = _row(rng, 3, 1000)
     w = round_bf16(1 + 0.1 * rng.standard_normal(1000))
     d_x, d_w = cuda_ready.to_device(x), cuda_ready.to_device(w)
+    d_pre0 = cuda_ready.to_device(np.zeros((1, 4), np.float32))
     outs = []
     for threads in (32, 96, 128):                 # 4, 2 and 1 passes of 8 elements per thread
         out = cuda_ready.device_array(x.shape, np.float32)
-        rms_norm_kernel[3, threads](d_x, d_w, np.float32(1e-6), out)
+        rms_norm_kernel[3, threads](d_x, d_pre0, d_w, np.float32(1e-6), out, out)     # (pre, out_q: unused)
         outs.append(out.copy_to_host().view(np.uint32))
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
@@ -173,12 +174,12 @@ def test_fused_rms_norms_over_several_passes(cuda_ready):
     d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
     d_x = hc_pre(d_h, d_pre)
     want = cuda_ready.device_array((T, D), np.float32)
-    rms_norm_kernel[T, 32](d_x, d_w, eps, want)
+    rms_norm_kernel[T, 32](d_x, d_pre, d_w, eps, want, want)             # (pre, out_q: not read / written)
     want_q = _bits(act_quant_fp8(want).copy_to_host())
     want = _bits(want.copy_to_host())
     outs = [cuda_ready.device_array((T, D), np.float32) for _ in range(5)]
-    rms_norm_q_kernel[T, 32](d_x, d_w, eps, outs[0], outs[1])
-    hc_rms_norm_kernel[T, 32](d_h, d_pre, d_w, eps, outs[2])
+    rms_norm_q_kernel[T, 32](d_x, d_pre, d_w, eps, outs[0], outs[1])
+    hc_rms_norm_kernel[T, 32](d_h, d_pre, d_w, eps, outs[2], outs[2])
     hc_rms_norm_q_kernel[T, 32](d_h, d_pre, d_w, eps, outs[3], outs[4])
     got = [_bits(o.copy_to_host()) for o in outs]
     for i in (0, 2, 3):
