@@ -31,8 +31,8 @@ from numba import cuda
 
 from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 
-__all__ = ["gemv", "act_quant_fp8", "act_quant_fp8_lane_device", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel",
-           "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
+__all__ = ["gemv", "act_quant_fp8", "act_quant_fp8_lane_device", "act_quant_fp4_pow2", "act_quant_fp4_e4m3",
+           "gemv_t1_kernel", "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
            "e4m3_round_device", "e2m1_round_device", "pow2_ceil_device", "SIGNATURES"]
 
 WARP = 32

@@ -38,7 +38,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels.bf16 import mul_rn_device, round_bf16_device
+from kernels.bf16 import round_bf16_device
 from kernels.gemv import act_quant_fp8_lane_device
 from kernels.hc import HC
 from kernels.rope import rope_pair_value_device

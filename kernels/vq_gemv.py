@@ -59,7 +59,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels.bf16 import exp_f32_device, f16_bits_device, mul_rn_device, round_bf16_device
+from kernels.bf16 import f16_bits_device, mul_rn_device, round_bf16_device
 from kernels.gemv import pow2_ceil_device
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, mma_f16_device
@@ -358,7 +358,8 @@ def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
 @cuda.jit(cache=True)
 def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, codes1, scl1):
     """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded
-    (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging. g, u float32 [n, 8J], w float32 [n]."""
+    (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging.
+    g, u float32 [n, 8J], w float32 [n]."""
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
     ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
@@ -693,14 +694,15 @@ def vq_device_layout(index, plane, shape_a, shape_b, stream=0):
     return dst, dst_pl
 
 
-def vq_plan_buffers(n_tok, k_act, n_experts, stream=0):
-    """An unfilled VQPlan for T tokens of K experts each (ids None), tiles of min(T*K, TILE_MAX) rows as a call's
-    plan takes them: what `vq_plan(out=...)` fills, or kernels.moe.route(plan=...) for one token."""
+def vq_plan_buffers(n_tok, k_act, n_experts, tile_rows=None, stream=0):
+    """An unfilled VQPlan for T tokens of K experts each (ids None), tiles of `tile_rows` rows (default
+    min(T*K, TILE_MAX), as a call's plan takes them): what `vq_plan(out=...)` fills, or kernels.moe.route(plan=...)
+    for one token."""
     n_pairs = int(n_tok) * int(k_act)
     return VQPlan(None, cuda.device_array(max(n_pairs, 1), np.int32, stream=stream),
                   cuda.device_array((max(n_pairs, 1), 3), np.int32, stream=stream),
                   cuda.device_array(1, np.int32, stream=stream), n_pairs, int(n_experts),
-                  max(1, min(n_pairs, TILE_MAX)))
+                  max(1, min(n_pairs, TILE_MAX)) if tile_rows is None else int(tile_rows))
 
 
 def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
@@ -711,11 +713,8 @@ def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
         raise ValueError(f"vq_plan: ids int32 [T, K <= {K_MAX}], 0 < n_experts <= {E_MAX}, tile_rows 1..{TILE_MAX}")
     n_pairs = n_tok * k_act
     if out is None or out.n_pairs != n_pairs or out.tile_rows != tile_rows or out.n_experts != n_experts:
-        out = VQPlan(ids, cuda.device_array(max(n_pairs, 1), np.int32, stream=stream),
-                     cuda.device_array((max(n_pairs, 1), 3), np.int32, stream=stream),
-                     cuda.device_array(1, np.int32, stream=stream), n_pairs, int(n_experts), int(tile_rows))
-    else:
-        out = out._replace(ids=ids)
+        out = vq_plan_buffers(n_tok, k_act, n_experts, tile_rows, stream=stream)
+    out = out._replace(ids=ids)
     if n_pairs:
         vq_plan_kernel[1, PLAN_THREADS, stream](ids, int(n_experts), int(tile_rows), out.pairs, out.tiles, out.n_tiles)
     return out

@@ -1156,7 +1156,7 @@ class CudaBackend:
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
         key = ("plan", T, E, K)
         plan = self._const.get(key)
-        if plan is None or plan.n_pairs != T * K:
+        if plan is None:
             plan = self._const[key] = vq_gemv.vq_plan_buffers(T, K, E, stream=s)
         moe.route(x, w["ffn.gate.weight"].w, w["ffn.gate.bias"], K, cfg.route_scale, gate_temp=cfg.gate_temp,
                   normalise=cfg.norm_topk_prob, out=rout, plan=plan if T == 1 else None, scratch=self.scr, stream=s)
