@@ -24,6 +24,8 @@ Owns:
   exact (the hardware `cvt.rn.f16x2.e4m3x2`; the simulator decodes in software, same bits).
 - `f16_of_e4m3_value_device`: the IEEE half bits of a float32 that E4M3 represents (every such value is a normal or
   zero half: exact, integer operations only).
+- `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
+  one 16-byte load (`ld.v4`; the simulator reads them one by one): a lane's fragment registers staged side by side.
 - `e4m3_encode_device`: float32 -> E4M3 byte for a value that E4M3 represents exactly (|v| <= 448 on the E4M3
   grid; the callers divide FP8-grid activations by a power of two that makes this hold).
 Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path).
@@ -36,7 +38,8 @@ from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.bf16 import f32_bits
 from kernels.engram import e4m3_decode_device
 
-__all__ = ["mma_e4m3_device", "mma_f16_device", "e4m3x2_to_f16x2_device", "f16_of_e4m3_value_device",
+__all__ = ["mma_e4m3_device", "mma_f16_device", "e4m3x2_to_f16x2_device", "load4_device",
+           "f16_of_e4m3_value_device",
            "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -100,6 +103,11 @@ if SIM:
                                      tab[_HB_LANE, _HB_HALF].astype(np.float64), c0, c1, c2, c3)
 
     @cuda.jit(device=True)
+    def load4_device(ary, i):
+        """ary[i], ary[i + 1], ary[i + 2], ary[i + 3] (the GPU's is one 16-byte load)."""
+        return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
+
+    @cuda.jit(device=True)
     def e4m3x2_to_f16x2_device(pair):
         """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (the simulator: software decode)."""
         lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32(pair) & np.uint32(0xFF)))
@@ -154,6 +162,33 @@ else:
             asm = _ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
             return builder.call(asm, args)
         return sig, codegen
+
+    @_intrinsic
+    def _ld_v4(typingctx, ary, i):
+        """ld.v4 of the 16 bytes at element i of a 1-D array of 32-bit elements (generic address: any space)."""
+        if ary.ndim != 1 or ary.dtype not in (_types.uint32, _types.int32, _types.float32):
+            return None
+        sig = _types.UniTuple(ary.dtype, 4)(ary, _types.int64)
+
+        def codegen(context, builder, signature, args):
+            arr = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.gep(arr.data, [args[1]])
+            is_f = signature.args[0].dtype == _types.float32
+            el = _ir.FloatType() if is_f else _ir.IntType(32)
+            c = "f" if is_f else "r"
+            fnty = _ir.FunctionType(_ir.LiteralStructType([el] * 4), [_ir.IntType(64)])
+            asm = _ir.InlineAsm(fnty, "ld.v4." + ("f32" if is_f else "u32") + " {$0, $1, $2, $3}, [$4];",
+                                ",".join([f"={c}"] * 4) + ",l")
+            res = builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64))])
+            vals = [builder.extract_value(res, j) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, vals)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def load4_device(ary, i):
+        """ary[i .. i + 3] in one 16-byte load; i a multiple of 4 (and the array 16-byte aligned, as device arrays
+        are), in range: nothing is checked."""
+        return _ld_v4(ary, np.int64(i))
 
     @cuda.jit(device=True, inline=True)
     def e4m3x2_to_f16x2_device(pair):

@@ -23,29 +23,32 @@ Owns:
 Does not own: the router (kernels.moe.route), the SwiGLU step on its own (kernels.moe.swiglu: the shared expert, and
 the spec of `swiglu=`), the shared expert (kernels.q4k_gemv).
 
-How `vq_gemv` runs. The tensor cores multiply 8 weight rows by 32 inputs for up to 16 pairs per codeword step: a
-lane's codeword (8 E4M3 codes) is exactly its B fragments of two chained `mma.sync.m16n8k16` f16 MMAs (kernels.mma;
-values 0-3, then 4-7, each pair converted to halves by one `cvt.rn.f16x2.e4m3x2`), and the activations are
-act_quant_fp8 values, i.e. E4M3 codes times a power of two per block of 32 inputs, which is one step. A first kernel
-(`vq_stage_kernel`) turns the call's activation rows into codes and block scales, laid out in fragment order; in the
-GEMV, lane 4g + t takes codeword 32s + 4k + t of row 8rg + g at step k of segment s, looks it up in the shared-memory
-codebook (C x 8 bytes), and loads token g's code word of the same 8 inputs (and token g+8's in the wide kernel);
-the MMA outputs (token g, rows 2t and 2t+1) are scaled by the block's power of two and added in FP32, segment by
-segment and step by step: a fixed order per output, whatever the tile, so prefill, chunked prefill and decode give
-the same bits. Products of E4M3 codes are exact in the MMA; its FP32 sums are the hardware's, so the result matches
-the reference within a tolerance (the simulator's MMA is the ideal one). Why halves and not the E4M3 MMA
-(m16n8k32): on sm_90 ptxas emulates that one with twelve conversions and two f16 MMAs per call (docs/toolchain.md);
-here the activations are converted once per step and serve both row groups of a unit.
+How `vq_gemv` runs. The tensor cores multiply 16 weight rows by 32 inputs for up to 8 pairs per step, the weights
+as the MMA's A operand and the pairs' activations as B (a decode step's one pair per expert fills one of B's 8
+columns, where with the weights as B it filled one of A's 16 rows: half the MMAs for the same weights). Lane 4g + t
+takes, at step k of a block, codeword 4k + t of rows g and g + 8 of its row group from the shared-memory codebook
+(C x 8 bytes): their values 0-3 are its A fragment of a first `mma.sync.m16n8k16` f16 MMA and values 4-7 of a
+second one chained to it (each pair of E4M3 codes converted to halves by one `cvt.rn.f16x2.e4m3x2`). B needs the same
+8 inputs of pair g: a first kernel (`vq_stage_kernel`) turns the call's activation rows into E4M3 codes, stores
+them as halves in fragment order (16 bytes a lane and step: one load) and their power-of-two block scales (a step's
+32 inputs are one act_quant_fp8 block). The MMA outputs (rows g and g + 8, pairs 2t and 2t + 1) are scaled by the
+pair's block scale and added in FP32 step by step: a fixed order per output, whatever the tile, so prefill, chunked
+prefill and decode give the same bits. Products of E4M3 codes are exact in the MMA; its FP32 sums are the
+hardware's, so the result matches the reference within a tolerance (the simulator's MMA is the ideal one). Why
+halves and not the E4M3 MMA (m16n8k32): on sm_90 ptxas emulates that one with twelve conversions and two f16 MMAs
+per call (docs/toolchain.md). What bounds the kernel is the shared-memory codebook gathers: 8 random bytes a lane,
+about 6 bank-conflict wavefronts a warp's gather.
 
 The device layout. A matrix [R, Kin] (J = Kin/8 codewords a row) is stored in blocks of the file's shape (256
 indices: three 128-byte lines of low bytes and high nibbles, plus 32 plane bytes on 13-bit layers; lane l's
-indices k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * n_seg + s holds rows 8rg .. 8rg+7 x
-codewords 32s .. 32s+31, lane 4n + t's index k being codeword 32s + 4k + t of row 8rg + n: exactly the B fragments
-of the block's 8 steps. Rows are padded to a multiple of 8 and J to a multiple of 32 with index 0 (whose products
-meet zero activation codes; NaN codes are refused at load); V4.1's shapes need no padding. A warp's work unit is
-(tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in segment order, PREFETCH blocks ahead,
-and each step's activation loads and conversions serve both groups. Units are dealt round-robin over the blocks
-(one persistent block of 24 warps per SM) in a fixed order: no atomics, no partial sums, no finishing kernel.
+positions k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * n_seg + s holds rows 16rg ..
+16rg+15 x codewords 16s .. 16s+15, lane 4g + t's position k being codeword 16s + 4(k // 2) + t of row 16rg + g +
+8(k % 2): exactly the A fragments of the block's 4 steps. Rows are padded to a multiple of 16 and J to a multiple
+of 16 with index 0 (whose products meet zero activation codes; NaN codes are refused at load); V4.1's shapes need
+no padding. A warp's work unit is (tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in
+order, PREFETCH blocks ahead, and each step's activation loads serve every group of the unit. Units are dealt
+round-robin over the blocks (one persistent block of 24 warps per SM) in a fixed order: no atomics, no partial
+sums, no finishing kernel.
 
 Shapes: T tokens, K active experts per token, E experts, C codewords (2^bits), R rows, Kin inputs, J = Kin/8,
 S stream bytes per expert matrix, P plane bytes, n_pairs = T*K, D hidden, F expert width.
@@ -62,7 +65,7 @@ from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_
 from kernels.bf16 import f16_bits_device, mul_rn_device, round_bf16_device
 from kernels.gemv import pow2_ceil_device
 from kernels.moe import swiglu_value_device
-from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, mma_f16_device
+from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, load4_device, mma_f16_device
 from kernels.q4k_gemv import INV448, _aq_device, _code_word_device, _fp8_block_scale_device, _quad_max_device
 from kernels.scratch import scratch_array as _scratch
 
@@ -75,13 +78,16 @@ SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
 E_MAX = 512                     # experts per layer (kernels.moe.route's bound)
 K_MAX = 16                      # active experts per token
-TILE_MAX = 16                   # pairs of a tile: the MMA's M
-MMA_N = 8                       # weight rows of a device block: the MMA's N
-SEG_CW = 32                     # codewords of a row in a device block (8 MMA steps of 4)
+TILE_MAX = 16                   # pairs of a tile: two MMA column blocks
+MMA_M = 16                      # weight rows of a row group (of a device block): the MMA's M
+MMA_N = 8                       # pairs of one MMA: its N
+SEG_CW = 16                     # codewords of a row in a device block (4 MMA steps of 4)
+STEPS = SEG_CW // 4             # MMA steps of a block, 32 inputs each: one activation scale block
 PREFETCH = 2                    # blocks of each row group loaded ahead of the one being computed
-RG_PER_UNIT = 2                 # row groups a warp's unit takes (they share each step's activation loads)
+RG_PER_UNIT = 1                 # row groups a warp's unit takes (they share each step's activation loads)
 WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
-THREADS = 32 if SIM else 768                    # GEMV: 24 warps, one block an SM (<= 85 registers)
+THREADS = 32 if SIM else 512                    # GEMV: 16 warps, one block an SM (<= 128 registers: no spills)
+WIDE_THREADS = THREADS
 STAGE_THREADS = 32 if SIM else 128
 COMBINE_THREADS = 128
 STAGE_WARPS = STAGE_THREADS // WARP
@@ -241,7 +247,7 @@ def vq_plan_kernel(ids, n_experts, tile_rows, pairs, tiles, n_tiles):
 def mma_geometry(rows, cols):
     """(J, row groups, column segments, device blocks) of a [rows, cols] expert matrix in the device layout."""
     J = cols // VQ_DIM
-    n_rg = -(-rows // MMA_N)
+    n_rg = -(-rows // MMA_M)
     n_seg = -(-J // SEG_CW)
     return J, n_rg, n_seg, n_rg * n_seg
 
@@ -280,15 +286,15 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
     n_seg = (J + SEG_CW - 1) // SEG_CW
     rg = b // n_seg
     s = b % n_seg
-    r = MMA_N * rg + lane // 4
     w0 = np.uint32(0)
     w1 = np.uint32(0)
     w2 = np.uint32(0)
     pl = np.uint32(0)
     bw = np.uint64(mat) * np.uint64(s_words)
     bp = np.uint64(mat) * np.uint64(s_plane)
-    for k in range(8):
-        c = SEG_CW * s + 4 * k + lane % 4
+    for k in range(8):                                        # position k: step k // 2, row g + 8 (k % 2)
+        r = MMA_M * rg + lane // 4 + MMA_N * (k % 2)
+        c = SEG_CW * s + 4 * (k // 2) + lane % 4
         v = np.uint32(0)
         if r < rows and c < J:
             v = _file_index_device(src, src_pl, has_plane, bw, bp, r * J + c)
@@ -308,6 +314,16 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
 
 # ------------------------------------------------------------------------- activations as E4M3 codes
 @cuda.jit(device=True, inline=True)
+def _lo32(w):
+    return np.uint32(w & np.uint64(0xFFFFFFFF))
+
+
+@cuda.jit(device=True, inline=True)
+def _hi32(w):
+    return np.uint32(w >> np.uint64(32))
+
+
+@cuda.jit(device=True, inline=True)
 def _stage_slot_device(n_x, n_cwp):
     """(in range, row r, codeword c) of the staging thread; threads past the end take row 0, codeword 0."""
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -317,9 +333,9 @@ def _stage_slot_device(n_x, n_cwp):
 
 
 @cuda.jit(device=True, inline=True)
-def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, codes1, scl1, red):
-    """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 code word and, in the quad's first lane,
-    the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
+def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red):
+    """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
+    lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
     w = cuda.threadIdx.x // WARP
     am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
     am = _quad_max_device(am, red[w])
@@ -333,18 +349,24 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, cod
     p = _fp8_block_scale_device(am)
     word, _ = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
     if ok:
-        codes1[r * n_cwp + SEG_CW * (c // SEG_CW) + 8 * (c % 4) + (c % SEG_CW) // 4] = word
+        lo = _lo32(word)
+        hi = _hi32(word)
+        o = 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
+        xh[o] = e4m3x2_to_f16x2_device(lo)
+        xh[o + 1] = e4m3x2_to_f16x2_device(lo >> np.uint32(16))
+        xh[o + 2] = e4m3x2_to_f16x2_device(hi)
+        xh[o + 3] = e4m3x2_to_f16x2_device(hi >> np.uint32(16))
         if c % 4 == 0:
             scl1[r * (n_cwp // 4) + c // 4] = p
 
 
 @cuda.jit(cache=True)
-def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
+def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
     """x float32 [n, 8J] (FP8-grid values; `raw`: unquantised, act_quant_fp8's rule applied first with its kernel's
-    operations) -> codes1 uint64 [n * Jp] (codeword c's 8 inputs as E4M3 codes, low byte first, zeros for c >= J; in
-    the GEMV's fragment order: c = 32s + 4k + t of row r at r*Jp + 32s + 8t + k) and scl1 float32 [n * Jp/4] (block
-    q of 32 inputs' power-of-two scale P at r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of
-    lanes per block of 32."""
+    operations) -> xh uint32 [n * Jp * 4] (codeword c's 8 inputs as the halves of their E4M3 codes, two a word, the
+    lower input in the low half, zeros for c >= J; in the GEMV's fragment order: c = 16s + 4k + t of row r at words
+    4 (r*Jp + 16s + 4t + k) .. + 3) and scl1 float32 [n * Jp/4] (block q of 32 inputs' power-of-two scale P at
+    r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of lanes per block of 32."""
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
     ok, r, c = _stage_slot_device(x.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
@@ -352,11 +374,11 @@ def vq_stage_kernel(x, raw, J, n_cwp, codes1, scl1):
         k = VQ_DIM * c
         v0, v1, v2, v3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
         v4, v5, v6, v7 = x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
-    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, codes1, scl1, red)
+    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red)
 
 
 @cuda.jit(cache=True)
-def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, codes1, scl1):
+def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
     """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded
     (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging.
     g, u float32 [n, 8J], w float32 [n]."""
@@ -373,7 +395,7 @@ def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, codes1, scl1):
         v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
         v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
         v6, v7 = swiglu_value_device(g6, u6, w, has_w, r, limit), swiglu_value_device(g7, u7, w, has_w, r, limit)
-    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, codes1, scl1, red)
+    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, xh, scl1, red)
 
 
 # ------------------------------------------------------------------------------------------ the GEMV
@@ -412,98 +434,110 @@ def _index_device(w0, w1, w2, pl, k):
 
 
 @cuda.jit(device=True, inline=True)
-def _lo32(w):
-    return np.uint32(w & np.uint64(0xFFFFFFFF))
+def _pair_row_device(pairs, first, n, count, x_div):
+    """The activation row of column n of a tile (pair first + n of the plan); row 0 past the tile's count (its MMA
+    column is computed and never stored)."""
+    return np.int64(pairs[first + n] // x_div) if n < count else np.int64(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _hi32(w):
-    return np.uint32(w >> np.uint64(32))
+def _a_frags_device(cbs, blk, k):
+    """The A fragments of step k for the lane's rows g and g + 8 of its row group: the codewords at positions 2k
+    and 2k + 1 of its block words, as halves: (values 0-3 as a0..a3 of the first MMA, values 4-7 of the second)."""
+    wg = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], 2 * k)]
+    w8 = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], 2 * k + 1)]
+    lg = _lo32(wg)
+    hg = _hi32(wg)
+    l8 = _lo32(w8)
+    h8 = _hi32(w8)
+    sh = np.uint32(16)
+    return (e4m3x2_to_f16x2_device(lg), e4m3x2_to_f16x2_device(l8), e4m3x2_to_f16x2_device(lg >> sh),
+            e4m3x2_to_f16x2_device(l8 >> sh), e4m3x2_to_f16x2_device(hg), e4m3x2_to_f16x2_device(h8),
+            e4m3x2_to_f16x2_device(hg >> sh), e4m3x2_to_f16x2_device(h8 >> sh))
 
 
 @cuda.jit(device=True, inline=True)
-def _store_rows_device(out, msel, pair, r, v0, v1, n_rows, gain, e, scale, has_scale):
-    """out[msel, pair, r + h] = bf16(v_h * g [* s]) for h = 0, 1 (rows below n_rows)."""
-    for h in range(2):
-        if r + h < n_rows:
-            v = (v0 if h == 0 else v1) * f16_bits_device(np.uint32(gain[e, r + h]))
-            if has_scale:
-                v = v * scale[e, r + h]
-            out[msel, pair, r + h] = round_bf16_device(v)
-
-
-@cuda.jit(device=True, inline=True)
-def _b_halves_device(cbs, blk, k):
-    """The B fragments (values 0-1, 2-3, 4-5, 6-7 as half pairs) of the lane's codeword k in its block words."""
-    cw = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], k)]
-    lo = _lo32(cw)
-    hi = _hi32(cw)
-    return (e4m3x2_to_f16x2_device(lo), e4m3x2_to_f16x2_device(lo >> np.uint32(16)), e4m3x2_to_f16x2_device(hi),
-            e4m3x2_to_f16x2_device(hi >> np.uint32(16)))
-
-
-@cuda.jit(device=True, inline=True)
-def _mma_pair_device(a, b, p0, p1, acc, ex):
-    """acc + p * (A . B) for one codeword step: two chained m16n8k16 MMAs (values 0-3, then 4-7); a = token g's and
-    token g+8's half pairs (8), b = _b_halves_device; p0 / p1 the block scales of tokens g / g+8."""
+def _mma_step_device(a, b, p0, p1, acc, ex):
+    """acc + P * (A . B) for one step of 32 inputs: two chained m16n8k16 MMAs (values 0-3 of each codeword, then
+    4-7); a = _a_frags_device, b = the column's 8 staged halves (load4_device), p0 / p1 the block scales of the
+    lane's output columns 2t / 2t + 1. acc = (row g col 2t, row g col 2t+1, row g+8 col 2t, row g+8 col 2t+1)."""
     z = np.float32(0.0)
-    e0, e1, e2, e3 = mma_f16_device(a[0], a[4], a[1], a[5], b[0], b[1], z, z, z, z, ex)
-    d0, d1, d2, d3 = mma_f16_device(a[2], a[6], a[3], a[7], b[2], b[3], e0, e1, e2, e3, ex)
-    return (cuda.fma(d0, p0, acc[0]), cuda.fma(d1, p0, acc[1]), cuda.fma(d2, p1, acc[2]), cuda.fma(d3, p1, acc[3]))
+    e0, e1, e2, e3 = mma_f16_device(a[0], a[1], a[2], a[3], b[0], b[1], z, z, z, z, ex)
+    d0, d1, d2, d3 = mma_f16_device(a[4], a[5], a[6], a[7], b[2], b[3], e0, e1, e2, e3, ex)
+    return (cuda.fma(d0, p0, acc[0]), cuda.fma(d1, p1, acc[1]), cuda.fma(d2, p0, acc[2]), cuda.fma(d3, p1, acc[3]))
 
 
 @cuda.jit(device=True, inline=True)
-def _a_halves_device(codes1, xa, xb, kk, wide):
-    """Token g's (and, `wide`, token g+8's) 8 E4M3 codes of the step as half pairs: (g: 0-1, 2-3, 4-5, 6-7, then the
-    same for g+8, zeros when not wide)."""
-    wa = codes1[xa + kk]                     # a lane of a token past the tile reads row 0: its MMA row is never stored
-    la = _lo32(wa)
-    ha = _hi32(wa)
-    a0 = e4m3x2_to_f16x2_device(la)
-    a1 = e4m3x2_to_f16x2_device(la >> np.uint32(16))
-    a2 = e4m3x2_to_f16x2_device(ha)
-    a3 = e4m3x2_to_f16x2_device(ha >> np.uint32(16))
-    z = np.uint32(0)
-    if not wide:
-        return a0, a1, a2, a3, z, z, z, z
-    wb = codes1[xb + kk]
-    lb = _lo32(wb)
-    hb = _hi32(wb)
-    return (a0, a1, a2, a3, e4m3x2_to_f16x2_device(lb), e4m3x2_to_f16x2_device(lb >> np.uint32(16)),
-            e4m3x2_to_f16x2_device(hb), e4m3x2_to_f16x2_device(hb >> np.uint32(16)))
+def _load4_live_device(ary, i, live, z):
+    """load4_device(ary, i) for a live column, else (z, z, z, z) and no load: a dead column's lanes take no share
+    of the L1's data path (which a warp's 16-byte load occupies for 4 cycles even when its lanes share addresses)."""
+    if live:
+        return load4_device(ary, i)
+    return z, z, z, z
 
 
 @cuda.jit(device=True, inline=True)
-def _step_device(cbs, c0, c1, k, codes1, xa, xb, scl1, qa, qb, wide, acc0, acc1, ex):
-    """Step k (a literal) of a segment for the unit's two row groups (block words c0, c1): the activations are
-    loaded and converted once and multiply both groups' codewords."""
-    kk = np.uint64(k)
-    a = _a_halves_device(codes1, xa, xb, kk, wide)
-    p0 = scl1[qa + kk]
-    p1 = scl1[qb + kk] if wide else np.float32(0.0)
-    acc0 = _mma_pair_device(a, _b_halves_device(cbs, c0, k), p0, p1, acc0, ex)
-    acc1 = _mma_pair_device(a, _b_halves_device(cbs, c1, k), p0, p1, acc1, ex)
-    return acc0, acc1
+def _x_block_device(xh, scl1, o, sa, sb, s, live_b, live_a, live_c):
+    """What a lane of one column block reads of the activations for block s: its column's staged halves of the 4
+    steps (B fragments; live_b: the column is in the tile) and the 4 steps' block scales of its output columns 2t
+    and 2t + 1 (live_a, live_c). A decode tile of one pair: 4 lanes load B and 8 the scales."""
+    f = 4 * (o + SEG_CW * s)
+    q = STEPS * s
+    zu = np.uint32(0)
+    zf = np.float32(0.0)
+    return (_load4_live_device(xh, f, live_b, zu), _load4_live_device(xh, f + 4, live_b, zu),
+            _load4_live_device(xh, f + 8, live_b, zu), _load4_live_device(xh, f + 12, live_b, zu),
+            _load4_live_device(scl1, sa + q, live_a, zf), _load4_live_device(scl1, sb + q, live_c, zf))
 
 
 @cuda.jit(device=True, inline=True)
-def _store_group_device(out, msel, pairs, first, g, live0, live1, r, acc, n_rows, gain, e, scale, has_scale):
-    if live0:
-        _store_rows_device(out, msel, pairs[first + g], r, acc[0], acc[1], n_rows, gain, e, scale, has_scale)
-    if live1:
-        _store_rows_device(out, msel, pairs[first + g + MMA_N], r, acc[2], acc[3], n_rows, gain, e, scale, has_scale)
+def _unit_step_device(cbs, c0, c1, two, wide, b0, b1, p0, p1, p2, p3, acc00, acc01, acc10, acc11, k, ex):
+    """Step k (a literal) of a block for the unit's row groups (block words c0, c1 when `two`) and column blocks
+    (tokens 0-7 with B fragments b0, and 8-15 with b1 when `wide`): each column's staged halves are loaded once and
+    serve every row group."""
+    a = _a_frags_device(cbs, c0, k)
+    acc00 = _mma_step_device(a, b0, p0, p1, acc00, ex)
+    if wide:
+        acc01 = _mma_step_device(a, b1, p2, p3, acc01, ex)
+    if two:
+        a = _a_frags_device(cbs, c1, k)
+        acc10 = _mma_step_device(a, b0, p0, p1, acc10, ex)
+        if wide:
+            acc11 = _mma_step_device(a, b1, p2, p3, acc11, ex)
+    return acc00, acc01, acc10, acc11
 
 
-def _make_vq_kernel(threads, wide):
-    """The persistent VQ GEMV on the tensor cores with `threads` a block; `wide`: tiles of up to 16 pairs (MMA rows
-    8..15 live), else up to 8 (the decode kernel: those rows are zero, and their loads and sums are compiled out).
-    Both give a pair the same bits: an MMA output depends only on its own row of A."""
+@cuda.jit(device=True, inline=True)
+def _store_out_device(out, msel, pairs, first, count, n, r, v, n_rows, gain, e, scale, has_scale):
+    """out[msel, pair of column n, r] = bf16(v * g [* s]) when column n is in the tile and row r in the matrix."""
+    if n < count and r < n_rows:
+        v = v * f16_bits_device(np.uint32(gain[e, r]))
+        if has_scale:
+            v = v * scale[e, r]
+        out[msel, pairs[first + n], r] = round_bf16_device(v)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_acc_device(out, msel, pairs, first, count, n0, r, acc, n_rows, gain, e, scale, has_scale):
+    """The lane's four outputs of one row group and column block: rows r, r + 8 x columns n0, n0 + 1."""
+    _store_out_device(out, msel, pairs, first, count, n0, r, acc[0], n_rows, gain, e, scale, has_scale)
+    _store_out_device(out, msel, pairs, first, count, n0 + 1, r, acc[1], n_rows, gain, e, scale, has_scale)
+    _store_out_device(out, msel, pairs, first, count, n0, r + MMA_N, acc[2], n_rows, gain, e, scale, has_scale)
+    _store_out_device(out, msel, pairs, first, count, n0 + 1, r + MMA_N, acc[3], n_rows, gain, e, scale, has_scale)
+
+
+def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
+    """The persistent VQ GEMV on the tensor cores with `threads` a block; `wide`: tiles of up to 16 pairs (two MMA
+    column blocks), else up to 8 (the decode kernel: the second block's loads and MMAs are compiled out);
+    `rg_per_unit` (1 or 2) row groups a warp's unit. All give a pair the same bits: an MMA output depends only on
+    its own row of A and column of B, and every output is summed step by step in the same order."""
     warps = threads // WARP
     exw = warps if SIM else 1                      # the simulator's MMA exchange (unused on the GPU)
     jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(threads, 1), cache=True)
+    two_rg = rg_per_unit == 2
 
     @jit
-    def vq_gemv_kernel(codes1, scl1, n_cwp, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len,
+    def vq_gemv_kernel(xh, scl1, n_cwp, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len,
                        has_plane, mat0, mat_step, n_mats, n_rows, n_rg, n_seg, gain_a, gain_b, scale, has_scale, out):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
@@ -515,11 +549,11 @@ def _make_vq_kernel(threads, wide):
         g = lane // 4
         t = lane % 4
         n_q = n_cwp // 4
-        n_up = (n_rg + RG_PER_UNIT - 1) // RG_PER_UNIT
+        n_up = (n_rg + rg_per_unit - 1) // rg_per_unit
         total = n_tiles[0] * n_mats * n_up
         u = warp * cuda.gridDim.x + cuda.blockIdx.x              # units dealt over the SMs first
         while u < total:                                          # warp-uniform
-            rg0 = RG_PER_UNIT * (u % n_up)
+            rg0 = rg_per_unit * (u % n_up)
             v = u // n_up
             msel = v % n_mats
             tile = v // n_mats
@@ -527,23 +561,20 @@ def _make_vq_kernel(threads, wide):
             first = tiles[tile, 1]
             count = tiles[tile, 2]
             m = mat0 + mat_step * msel
-            two = rg0 + 1 < n_rg                                  # the second row group exists
+            two = two_rg and rg0 + 1 < n_rg                       # the second row group exists
             ib0 = np.uint64(3 * e + m) * np.uint64(idx_words) + np.uint64(WORDS_PER_BLOCK * n_seg * rg0)
             pb0 = np.uint64(3 * e + m) * np.uint64(plane_len) + np.uint64(PLANE_BLOCK_BYTES * n_seg * rg0)
             ib1 = ib0 + np.uint64(WORDS_PER_BLOCK * n_seg)
             pb1 = pb0 + np.uint64(PLANE_BLOCK_BYTES * n_seg)
             n_seg1 = n_seg if two else 0                          # a missing group reads nothing (zero words)
-            live0 = g < count
-            live1 = wide and g + MMA_N < count
-            x0 = np.uint64(pairs[first + g] // x_div) if live0 else np.uint64(0)
-            x1 = np.uint64(pairs[first + g + MMA_N] // x_div) if live1 else np.uint64(0)
-            xa = x0 * np.uint64(n_cwp) + np.uint64(8 * t)         # the lane's code words, fragment order
-            xb = x1 * np.uint64(n_cwp) + np.uint64(8 * t)
-            sa = x0 * np.uint64(n_q)
-            sb = x1 * np.uint64(n_q)
+            o0 = _pair_row_device(pairs, first, g, count, x_div) * n_cwp + 4 * t     # B: column g's halves
+            o1 = _pair_row_device(pairs, first, g + MMA_N, count, x_div) * n_cwp + 4 * t if wide else np.int64(0)
+            s0 = _pair_row_device(pairs, first, 2 * t, count, x_div) * n_q             # scales: columns 2t, 2t+1
+            s1 = _pair_row_device(pairs, first, 2 * t + 1, count, x_div) * n_q
+            s2 = _pair_row_device(pairs, first, MMA_N + 2 * t, count, x_div) * n_q if wide else np.int64(0)
+            s3 = _pair_row_device(pairs, first, MMA_N + 2 * t + 1, count, x_div) * n_q if wide else np.int64(0)
             z = np.float32(0.0)
-            acc0 = (z, z, z, z)
-            acc1 = (z, z, z, z)
+            acc00 = acc01 = acc10 = acc11 = (z, z, z, z)
             na0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 0, n_seg, lane)
             nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 1, n_seg, lane)
             na1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 0, n_seg1, lane)
@@ -555,30 +586,39 @@ def _make_vq_kernel(threads, wide):
                 na1 = nb1
                 nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + PREFETCH, n_seg, lane)
                 nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, s + PREFETCH, n_seg1, lane)
-                o = np.uint64(SEG_CW * s)
-                ca, cb_ = xa + o, xb + o
-                q = np.uint64(8 * s)
-                qa, qb = sa + q, sb + q                           # the 8 steps, unrolled with literal k
-                acc0, acc1 = _step_device(cbs, c0, c1, 0, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 1, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 2, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 3, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 4, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 5, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 6, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
-                acc0, acc1 = _step_device(cbs, c0, c1, 7, codes1, ca, cb_, scl1, qa, qb, wide, acc0, acc1, exl)
+                xc = _x_block_device(xh, scl1, o0, s0, s1, s, g < count, 2 * t < count, 2 * t + 1 < count)
+                xw = _x_block_device(xh, scl1, o1, s2, s3, s, g + MMA_N < count, MMA_N + 2 * t < count,
+                                     MMA_N + 2 * t + 1 < count) if wide else xc
+                pa = xc[4]
+                pb = xc[5]
+                pc = xw[4]
+                pd = xw[5]
+                acc00, acc01, acc10, acc11 = _unit_step_device(cbs, c0, c1, two, wide, xc[0], xw[0], pa[0], pb[0],
+                                                               pc[0], pd[0], acc00, acc01, acc10, acc11, 0, exl)
+                acc00, acc01, acc10, acc11 = _unit_step_device(cbs, c0, c1, two, wide, xc[1], xw[1], pa[1], pb[1],
+                                                               pc[1], pd[1], acc00, acc01, acc10, acc11, 1, exl)
+                acc00, acc01, acc10, acc11 = _unit_step_device(cbs, c0, c1, two, wide, xc[2], xw[2], pa[2], pb[2],
+                                                               pc[2], pd[2], acc00, acc01, acc10, acc11, 2, exl)
+                acc00, acc01, acc10, acc11 = _unit_step_device(cbs, c0, c1, two, wide, xc[3], xw[3], pa[3], pb[3],
+                                                               pc[3], pd[3], acc00, acc01, acc10, acc11, 3, exl)
             gain = gain_a if msel == 0 else gain_b
-            _store_group_device(out, msel, pairs, first, g, live0, live1, MMA_N * rg0 + 2 * t, acc0, n_rows, gain, e,
-                                scale, has_scale)
+            r0 = MMA_M * rg0 + g
+            _store_acc_device(out, msel, pairs, first, count, 2 * t, r0, acc00, n_rows, gain, e, scale, has_scale)
+            if wide:
+                _store_acc_device(out, msel, pairs, first, count, MMA_N + 2 * t, r0, acc01, n_rows, gain, e, scale,
+                                  has_scale)
             if two:
-                _store_group_device(out, msel, pairs, first, g, live0, live1, MMA_N * (rg0 + 1) + 2 * t, acc1, n_rows,
-                                    gain, e, scale, has_scale)
+                _store_acc_device(out, msel, pairs, first, count, 2 * t, r0 + MMA_M, acc10, n_rows, gain, e, scale,
+                                  has_scale)
+                if wide:
+                    _store_acc_device(out, msel, pairs, first, count, MMA_N + 2 * t, r0 + MMA_M, acc11, n_rows, gain,
+                                      e, scale, has_scale)
             u += cuda.gridDim.x * warps
     return vq_gemv_kernel
 
 
 vq_gemv_kernel = _make_vq_kernel(THREADS, False)
-vq_gemv_wide_kernel = _make_vq_kernel(THREADS, True)
+vq_gemv_wide_kernel = _make_vq_kernel(WIDE_THREADS, True)
 
 
 @cuda.jit(cache=True)
@@ -606,16 +646,16 @@ def moe_combine_kernel(ye, ids, shared, out):
     out[t, d] = round_bf16_device(y + shared[t, d])
 
 
-_VQ_SIG = ("void(uint64[:], float32[:], int64, int64, int32[:], int32[:, :], int32[:], uint64[:], uint32[:], uint8[:], "
-           "int64, int64, boolean, int64, int64, int64, int64, int64, int64, uint16[:, :], uint16[:, :], float32[:, :], "
-           "boolean, float32[:, :, :])")
+_VQ_SIG = ("void(uint32[::1], float32[::1], int64, int64, int32[::1], int32[:, ::1], int32[::1], uint64[::1], "
+           "uint32[::1], uint8[::1], int64, int64, boolean, int64, int64, int64, int64, int64, int64, uint16[:, ::1], "
+           "uint16[:, ::1], float32[:, ::1], boolean, float32[:, :, ::1])")
 SIGNATURES = {
     "vq_plan_kernel": "void(int32[:, :], int64, int64, int32[:], int32[:, :], int32[:])",
     "vq_relayout_kernel": "void(uint32[:], uint8[:], int64, int64, uint32[:], uint8[:], int64, int64, boolean, int64, "
                           "int64, int64, int64, int64)",
-    "vq_stage_kernel": "void(float32[:, :], boolean, int64, int64, uint64[:], float32[:])",
+    "vq_stage_kernel": "void(float32[:, :], boolean, int64, int64, uint32[::1], float32[::1])",
     "vq_stage_swiglu_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, int64, int64, "
-                              "uint64[:], float32[:])",
+                              "uint32[::1], float32[::1])",
     "vq_gemv_kernel": _VQ_SIG,
     "vq_gemv_wide_kernel": _VQ_SIG,
     "moe_combine_kernel": "void(float32[:, :], int32[:, :], float32[:, :], float32[:, :])",
@@ -721,9 +761,9 @@ def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
 
 
 def scratch_bytes(n_x, cols):
-    """Device scratch of one vq_gemv call over n_x activation rows of `cols` inputs (codes and scales)."""
+    """Device scratch of one vq_gemv call over n_x activation rows of `cols` inputs (staged halves and scales)."""
     n_cwp = mma_geometry(1, cols)[2] * SEG_CW
-    return n_x * n_cwp * 8 + n_x * (n_cwp // 4) * 4
+    return n_x * n_cwp * 16 + n_x * (n_cwp // 4) * 4
 
 
 def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, scale=None, quantize=True, swiglu=None,
@@ -786,30 +826,32 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         return out
     n_x = int(x.shape[0])
     n_cwp = n_seg * SEG_CW
-    codes1 = _scratch(scratch, "x_codes", (n_x * n_cwp,), np.uint64, stream)
+    xh = _scratch(scratch, "x_halves", (n_x * n_cwp * 4,), np.uint32, stream)
     scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
     n = n_x * n_cwp
     if swiglu is None:
-        vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, codes1, scl1)
+        vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, xh, scl1)
     else:
         has_w = weights is not None
         w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
         vq_stage_swiglu_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](
-            x, u, w, has_w, np.float32(limit), J, n_cwp, codes1, scl1)
+            x, u, w, has_w, np.float32(limit), J, n_cwp, xh, scl1)
     dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)
     n_units = n_pairs * n_mats * -(-n_rg // RG_PER_UNIT)    # an upper bound: a tile holds at least one pair
-    grid = max(1, min(_persistent_blocks(), -(-n_units // (THREADS // WARP))))
+    wide = plan.tile_rows > MMA_N
+    threads = WIDE_THREADS if wide else THREADS
+    grid = max(1, min(_persistent_blocks(), -(-n_units // (threads // WARP))))
     smem = n_cw * 8
-    kernel = vq_gemv_wide_kernel if plan.tile_rows > MMA_N else vq_gemv_kernel
-    launch = kernel[grid, THREADS, stream, smem]
+    kernel = vq_gemv_wide_kernel if wide else vq_gemv_kernel
+    launch = kernel[grid, threads, stream, smem]
     if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
         # numba caches configured launches (lru_cache on configure): register the callback once per configuration
         launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
     m0, step = mats[0], (mats[1] - mats[0] if n_mats == 2 else 0)
     idx_words = s_len // 4
     plane_len = int(plane.shape[2]) if has_plane else 0
-    launch(codes1, scl1, n_cwp, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook,
+    launch(xh, scl1, n_cwp, int(x_div), plan.pairs, plan.tiles, plan.n_tiles, codebook,
            index.view(np.uint32).reshape(n_exp * 3 * idx_words), plane.reshape(n_exp * 3 * plane_len) if has_plane
            else dummy, idx_words, plane_len, has_plane, m0, step, n_mats, rows, n_rg, n_seg, gains[mats[0]],
            gains[mats[-1]], scale if has_scale else no_scale, has_scale, out)

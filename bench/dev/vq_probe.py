@@ -16,6 +16,8 @@ ap.add_argument("--bits", type=int, default=13)
 ap.add_argument("--reps", type=int, default=64)
 ap.add_argument("--eager", type=int, default=0)
 ap.add_argument("--small", action="store_true", help="tiny shapes under the simulator (a smoke run)")
+ap.add_argument("--rg", type=int, default=0, help="a variant: row groups a unit (1 or 2; 0: the module's)")
+ap.add_argument("--threads", type=int, default=0, help="a variant: threads a block (0: the module's)")
 a = ap.parse_args()
 if a.small:
     from bench.timing import use_simulator
@@ -27,6 +29,9 @@ import kernels.vq_gemv as vq  # noqa: E402
 from bench.timing import graph_time  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
+if a.rg or a.threads:
+    vq.THREADS = a.threads or vq.THREADS
+    vq.vq_gemv_kernel = vq._make_vq_kernel(vq.THREADS, False, a.rg or vq.RG_PER_UNIT)
 E, K, D, F = (8, 6, 256, 128) if a.small else (384, 6, 5120, 2304)
 s = cuda.stream()
 S, P = vq.device_stream_bytes((F, D), (D, F))
@@ -95,9 +100,16 @@ def _attr(f):
         return repr(exc)
 
 
+def _only(v):
+    """The value of a one-signature attribute dict (what the probe compiled), else v as it is."""
+    return next(iter(v.values())) if isinstance(v, dict) and len(v) == 1 else v
+
+
 kern = vq.vq_gemv_kernel
-print(json.dumps(dict(bits=a.bits, us=us, regs=_attr(kern.get_regs_per_thread),
-                      local_bytes=_attr(kern.get_local_mem_per_thread), w13_us=round(w13 * 1e6, 2),
+print(json.dumps(dict(bits=a.bits, rg=a.rg or vq.RG_PER_UNIT, threads=vq.THREADS,
+                      us=us,
+                      regs=_only(_attr(kern.get_regs_per_thread)),
+                      local_bytes=_only(_attr(kern.get_local_mem_per_thread)), w13_us=round(w13 * 1e6, 2),
                       w2_us=round(w2 * 1e6, 2), w13_gbps=round(bytes_w13 / w13 / 1e9, 1),
                       w2_gbps=round(bytes_w2 / w2 / 1e9, 1),
                       layer_gbps=round((bytes_w13 + bytes_w2) / res["all"] / 1e9, 1),

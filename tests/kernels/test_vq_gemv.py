@@ -60,11 +60,12 @@ def _want(layer, m, x_rows, experts, scale=None):
 
 def _device_indices(index, plane, rows, cols):
     """The device layout read back on the host, straight from its definition (kernels.vq_gemv): block rg*n_seg + s,
-    lane 4n + t, index k = codeword 32s + 4k + t of row 8rg + n -> idx [rows8, cols8/8] with the padding."""
+    lane 4n + t, position k = codeword 16s + 4(k // 2) + t of row 16rg + n + 8(k % 2) -> idx [rows16, cols16/8]
+    with the padding."""
     J = cols // 8
-    n_rg, n_seg = -(-rows // 8), -(-J // 32)
+    n_rg, n_seg = -(-rows // 16), -(-J // 16)
     words = index.view(np.uint32)
-    out = np.zeros((n_rg * 8, n_seg * 32), np.int64)
+    out = np.zeros((n_rg * 16, n_seg * 16), np.int64)
     for rg in range(n_rg):
         for s in range(n_seg):
             b = rg * n_seg + s
@@ -74,7 +75,7 @@ def _device_indices(index, plane, rows, cols):
                 for k in range(8):
                     lo = ((w0 if k < 4 else w1) >> (8 * (k % 4))) & 0xFF
                     v = lo | (((w2 >> (4 * k)) & 0xF) << 8) | (((pl >> k) & 1) << 12)
-                    out[8 * rg + lane // 4, 32 * s + 4 * k + lane % 4] = v
+                    out[16 * rg + lane // 4 + 8 * (k % 2), 16 * s + 4 * (k // 2) + lane % 4] = v
     return out
 
 
@@ -280,15 +281,16 @@ def test_bad_arguments(cuda_ready):
 
 
 def test_sm90_ptx_has_no_local_memory_and_uses_the_tensor_cores():
-    """Compiled for sm_90 without a GPU: the GEMV keeps its state in registers and multiplies on the FP8 tensor
-    cores; the staging and relayout kernels use no local memory either."""
+    """Compiled for sm_90 without a GPU: the GEMV keeps its state in registers and multiplies on the tensor cores
+    (f16, the codewords converted from E4M3); the staging and relayout kernels use no local memory either."""
     names = ("vq_gemv_kernel", "vq_gemv_wide_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_relayout_kernel")
     r = ptx_counts([f"vq_gemv:{k}" for k in names], [".local", "mma.sync.aligned.m16n8k16", "cvt.rn.f16x2.e4m3x2"])
     for k in names:
         v = r[f"vq_gemv:{k}"]
         assert v["sm90"] and v[".local"] == 0, r
-    v = r["vq_gemv:vq_gemv_kernel"]
-    assert v["mma.sync.aligned.m16n8k16"] >= 16 and v["cvt.rn.f16x2.e4m3x2"] >= 32, r
+    v = r["vq_gemv:vq_gemv_kernel"]                 # a block's 4 steps: 2 MMAs and 8 conversions each
+    assert v["mma.sync.aligned.m16n8k16"] >= 8 and v["cvt.rn.f16x2.e4m3x2"] >= 32, r
+    assert r["vq_gemv:vq_gemv_wide_kernel"]["mma.sync.aligned.m16n8k16"] >= 16, r
 
 
 def _plan_want(ids, n_experts, tile_rows):
