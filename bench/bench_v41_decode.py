@@ -60,6 +60,9 @@ def _args(argv=None):
                    help="comma list of session counts B (e.g. 1,2,4,8): at the first context, B sessions decoded "
                         "together (CudaBackend.decode_batch, graph-replayed, each row sampled greedily), step time "
                         "and aggregate tokens/s (the server's concurrent requests); default off")
+    p.add_argument("--one-stream", action="store_true",
+                   help="a variant: the side stream's work (mixes, shared expert) queued on the main stream, in "
+                        "the same order, without overlap (what the side stream is worth)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -409,6 +412,9 @@ def build(cfg, bits):
                          context_length=max(ARGS.contexts) + ARGS.warm + ARGS.steps + ARGS.trace_steps + 16)
     modes = ("eager",) if SIM else ("eager", "graph")      # the simulator has no graphs: both would be eager
     backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in modes}
+    if ARGS.one_stream:
+        for b in backends.values():
+            b.side = b.stream                # _fork and _join become no-ops (CudaBackend: side is stream)
     return W, backends, gen
 
 
@@ -493,7 +499,8 @@ def main():
         "bits": list(plan.bits[:cfg.n_layers]), "weight_bytes": W.nbytes, "generation_s": round(gen, 2),
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
-        "sampling": "greedy (temperature 0), device sampler, token read back every step"}
+        "sampling": "greedy (temperature 0), device sampler, token read back every step",
+        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side"}
     emit(run, lines)
     rows = []
     for ctx in ARGS.contexts:

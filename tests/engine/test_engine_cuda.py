@@ -221,17 +221,23 @@ def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
     reference's own top-1 at positions whose margin reaches 1.36 logits (bench/bench_sensitivity.py), and CUDA vs CPU
     gave 93.3% overall, 99.15% where not a near-tie and a worst margin of 1.54 (2026-12-02). So this test asserts the
     part that is a property of the kernels: >= 99% where the CPU top-1 is not a near-tie, no disagreement with a CPU
-    margin above 2.0 logits (one and a half times the perturbation floor's), and >= 90% overall."""
+    margin above 2.0 logits (one and a half times the perturbation floor's), and >= 90% overall.
+
+    The random tiny stack (no ds4-tiny built) has flat logits: 91 of its 512 positions reach a 0.5-logit margin.
+    There the near-tie bound is the median CPU margin, so that the clear half of its positions is what is held."""
     cpu, cuda = engines
     same = n = clear_same = clear_n = 0
     worst = 0.0
-    for w in stack[2]:
-        a, b = cpu.logits(w), cuda.logits(w)
+    pairs = [(cpu.logits(w), cuda.logits(w)) for w in stack[2]]
+    near_tie = NEAR_TIE
+    if stack[0] != TINY_BASE:
+        near_tie = float(np.median(np.concatenate([np.diff(np.sort(a, -1)[:, -2:], axis=-1)[:, 0] for a, _ in pairs])))
+    for a, b in pairs:
         ta, tb = a.argmax(-1), b.argmax(-1)
         top2 = np.sort(a, -1)[:, -2:]
-        clear = top2[:, 1] - top2[:, 0] >= NEAR_TIE
+        clear = top2[:, 1] - top2[:, 0] >= near_tie
         same += int((ta == tb).sum())
-        n += len(w)
+        n += len(ta)
         clear_same += int((ta == tb)[clear].sum())
         clear_n += int(clear.sum())
         dis = np.nonzero(ta != tb)[0]
