@@ -23,9 +23,10 @@ Owns:
 Does not own: the router (kernels.moe.route), the SwiGLU step on its own (kernels.moe.swiglu: the shared expert, and
 the spec of `swiglu=`), the shared expert (kernels.q4k_gemv).
 
-How `vq_gemv` runs. The tensor cores multiply 16 weight rows by 32 inputs for up to 8 pairs per step, the weights
-as the MMA's A operand and the pairs' activations as B (a decode step's one pair per expert fills one of B's 8
-columns, where with the weights as B it filled one of A's 16 rows: half the MMAs for the same weights). Lane 4g + t
+How `vq_gemv` runs. The tensor cores multiply 16 weight rows by 32 inputs for up to 8 pairs per step (16 in the
+wide kernel of prefill tiles: a second MMA for columns 8-15), the weights as the MMA's A operand and the pairs'
+activations as B (a decode step's one pair per expert fills one of B's 8 columns, where with the weights as B it
+filled one of A's 16 rows: half the MMAs for the same weights). Lane 4g + t
 takes, at step k of a block, codeword 4k + t of rows g and g + 8 of its row group from the shared-memory codebook
 (C x 8 bytes): their values 0-3 are its A fragment of a first `mma.sync.m16n8k16` f16 MMA and values 4-7 of a
 second one chained to it (each pair of E4M3 codes converted to halves by one `cvt.rn.f16x2.e4m3x2`). B needs the same
@@ -47,7 +48,7 @@ positions k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * 
 of 16 with index 0 (whose products meet zero activation codes; NaN codes are refused at load); V4.1's shapes need
 no padding. A warp's work unit is (tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in
 order, PREFETCH blocks ahead, and each step's activation loads serve every group of the unit. Units are dealt
-round-robin over the blocks (one persistent block of 24 warps per SM) in a fixed order: no atomics, no partial
+round-robin over the blocks (one persistent block of 16 warps per SM) in a fixed order: no atomics, no partial
 sums, no finishing kernel.
 
 Shapes: T tokens, K active experts per token, E experts, C codewords (2^bits), R rows, Kin inputs, J = Kin/8,
