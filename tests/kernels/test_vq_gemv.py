@@ -1,8 +1,8 @@
 """kernels/vq_gemv.py against ds4lib.formats.vq (the decoded weight) and ds4lib.ref.linear.linear_q / ds4lib.ref.moe.
 
 Simulator shapes are tiny (the MMA is emulated exactly there). Covered: the device layout index by index (rows
-and codewords padded, w2 transposed), long rows (J = 320: ten segments, 3 rows padded to 8), short rows (J = 12,
-padded to 32), 12- and 13-bit layers, one-pair tiles and tiles of 2 and 16 pairs (MMA rows 8..15), bit equality
+and codewords padded, w2 transposed), long rows (J = 320: twenty blocks, 3 rows padded to 16), short rows (J = 12,
+padded to 16), 12- and 13-bit layers, one-pair tiles and tiles of 2 and 16 pairs (MMA columns 8..15), bit equality
 between tile sizes, sidecar gains, empty experts, NaN codebooks refused, SwiGLU folded into the w2 staging (bit-equal
 to kernels.moe.swiglu then the GEMV).
 """
@@ -110,7 +110,7 @@ def test_e4m3_pairs_become_exact_halves(cuda_ready):
                                                        (24, 2560, (24, 2560), 13), (192, 256, (256, 192), 13)])
 def test_device_layout_places_every_index(cuda_ready, rows, cols, w2_shape, bits):
     """vq_device_layout moves each index of the file's stream to its place in the device layout (read back by the
-    definition above) and pads rows to 8 and codewords to 32 with index 0; w2 as the tests' other matrices or
+    definition above) and pads rows and codewords to 16 with index 0; w2 as the tests' other matrices or
     transposed as in the engine (the last: ds4-tiny's shapes, its w2 rows padded from 24 codewords to 32)."""
     from kernels.vq_gemv import device_stream_bytes, vq_device_layout
     rng = np.random.default_rng(rows + cols)
@@ -133,7 +133,7 @@ def test_device_layout_places_every_index(cuda_ready, rows, cols, w2_shape, bits
 
 
 def test_long_rows_13bit_decode_with_sidecar(cuda_ready):
-    """J = 320 (10 segments), 3 rows padded to a group of 8, one pair per tile; w1/w3 read the token, w2 each
+    """J = 320 (20 blocks), 3 rows padded to a group of 16, one pair per tile; w1/w3 read the token, w2 each
     pair's own row with the sidecar gains."""
     from kernels.vq_gemv import vq_gemv, vq_plan
     rng = np.random.default_rng(0)
@@ -155,7 +155,7 @@ def test_long_rows_13bit_decode_with_sidecar(cuda_ready):
 
 
 def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
-    """J = 12 (padded to 32 codewords), T = 3 tokens in tiles of two pairs; a token's rows equal its T = 1 result
+    """J = 12 (padded to 16 codewords), T = 3 tokens in tiles of two pairs; a token's rows equal its T = 1 result
     bit for bit; an all-ones sidecar equals none exactly."""
     from kernels.vq_gemv import vq_gemv, vq_plan
     rng = np.random.default_rng(1)
@@ -182,7 +182,7 @@ def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
 
 
 def test_tiles_of_sixteen_pairs_equal_one_pair_tiles(cuda_ready):
-    """20 tokens routed to one expert: a tile of 16 pairs (MMA rows 8..15 live) and one of 4; every pair's rows equal
+    """20 tokens routed to one expert: a tile of 16 pairs (MMA columns 8..15 live) and one of 4; every pair's rows equal
     those of one-pair tiles bit for bit, and the reference within the tolerance."""
     from kernels.vq_gemv import vq_gemv, vq_plan
     rng = np.random.default_rng(4)
@@ -201,7 +201,7 @@ def test_tiles_of_sixteen_pairs_equal_one_pair_tiles(cuda_ready):
 def test_13_12_13_bit_layers_in_turn(cuda_ready):
     """A 13-bit layer, a 12-bit layer, then the 13-bit one again through the same kernel (the engine's order):
     on the GPU the dynamic shared-memory limit raised for the 13-bit codebook must not be lowered in between. 24 rows:
-    three row groups, so a warp's unit of two groups is once whole and once alone."""
+    two row groups of 16, the second padded (its rows 24..31 computed and not stored)."""
     from kernels.vq_gemv import vq_gemv, vq_plan
     rng = np.random.default_rng(5)
     n_exp, rows, cols = 2, 24, 64
@@ -218,7 +218,7 @@ def test_13_12_13_bit_layers_in_turn(cuda_ready):
 def test_swiglu_folded_into_the_staging_equals_swiglu_then_gemv(cuda_ready):
     """vq_gemv(g, ..., swiglu=(u, weights, limit)) == vq_gemv(moe.swiglu(g, u, limit, weights), ...) bit for bit, g
     and u the two halves of one [2, n, F] gate/up output: with and without routing weights, a clamping limit and
-    limit <= 0 (no clamp); J = 12 codewords padded to 32. swiglu= needs quantize=True."""
+    limit <= 0 (no clamp); J = 12 codewords padded to 16. swiglu= needs quantize=True."""
     from kernels.moe import swiglu
     from kernels.vq_gemv import vq_gemv, vq_plan
     rng = np.random.default_rng(7)
