@@ -5,6 +5,7 @@ GB/s of payload read.
 
     python bench/dev/vq_probe.py [--bits 12|13] [--reps 64] [--eager N] [--small]
 The payload is random bytes in the device layout (kernels.vq_gemv; at these shapes as large as the file's).
+--small: tiny shapes under the simulator, each part run once eagerly (a smoke run: its times mean nothing).
 --eager N: N eager calls only (for ncu)."""
 import argparse
 import json
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import kernels.vq_gemv as vq  # noqa: E402
-from bench.timing import graph_time  # noqa: E402
+from bench.timing import eager_time, graph_time  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
 if a.rg or a.threads:
@@ -83,7 +84,8 @@ if a.eager:
     sys.exit(0)
 res = {}
 for parts in ("plan", "w13", "w2", "all"):
-    res[parts] = graph_time(lambda: step(parts), s, a.reps)
+    run = lambda: step(parts)  # noqa: E731
+    res[parts] = eager_time(run, s, 1, simulator=True) if a.small else graph_time(run, s, a.reps)
 bytes_w13 = 2 * K * (S + (P if plane is not None else 0))
 bytes_w2 = K * (S + (P if plane is not None else 0))
 us = {k: round(v * 1e6, 2) for k, v in res.items()}
@@ -108,8 +110,8 @@ def _only(v):
 kern = vq.vq_gemv_kernel
 print(json.dumps(dict(bits=a.bits, rg=a.rg or vq.RG_PER_UNIT, threads=vq.THREADS,
                       us=us,
-                      regs=_only(_attr(kern.get_regs_per_thread)),
-                      local_bytes=_only(_attr(kern.get_local_mem_per_thread)), w13_us=round(w13 * 1e6, 2),
+                      regs=_only(_attr(lambda: kern.get_regs_per_thread())),
+                      local_bytes=_only(_attr(lambda: kern.get_local_mem_per_thread())), w13_us=round(w13 * 1e6, 2),
                       w2_us=round(w2 * 1e6, 2), w13_gbps=round(bytes_w13 / w13 / 1e9, 1),
                       w2_gbps=round(bytes_w2 / w2 / 1e9, 1),
                       layer_gbps=round((bytes_w13 + bytes_w2) / res["all"] / 1e9, 1),
