@@ -23,6 +23,9 @@ four independent streams over `--roofline-gib` GiB, (b) an eager device-to-devic
 highest rate is the roofline. Weights are cold by construction (~110 GB against a 60 MB L2).
 Per-op table: device time per kernel from a CUPTI trace of `--trace-steps` graph-mode steps (PyTorch's profiler,
 imported only for that; without torch the table is left out and the JSON says why), grouped by kernel module (op).
+From the same trace, `streams` (stream_timeline): how long any stream ran, how long two ran at once, and how long the
+main stream sat idle while another ran (a join waiting for the side stream, or SMs held by it), with the main-stream
+kernels around the largest waits.
 """
 from __future__ import annotations
 
@@ -220,7 +223,12 @@ _MANGLED = re.compile(r"(\d+)")
 
 
 def kernel_op(name: str) -> tuple[str, str]:
-    """(op = the kernel's module, kernel function) of a Numba-mangled kernel name; other names pass through."""
+    """(op = the kernel's module, kernel function) of a Numba kernel name, mangled (`_ZN7kernels...`) or as CUPTI
+    demangles it (`kernels::vq_gemv::_make_vq_kernel::_3clocals_3e::vq_gemv_kernel[abi:...]`); other names pass
+    through."""
+    if name.startswith("kernels::"):
+        parts = [p for p in name.split("[", 1)[0].split("::") if p]
+        return (parts[1], parts[-1]) if len(parts) >= 3 else ("other", name[:60])
     if not name.startswith("_ZN"):
         return ("other", name[:60])
     parts, i = [], 3
@@ -235,9 +243,19 @@ def kernel_op(name: str) -> tuple[str, str]:
     return (parts[-2], parts[-1])
 
 
-def trace_ops(run, steps):
-    """{op: {kernel: [device µs per step, launches per step]}} from a CUPTI trace of run() (PyTorch's profiler), or
-    (None, why)."""
+def _device_events(events):
+    """The device activities of a Chrome trace: kernels, copies and memsets."""
+    return [ev for ev in events if ev.get("ph") == "X" and ev.get("cat", "") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def _event_name(ev):
+    cat = ev.get("cat", "")
+    return kernel_op(ev["name"]) if cat == "kernel" else (cat[4:], ev["name"][:40])
+
+
+def trace_events(run):
+    """(Chrome trace events of run()'s device activity from a CUPTI trace (PyTorch's profiler), None) or (None,
+    why)."""
     try:
         import tempfile
 
@@ -250,15 +268,80 @@ def trace_ops(run, steps):
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
-            events = json.loads(path.read_text())["traceEvents"]
+            return _device_events(json.loads(path.read_text())["traceEvents"]), None
     except Exception as e:  # noqa: BLE001 - the table is optional; the reason goes into the JSON
         return None, f"trace failed: {type(e).__name__}: {e}"[:300]
+
+
+def _union(intervals):
+    """Merged [start, end) intervals, sorted."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(intervals):
+    return sum(b - a for a, b in intervals)
+
+
+def _covered(a, b, merged):
+    """How much of [a, b) the merged intervals cover."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
+
+
+def stream_timeline(events, steps, top=6):
+    """What the streams did in a trace's device events (each with ts and dur in µs and args.stream), per step: the
+    time any stream ran (`busy_us`), each stream's own busy time (`streams`, the main stream first: the one with the
+    most events), the time two or more ran at once (`overlap_us`), and the main stream's idle gaps — `main_waits_us`
+    while another stream ran (the side stream holding up a join, or SMs it held), `main_idle_us` while none did
+    (host and launch latency) — with the largest waits grouped by the main-stream kernels around them (`waits`:
+    [[before, after, µs per step, gaps per step], ...])."""
+    evs = sorted((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0)), ev.get("args", {}).get("stream", 0),
+                  _event_name(ev)[1]) for ev in events)
+    if not evs:
+        return None
+    by_stream = {}
+    for a, b, st, name in evs:
+        by_stream.setdefault(st, []).append((a, b, name))
+    main = max(by_stream, key=lambda st: len(by_stream[st]))
+    others = _union([(a, b) for st, es in by_stream.items() if st != main for a, b, _ in es])
+    busy = {st: _length(_union([(a, b) for a, b, _ in es])) for st, es in by_stream.items()}
+    union = _length(_union([(a, b) for a, b, _, _ in evs]))
+    waits, waited, idle = {}, 0.0, 0.0
+    mains = by_stream[main]
+    end = mains[0][1]
+    for (_, _, before), (a, b, after) in zip(mains, mains[1:]):
+        if a > end:
+            w = _covered(end, a, others)
+            waited += w
+            idle += (a - end) - w
+            if w > 0:
+                rec = waits.setdefault((before, after), [0.0, 0])
+                rec[0] += w
+                rec[1] += 1
+        end = max(end, b)
+    order = [main] + sorted(st for st in by_stream if st != main)
+    return {"busy_us": round(union / steps, 1),
+            "streams": [[st, round(busy[st] / steps, 1), len(by_stream[st]) / steps] for st in order],
+            "overlap_us": round((sum(busy.values()) - union) / steps, 1),
+            "main_waits_us": round(waited / steps, 1), "main_idle_us": round(idle / steps, 1),
+            "waits": [[k[0], k[1], round(v[0] / steps, 1), v[1] / steps]
+                      for k, v in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def trace_ops(run, steps, timeline=False):
+    """{op: {kernel: [device µs per step, launches per step]}} from a CUPTI trace of run() (PyTorch's profiler), or
+    (None, why); with `timeline`, (ops, why, stream_timeline of the same trace)."""
+    events, why = trace_events(run)
+    if events is None:
+        return (None, why, None) if timeline else (None, why)
     ops = {}
     for ev in events:
-        cat = ev.get("cat", "")
-        if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        op, k = kernel_op(ev["name"]) if cat == "kernel" else (cat[4:], ev["name"][:40])
+        op, k = _event_name(ev)
         rec = ops.setdefault(op, {}).setdefault(k, [0.0, 0])
         rec[0] += float(ev.get("dur", 0)) / steps
         rec[1] += 1
@@ -266,7 +349,7 @@ def trace_ops(run, steps):
         for rec in kern.values():
             rec[0] = round(rec[0], 2)
             rec[1] = rec[1] / steps
-    return ops, None
+    return (ops, None, stream_timeline(events, steps)) if timeline else (ops, None)
 
 
 def ops_total_us(ops) -> float:
@@ -310,8 +393,10 @@ def run_mode(backend, ctx, mode):
            "graph_nodes": backend.stats["graph_nodes"] if mode == "graph" else 0,
            "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
     if mode == "graph" and ARGS.trace_steps:
-        ops, why = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000), ARGS.trace_steps)
+        ops, why, tl = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000), ARGS.trace_steps,
+                                 timeline=True)
         rec["ops"] = ops if ops is not None else why
+        rec["streams"] = tl
     return rec
 
 
@@ -478,6 +563,13 @@ def table(run, rows):
                        f"{100 * us / max(total, 1e-9):>6.1f}")
         for us, calls, op, k in flat[:25]:
             out.append(f"{op:>16} {k[:34]:>34} {us:>9.1f} {calls:>6.0f} {100 * us / max(total, 1e-9):>6.1f}")
+        tl = r["graph"].get("streams")
+        if tl:
+            out.append(f"streams, µs a token: any busy {tl['busy_us']}, overlap {tl['overlap_us']}, main stream "
+                       f"waiting while another ran {tl['main_waits_us']}, all idle {tl['main_idle_us']}; "
+                       f"busy by stream (main first) {[x[1] for x in tl['streams']]}")
+            for before, after, us, n in tl["waits"]:
+                out.append(f"  main waits {us:>7.1f} µs ({n:.0f} gaps) between {before[:30]} and {after[:30]}")
     return "\n".join(out)
 
 

@@ -29,3 +29,38 @@ def test_bench_v41_decode_small_runs(tmp_path):
         x = ctx[0][mode]
         assert x["tokens_per_s"] > 0 and x["kernel_launches_per_token"] > 10 and 0 <= x["last_token"] < 64
     assert "per-op" in p.stdout or "no per-op table" in p.stdout
+
+
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_v41_decode_mod", ROOT / "bench" / "bench_v41_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernel_names_as_cupti_demangles_them():
+    b = _bench_module()
+    assert b.kernel_op("kernels::vq_gemv::_make_vq_kernel::_3clocals_3e::vq_gemv_kernel[abi:v13][abi:cw5]") == (
+        "vq_gemv", "vq_gemv_kernel")
+    assert b.kernel_op("kernels::moe::route_topk_kernel[abi:v952]") == ("moe", "route_topk_kernel")
+    assert b.kernel_op("_ZN7kernels3moe17route_topk_kernelB2v1E") == ("moe", "route_topk_kernel")
+    assert b.kernel_op("Memcpy DtoH")[0] == "other"
+
+
+def test_stream_timeline_splits_the_main_streams_gaps():
+    """Main stream 7: k1 [0, 10), k2 [15, 25), k3 [40, 45), k4 [60, 65); stream 9: s1 [5, 35), over two steps.
+    The gaps of the main stream: [10, 15) while s1 runs (a wait of 5), [25, 40) of which s1 covers 10 (a wait of 10,
+    5 idle), [45, 60) idle."""
+    b = _bench_module()
+
+    def ev(name, ts, dur, st):
+        return {"ph": "X", "cat": "kernel", "name": f"kernels::m::{name}[abi:v1]", "ts": ts, "dur": dur,
+                "args": {"stream": st}}
+    events = [ev("k1", 0, 10, 7), ev("k2", 15, 10, 7), ev("s1", 5, 30, 9), ev("k3", 40, 5, 7), ev("k4", 60, 5, 7)]
+    tl = b.stream_timeline(events, 2)
+    assert tl["busy_us"] == 22.5 and tl["overlap_us"] == 7.5
+    assert tl["streams"] == [[7, 15.0, 2.0], [9, 15.0, 0.5]]
+    assert tl["main_waits_us"] == 7.5 and tl["main_idle_us"] == 10.0
+    assert tl["waits"] == [["k2", "k3", 5.0, 0.5], ["k1", "k2", 2.5, 0.5]]
+    assert b.stream_timeline([], 1) is None
