@@ -679,9 +679,7 @@ class CudaBackend:
             self._drop_graphs(st, lambda k: k[0] == "verify" and (k[1], k[4:]) != (key[1], key[4:]))
             graph, ran, _ = self._capture_or_run(run, "a verify call")
             if graph is not None:
-                graph.keep = [list(self.scr_side.values()),
-                              list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
-                              dict(self._rope), io]
+                graph.keep = self._graph_keep(io)
                 graph.log = {l: v for l, v in st.log.items() if l != "pos"}
                 self.stats["graph_captures"] += 1
             st.graphs[key] = graph
@@ -776,9 +774,7 @@ class CudaBackend:
                 self._capture_s[B] = time.perf_counter() - t
             self._batch_excess = (None, 0.0)
             if graph is not None:
-                graph.keep = [list(self.scr_side.values()),
-                              list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
-                              dict(self._rope), io, list(states)]
+                graph.keep = self._graph_keep(io, list(states))
                 self.stats["graph_captures"] += 1
             if len(self._batch_graphs) >= _BATCH_GRAPHS:   # least recently used first
                 self._close_graph(self._batch_graphs.pop(next(iter(self._batch_graphs))))
@@ -828,6 +824,15 @@ class CudaBackend:
         if graph is not None:
             graph.close()
 
+    def _scratch_dicts(self):
+        """Every dict of device arrays that launchers fill on demand (a capture may create entries in any of them)."""
+        return (self.scr, self.scr_side, self.scr_var, self._const)
+
+    def _graph_keep(self, *extra):
+        """What a captured forward's graph must keep alive: every scratch and constant array it may point to, the
+        RoPE tables, and the caller's `extra` (its I/O buffers, states)."""
+        return [list(d.values()) for d in self._scratch_dicts()] + [dict(self._rope), *extra]
+
     def _capture_or_run(self, run, what):
         """(graph, ran, result): run()'s launches captured as a graph (nothing runs while capturing: the caller
         launches it), ran False, result None; or, where a launcher created an array while capturing (a process's
@@ -851,7 +856,7 @@ class CudaBackend:
         recorded, not run, and the graph must not outlive memory it points to. Those arrays are dropped again, so
         that the eager run the caller makes instead creates them for real, and retry is True. A capture that failed
         is (None, False), with a warning."""
-        dicts = (self.scr, self.scr_side, self.scr_var, self._const)
+        dicts = self._scratch_dicts()
         before = [set(d) for d in dicts]
         error = None
         try:
@@ -876,9 +881,7 @@ class CudaBackend:
         """(graph, ran) of `_capture_or_run` for the decode body, the graph keeping every array it points to."""
         graph, ran, _ = self._capture_or_run(lambda: self._decode_body(st, c), "the decode step")
         if graph is not None:
-            graph.keep = [list(self.scr_side.values()),
-                          list(self.scr.values()), list(self.scr_var.values()), list(self._const.values()),
-                          dict(self._rope), self.m_engram]
+            graph.keep = self._graph_keep(self.m_engram)
             self.stats["graph_captures"] += 1
             self.stats["graph_nodes"] = graph.nodes
         return graph, ran

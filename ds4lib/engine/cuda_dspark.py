@@ -151,9 +151,7 @@ class CudaDraft:
                 be._drop_graphs(st, lambda k: k[0] == "ctx" and k[1] != key[1])
                 graph, ran, _ = be._capture_or_run(run, "a DSpark context append")
                 if graph is not None:
-                    graph.keep = [list(be.scr_side.values()),
-                                  list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
-                                  dict(be._rope), io]
+                    graph.keep = be._graph_keep(io)
                     be.stats["graph_captures"] += 1
                 st.graphs[key] = graph
                 if ran:
@@ -328,9 +326,7 @@ class CudaDraft:
                 graph, ran, out = be._capture_or_run(run, "a DSpark proposal")
                 if graph is not None:
                     graph.out = held["out"]                # the buffers the replays write
-                    graph.keep = [list(be.scr_side.values()),
-                                  list(be.scr.values()), list(be.scr_var.values()), list(be._const.values()),
-                                  dict(be._rope), self._io()]
+                    graph.keep = be._graph_keep(self._io())
                     be.stats["graph_captures"] += 1
                 st.graphs[key] = graph
                 if not ran:

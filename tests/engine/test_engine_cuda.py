@@ -61,6 +61,20 @@ def micro(tmp_path_factory):
     return cpu, cuda
 
 
+def test_micro_graph_keep_holds_every_scratch_dict(micro):
+    """A captured graph keeps alive every array a launcher may have made for it: each scratch dict that
+    `_capture_or_run` watches (the side stream's too), the RoPE tables and the caller's own buffers."""
+    be = micro[1].backend
+    be.scr_side["probe"] = probe = object()
+    try:
+        keep = be._graph_keep("io", "states")
+        assert keep[-2:] == ["io", "states"] and len(keep) == len(be._scratch_dicts()) + 3
+        assert any(probe in part for part in keep if isinstance(part, list))
+        assert all(list(d.values()) in keep for d in be._scratch_dicts()) and dict(be._rope) in keep
+    finally:
+        del be.scr_side["probe"]
+
+
 def test_micro_decode_steps_match_cpu(micro):
     """Two one-token calls (window ring read, the ratio-2 group completed from the previous call's pending row,
     caches grown, indexer and candidates at S > 0) against the CPU reference's prefill of the same tokens."""
