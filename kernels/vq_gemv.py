@@ -361,6 +361,12 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
             scl1[r * (n_cwp // 4) + c // 4] = p
 
 
+@cuda.jit(device=True, inline=True)
+def _row8_device(a, r, k):
+    """a[r, k .. k + 7]: the 8 inputs of one codeword."""
+    return a[r, k], a[r, k + 1], a[r, k + 2], a[r, k + 3], a[r, k + 4], a[r, k + 5], a[r, k + 6], a[r, k + 7]
+
+
 @cuda.jit(cache=True)
 def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
     """x float32 [n, 8J] (FP8-grid values; `raw`: unquantised, act_quant_fp8's rule applied first with its kernel's
@@ -372,9 +378,7 @@ def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
     ok, r, c = _stage_slot_device(x.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
     if c < J:
-        k = VQ_DIM * c
-        v0, v1, v2, v3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-        v4, v5, v6, v7 = x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
+        v0, v1, v2, v3, v4, v5, v6, v7 = _row8_device(x, r, VQ_DIM * c)
     _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red)
 
 
@@ -387,11 +391,8 @@ def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
     ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
     if c < J:
-        k = VQ_DIM * c
-        g0, g1, g2, g3 = g[r, k], g[r, k + 1], g[r, k + 2], g[r, k + 3]
-        g4, g5, g6, g7 = g[r, k + 4], g[r, k + 5], g[r, k + 6], g[r, k + 7]
-        u0, u1, u2, u3 = u[r, k], u[r, k + 1], u[r, k + 2], u[r, k + 3]
-        u4, u5, u6, u7 = u[r, k + 4], u[r, k + 5], u[r, k + 6], u[r, k + 7]
+        g0, g1, g2, g3, g4, g5, g6, g7 = _row8_device(g, r, VQ_DIM * c)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _row8_device(u, r, VQ_DIM * c)
         v0, v1 = swiglu_value_device(g0, u0, w, has_w, r, limit), swiglu_value_device(g1, u1, w, has_w, r, limit)
         v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
         v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
