@@ -54,6 +54,8 @@ SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer rows per quad until it gets there)
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
+SCORE_GROUP = 8              # key words of a row a lane loads before it multiplies them (written out in the kernel)
+assert HEADS_PER_BLOCK == 4  # the score kernel's four head sums are scalars (_score_word_device)
 DH_MAX = 512
 VALUE_TILE = 128             # rows staged per step of the value kernel
 VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
@@ -125,6 +127,28 @@ def _key_row_device(win_idx, cmp_idx, t, r):
     return cmp_idx[t, r - kw], False
 
 
+@cuda.jit(device=True, inline=True)
+def _key_word_device(win_keys, cmp_keys, row, in_win, w):
+    """Word w (4 BF16 values) of key row `row` of the window buffer or of the compressed cache."""
+    return win_keys[row, w] if in_win else cmp_keys[row, w]
+
+
+@cuda.jit(device=True, inline=True)
+def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
+    """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h."""
+    if w < nw:
+        k0 = bf16x4_device(word, 0)
+        k1 = bf16x4_device(word, 1)
+        k2 = bf16x4_device(word, 2)
+        k3 = bf16x4_device(word, 3)
+        i = 4 * w
+        a0 += q_sh[0, i] * k0 + q_sh[0, i + 1] * k1 + q_sh[0, i + 2] * k2 + q_sh[0, i + 3] * k3
+        a1 += q_sh[1, i] * k0 + q_sh[1, i + 1] * k1 + q_sh[1, i + 2] * k2 + q_sh[1, i + 3] * k3
+        a2 += q_sh[2, i] * k0 + q_sh[2, i + 1] * k1 + q_sh[2, i + 2] * k2 + q_sh[2, i + 3] * k3
+        a3 += q_sh[3, i] * k0 + q_sh[3, i + 1] * k1 + q_sh[3, i + 2] * k2 + q_sh[3, i + 3] * k3
+    return a0, a1, a2, a3
+
+
 @cuda.jit(cache=True)
 def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, z):
     """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x (32 * rows_per_quad) rows per block; -inf for invalid
@@ -143,30 +167,32 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
         q_sh[k // dh, k % dh] = q[t, h0 + k // dh, k % dh]
     cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
-    kidx = cuda.local.array(ROWS_PER_QUAD, np.int64)
-    kwin = cuda.local.array(ROWS_PER_QUAD, np.bool_)
-    acc = cuda.local.array((ROWS_PER_QUAD, HEADS_PER_BLOCK), np.float32)
-    for rr in range(ROWS_PER_QUAD):
-        kidx[rr] = -1
-        kwin[rr] = False
-        if rr < rows_per_quad:
-            kidx[rr], kwin[rr] = _key_row_device(win_idx, cmp_idx, t, r0 + rr)
-        for hh in range(HEADS_PER_BLOCK):
-            acc[rr, hh] = np.float32(0.0)
-    for w in range(qd, nw, 4):
-        for rr in range(ROWS_PER_QUAD):
-            if kidx[rr] >= 0:
-                word = win_keys[kidx[rr], w] if kwin[rr] else cmp_keys[kidx[rr], w]
-                k0 = bf16x4_device(word, 0)
-                k1 = bf16x4_device(word, 1)
-                k2 = bf16x4_device(word, 2)
-                k3 = bf16x4_device(word, 3)
-                for hh in range(HEADS_PER_BLOCK):
-                    acc[rr, hh] += (q_sh[hh, 4 * w] * k0 + q_sh[hh, 4 * w + 1] * k1
-                                    + q_sh[hh, 4 * w + 2] * k2 + q_sh[hh, 4 * w + 3] * k3)
-    for rr in range(ROWS_PER_QUAD):
-        for hh in range(HEADS_PER_BLOCK):
-            red[rr * HEADS_PER_BLOCK + hh, tid] = acc[rr, hh]
+    last = nw - 1
+    for rr in range(ROWS_PER_QUAD):                   # a row at a time, SCORE_GROUP of its words in flight
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        row, inw = _key_row_device(win_idx, cmp_idx, t, r0 + rr) if rr < rows_per_quad else (-1, False)
+        if row >= 0:
+            for w0 in range(qd, nw, 4 * SCORE_GROUP):
+                x0 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0, last))    # loads first (clamped)
+                x1 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 4, last))
+                x2 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 8, last))
+                x3 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 12, last))
+                x4 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 16, last))
+                x5 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 20, last))
+                x6 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 24, last))
+                x7 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 28, last))
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)   # products in word order
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x3, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 16, x4, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x5, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x6, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 28, x7, nw, a0, a1, a2, a3)
+        red[rr * HEADS_PER_BLOCK, tid] = a0
+        red[rr * HEADS_PER_BLOCK + 1, tid] = a1
+        red[rr * HEADS_PER_BLOCK + 2, tid] = a2
+        red[rr * HEADS_PER_BLOCK + 3, tid] = a3
     cuda.syncthreads()
     r = r0 + qd                                       # lane qd of the quad finishes row r0 + qd
     if qd < rows_per_quad and r < n_rows:
