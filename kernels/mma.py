@@ -20,6 +20,10 @@ Owns:
   On sm_90 this is the tensor cores' own instruction (HMMA.16816.F32), whereas the E4M3 MMA above is emulated by
   ptxas: its six operand registers are unpacked by twelve F2FP.F16.E4M3 conversions into two HMMA.16816 (seen in
   the SASS on the H200), so a kernel that can hold its operands as halves should feed them to this one.
+- `mma_u8u8_device`, `mma_u8s8_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.s32.u8.{u8,s8}.s32`:
+  D [16, 8] = A [16, 32] x B [32, 8] + C with A unsigned bytes, B unsigned / signed bytes, C and D int32, in the
+  E4M3 MMA's fragment layout (a register holds four consecutive k of a row of A or a column of B). Integer products
+  and sums are exact, so the simulator's twin (the exact dot products) gives the hardware's bits.
 - `e4m3x2_to_f16x2_device`: two E4M3 codes (the low 16 bits, low byte first) -> two halves packed in a uint32,
   exact (the hardware `cvt.rn.f16x2.e4m3x2`; the simulator decodes in software, same bits).
 - `f16_of_e4m3_value_device`: the IEEE half bits of a float32 that E4M3 represents (every such value is a normal or
@@ -38,7 +42,8 @@ from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.bf16 import f32_bits
 from kernels.engram import e4m3_decode_device
 
-__all__ = ["mma_e4m3_device", "mma_f16_device", "e4m3x2_to_f16x2_device", "load4_device",
+__all__ = ["mma_e4m3_device", "mma_f16_device", "mma_u8u8_device", "mma_u8s8_device", "e4m3x2_to_f16x2_device",
+           "load4_device",
            "f16_of_e4m3_value_device",
            "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "MMA_EX_WORDS", "SIGNATURES"]
 
@@ -103,6 +108,29 @@ if SIM:
                                      tab[_HB_LANE, _HB_HALF].astype(np.float64), c0, c1, c2, c3)
 
     @cuda.jit(device=True)
+    def _int_outputs_device(a, b, c0, c1, c2, c3):
+        """The lane's four int32 outputs: exact integer dot products of its rows of A and columns of B plus c."""
+        lane = cuda.threadIdx.x % WARP
+        g = lane // 4
+        t = lane % 4
+        return (np.int32(np.dot(a[g], b[:, 2 * t]) + c0), np.int32(np.dot(a[g], b[:, 2 * t + 1]) + c1),
+                np.int32(np.dot(a[g + 8], b[:, 2 * t]) + c2), np.int32(np.dot(a[g + 8], b[:, 2 * t + 1]) + c3))
+
+    @cuda.jit(device=True)
+    def mma_u8u8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's m16n8k32 u8 x u8 + int32 MMA (exact, as the hardware's); `ex` the warp's exchange."""
+        tab = _publish_device(a0, a1, a2, a3, b0, b1, ex).view(np.uint8).reshape(WARP, 4 * MMA_EX_WORDS)
+        return _int_outputs_device(tab[_A_LANE, _A_BYTE].astype(np.int64), tab[_B_LANE, _B_BYTE].astype(np.int64),
+                                   c0, c1, c2, c3)
+
+    @cuda.jit(device=True)
+    def mma_u8s8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's m16n8k32 u8 x s8 + int32 MMA (exact); `ex` the warp's exchange."""
+        tab = _publish_device(a0, a1, a2, a3, b0, b1, ex).view(np.uint8).reshape(WARP, 4 * MMA_EX_WORDS)
+        return _int_outputs_device(tab[_A_LANE, _A_BYTE].astype(np.int64),
+                                   tab[_B_LANE, _B_BYTE].view(np.int8).astype(np.int64), c0, c1, c2, c3)
+
+    @cuda.jit(device=True)
     def load4_device(ary, i):
         """ary[i], ary[i + 1], ary[i + 2], ary[i + 3] (the GPU's is one 16-byte load)."""
         return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
@@ -117,6 +145,22 @@ else:
     from llvmlite import ir as _ir
     from numba.core import types as _types
     from numba.core.extending import intrinsic as _intrinsic
+
+    def _int_mma_sig_codegen(op):
+        """(signature, codegen) of an intrinsic running `op` (an m16n8 MMA with six b32 operand registers and int32 C
+        and D) on one lane's registers."""
+        u, i = _types.uint32, _types.int32
+        sig = _types.UniTuple(i, 4)(u, u, u, u, u, u, i, i, i, i)
+
+        def codegen(context, builder, signature, args):
+            i32 = _ir.IntType(32)
+            fnty = _ir.FunctionType(_ir.LiteralStructType([i32] * 4), [i32] * 10)
+            asm = _ir.InlineAsm(fnty, op + " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                                "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
+            res = builder.call(asm, args)
+            vals = [builder.extract_value(res, j) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, vals)
+        return sig, codegen
 
     def _mma_intrinsic(op):
         """An intrinsic running `op` (an m16n8 MMA with six b32 operand registers and FP32 C and D) on one lane's
@@ -137,6 +181,14 @@ else:
             return sig, codegen
         return mma
 
+    @_intrinsic
+    def _mma_int_u8u8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _int_mma_sig_codegen("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32")
+
+    @_intrinsic
+    def _mma_int_u8s8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _int_mma_sig_codegen("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32")
+
     _mma_e4m3 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")
     _mma_f16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
 
@@ -151,6 +203,18 @@ else:
         """m16n8k16 f16 x f16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @cuda.jit(device=True, inline=True)
+    def mma_u8u8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """m16n8k32 u8 x u8 + int32 on the tensor cores (module docstring); `ex` is unused here."""
+        return _mma_int_u8u8(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
+                             np.uint32(b1), np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))
+
+    @cuda.jit(device=True, inline=True)
+    def mma_u8s8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """m16n8k32 u8 x s8 + int32 on the tensor cores (module docstring); `ex` is unused here."""
+        return _mma_int_u8s8(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
+                             np.uint32(b1), np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))
 
     @_intrinsic
     def _cvt_e4m3x2_f16x2(typingctx, pair):

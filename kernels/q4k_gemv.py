@@ -36,7 +36,18 @@ becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the 
 sub-block's 32 products are one MMA; the sub-block's factors dd and dm and the block's scale are applied in FP32
 afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
 against the reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched
-call give the same bits. The head (FP32 activations) and grouped wo_a (BF16 activations) keep the FMA kernels.
+call give the same bits.
+
+The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
+head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`). q4k_im_stage_kernel turns each block of
+32 activations into a power of two p and integers X = round(x / p) of 23 bits (the block's largest |x| / p in [2^21,
+2^22), so the rounding costs at most 2^-22 of it, about FP32's own precision) held as three byte digits; the nibble
+bytes of the base file are the u8 MMA's A as they lie (masked), the digits its B, and the three digit sums of a
+sub-block are exact integers, combined in FP32 into S; a sub-block adds (dd * S - dm * X) * p. Against the FMA
+kernels (up to 11 instructions a weight) it takes a fraction of the instructions: on the H200 the head went 360 ->
+190 us and wo_a 23.2 -> 16.4 us a call, at the FMA kernels' accuracy (BENCHMARKS.md). A decode call and a batched
+call give the same bits. A block of 32 holding a NaN or an infinity makes its rows NaN (the FMA kernels would give
+an infinity where the reference does). The FMA kernels remain for tiles across groups, strided x and Q8_0.
 
 Shapes: T tokens, N rows, K row length (per group), G groups, NB = K/256 super-blocks (q4_K) or K/32 blocks (Q8_0).
 """
@@ -49,11 +60,13 @@ from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.gemv import E4M3_MAX, act_quant_fp8, e4m3_round_device, pow2_ceil_device
-from kernels.mma import MMA_EX_WORDS, e4m3_encode_device, mma_e4m3_device
+from kernels.mma import (MMA_EX_WORDS, e4m3_encode_device, load4_device, mma_e4m3_device, mma_u8s8_device,
+                         mma_u8u8_device)
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["q4k_gemv", "q4k_rows", "warp_sum_device", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
-           "q4k_mma_kernel", "q4k_mma_t1_kernel", "mma_splits", "mma_part_rows", "mma_part_bytes",
+           "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
+           "im_fits", "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -79,6 +92,7 @@ MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is com
 MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
+USE_IMMA = True                # other activations take the integer tensor-core path where im_fits (q4k_probe compares)
 
 
 if SIM:
@@ -679,6 +693,388 @@ q4k_mma_t1_kernel = _make_mma_kernel(True, MMA_MIN_BLOCKS_T1)
 q4k_mma_kernel = _make_mma_kernel(False, MMA_MIN_BLOCKS)
 
 
+# ------------------------------------------------- the integer tensor-core path (FP32 / BF16 activations)
+IM_WARPS = 4                   # warps of a block: the K quarters of one 16-row tile
+IM_ROWS = 16                   # rows of a block (the MMA's M)
+IM_BATCH = 2                   # super-blocks whose weight words a lane loads before using any of them,
+IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
+IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
+IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
+IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
+IM_E_TOP = 21                  # a block of 32 is scaled so that its largest |x| / p lies in [2^21, 2^22)
+IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
+IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
+ROUND_MAGIC = np.float32(12582912.0)              # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer (RNE)
+FLT_MAX = np.float32(3.4028234663852886e38)
+
+if SIM:
+    @cuda.jit(device=True)
+    def _quad_sum_i32_device(v, red):
+        """((v_0 + v_1) + (v_2 + v_3)) of int32 v over each quad, in every lane (the simulator: shared memory)."""
+        lane = cuda.threadIdx.x % WARP
+        red[lane] = v
+        cuda.syncwarp(0xFFFFFFFF)
+        q = lane - lane % 4
+        s = np.int32((red[q] + red[q + 1]) + (red[q + 2] + red[q + 3]))
+        cuda.syncwarp(0xFFFFFFFF)
+        return s
+
+    @cuda.jit(device=True)
+    def _quad_pick_u64_device(v, src, xch):
+        """v of lane 4g + src (src 0..3) in every lane of quad g (the simulator: shared memory; `xch` is the warp's
+        uint64 [32] slice of a shared array)."""
+        lane = cuda.threadIdx.x % WARP
+        xch[lane] = v
+        cuda.syncwarp(0xFFFFFFFF)
+        r = xch[lane - lane % 4 + src]
+        cuda.syncwarp(0xFFFFFFFF)
+        return r
+else:
+    @cuda.jit(device=True, inline=True)
+    def _quad_sum_i32_device(v, red):
+        """The int32 sum of v over each quad (two butterfly shuffles; exact, so every lane has the same value)."""
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+
+    @cuda.jit(device=True, inline=True)
+    def _quad_pick_u64_device(v, src, xch):
+        """v of lane 4g + src (src 0..3) in every lane of quad g (a 64-bit shuffle: two 32-bit ones; `xch` unused)."""
+        lane = cuda.threadIdx.x % WARP
+        return np.uint64(cuda.shfl_sync(0xFFFFFFFF, np.int64(v), lane - lane % 4 + src))
+
+
+@cuda.jit(device=True, inline=True)
+def _im_int_device(v, inv):
+    """round(v * inv) as int32 (v * inv exact: inv a power of two; |v * inv| < 2^22, ties to even); 0 if not finite."""
+    s = v * inv
+    if not abs(s) <= FLT_MAX:
+        return np.int32(0)
+    return np.int32((s + ROUND_MAGIC) - ROUND_MAGIC)
+
+
+@cuda.jit(device=True, inline=True)
+def _im_bytes4_device(a, b, c, d, shift):
+    """Byte (x >> shift) & 255 of four int32 values packed low first (two's complement: a signed digit's byte)."""
+    m = np.int32(255)
+    return (np.uint32((a >> shift) & m) | (np.uint32((b >> shift) & m) << np.uint32(8))
+            | (np.uint32((c >> shift) & m) << np.uint32(16)) | (np.uint32((d >> shift) & m) << np.uint32(24)))
+
+
+@cuda.jit(cache=True)
+def q4k_im_stage_kernel(x1, kx, n_jobs, xd, ps):
+    """FP32 activations x [T, kx] (x1: its flat uint64 words) -> the integer tensor-core path's operands. Per token
+    and block of 32 inputs: the power of two p with max |x| / p in [2^21, 2^22) (p = 1 for an all-zero block, never
+    below 2^-126, NaN for a block holding a NaN or an infinity), per input X = round(x / p), an integer of at most 23
+    bits (x / p is exact; the rounding costs at most 2^-22 of the block's largest |x|), split into digits X = d2 *
+    2^16 + d1 * 2^8 + d0 with d0, d1 unsigned bytes and d2 a signed one. xd [T * kx] uint32: per 8 inputs the d0
+    bytes (two words), the d1 bytes, the d2 bytes, two zero words (a lane's B fragments of one sub-block: two 16-byte
+    loads). ps [T * kx/32 * 2] float32: per block p and the FP32 value of the exact integer sum of its X. A thread
+    takes 8 inputs, the quad of four threads one block; job j = thread index (n_jobs = T * kx / 8)."""
+    red = cuda.shared.array((IM_STAGE_WARPS, WARP), np.float32)
+    redi = cuda.shared.array((IM_STAGE_WARPS, WARP), np.int32)
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    w = cuda.threadIdx.x // WARP
+    ok = j < n_jobs
+    jj = j if ok else n_jobs - 1                       # idle threads of the last warp still join the quad ops
+    base = np.uint64(jj * 4)
+    w0 = x1[base]
+    w1 = x1[base + np.uint64(1)]
+    w2 = x1[base + np.uint64(2)]
+    w3 = x1[base + np.uint64(3)]
+    v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
+    v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
+    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+    fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
+           and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
+    bad = _quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
+    am = _quad_max_device(am, red[w])
+    e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
+    e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
+    p = bits_f32(np.uint32(e + 127) << np.uint32(23))
+    inv = bits_f32(np.uint32(127 - e) << np.uint32(23))
+    i0, i1, i2, i3 = _im_int_device(v0, inv), _im_int_device(v1, inv), _im_int_device(v2, inv), _im_int_device(v3, inv)
+    i4, i5, i6, i7 = _im_int_device(v4, inv), _im_int_device(v5, inv), _im_int_device(v6, inv), _im_int_device(v7, inv)
+    sm = _quad_sum_i32_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])
+    if ok:
+        o = 8 * jj
+        xd[o] = _im_bytes4_device(i0, i1, i2, i3, 0)
+        xd[o + 1] = _im_bytes4_device(i4, i5, i6, i7, 0)
+        xd[o + 2] = _im_bytes4_device(i0, i1, i2, i3, 8)
+        xd[o + 3] = _im_bytes4_device(i4, i5, i6, i7, 8)
+        xd[o + 4] = _im_bytes4_device(i0, i1, i2, i3, 16)
+        xd[o + 5] = _im_bytes4_device(i4, i5, i6, i7, 16)
+        xd[o + 6] = np.uint32(0)
+        xd[o + 7] = np.uint32(0)
+        if jj % 4 == 0:
+            ps[jj // 2] = np.float32(np.nan) if bad else p
+            ps[jj // 2 + 1] = np.float32(sm)
+
+
+@cuda.jit(device=True, inline=True)
+def _im_words_device(w1, wa, wb, sb, t, live):
+    """A lane's weight words of super-block sb: header word t of (row a's two, row b's two), then the nibble words
+    of groups c = 0..3 (bytes 32c + 8t .. +7 of the nibbles) of row a and of row b; zeros when not `live`."""
+    z = np.uint64(0)
+    if not live:
+        return z, z, z, z, z, z, z, z, z
+    o = np.uint64(Q4K_WORDS) * np.uint64(sb)
+    ba = wa + o
+    bb = wb + o
+    lw = np.uint64(2 + t)
+    hw = w1[(ba if t < 2 else bb) + np.uint64(t % 2)]
+    return (hw, w1[ba + lw], w1[ba + lw + np.uint64(4)], w1[ba + lw + np.uint64(8)], w1[ba + lw + np.uint64(12)],
+            w1[bb + lw], w1[bb + lw + np.uint64(4)], w1[bb + lw + np.uint64(8)], w1[bb + lw + np.uint64(12)])
+
+
+@cuda.jit(device=True, inline=True)
+def _im_sub_device(qa, qb, h, xd, x0, ex):
+    """The digit sums of sub-block 2c + h (nibble h of the lane's words qa / qb: rows g / g+8, bytes 8t .. 8t+7 =
+    inputs 8t .. 8t+7) against the B columns' digits at xd[x0 ..]: three exact integer MMAs (d0, d1 unsigned, d2
+    signed), their D registers (c0..c3 layout) as 12 int32, digit-major."""
+    m = np.uint32(0x0F0F0F0F)
+    sh = np.uint32(4 * h)
+    a0 = (np.uint32(qa & np.uint64(0xFFFFFFFF)) >> sh) & m
+    a2 = (np.uint32(qa >> np.uint64(32)) >> sh) & m
+    a1 = (np.uint32(qb & np.uint64(0xFFFFFFFF)) >> sh) & m
+    a3 = (np.uint32(qb >> np.uint64(32)) >> sh) & m
+    b00, b01, b10, b11 = load4_device(xd, x0)
+    b20, b21, _, _ = load4_device(xd, x0 + 4)
+    z = np.int32(0)
+    s00, s01, s02, s03 = mma_u8u8_device(a0, a1, a2, a3, b00, b01, z, z, z, z, ex)
+    s10, s11, s12, s13 = mma_u8u8_device(a0, a1, a2, a3, b10, b11, z, z, z, z, ex)
+    s20, s21, s22, s23 = mma_u8s8_device(a0, a1, a2, a3, b20, b21, z, z, z, z, ex)
+    return s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23
+
+
+@cuda.jit(device=True, inline=True)
+def _im_s_device(s0, s1, s2):
+    """S = s2 * 2^16 + s1 * 2^8 + s0 in FP32 (each digit sum converts exactly; two roundings, in this order)."""
+    return cuda.fma(np.float32(s2), np.float32(65536.0), np.float32(s1) * np.float32(256.0)) + np.float32(s0)
+
+
+@cuda.jit(device=True, inline=True)
+def _im_term_device(dd, dm, s, xs, p, acc):
+    """acc + (dd * S - dm * X) * p: a sub-block's contribution to a row sum (S = sum of q * round(x/p), X = sum of
+    round(x/p))."""
+    return cuda.fma(cuda.fma(dd, s, -(dm * xs)), p, acc)
+
+
+@cuda.jit(device=True, inline=True)
+def _im_keep_device(keep, r, k):
+    """r's digit sums of rows g (D register 0) and g+8 (register 2) where `keep`, else k's (6 int32)."""
+    if keep:
+        return r[0], r[4], r[8], r[2], r[6], r[10]
+    return k
+
+
+@cuda.jit(device=True, inline=True)
+def _im_sb_t1_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, bt, xch, ex, pa, pb):
+    """One super-block of a one-token call: lane t's terms of sub-blocks 2t and 2t + 1 (rows g, g+8) added to pa, pb.
+    hw: the lane's header word (_im_words_device), q*: its nibble words; xi: xd index of its 8 inputs of sub-block
+    0; bt: ps index of sub-block 2t's (p, X). Every lane runs every group's MMAs (they are warp-wide) and keeps the
+    digit sums of group c == t."""
+    t = cuda.threadIdx.x % 4
+    ha0 = _quad_pick_u64_device(hw, 0, xch)
+    ha1 = _quad_pick_u64_device(hw, 1, xch)
+    hb0 = _quad_pick_u64_device(hw, 2, xch)
+    hb1 = _quad_pick_u64_device(hw, 3, xch)
+    z = np.int32(0)
+    k0 = (z, z, z, z, z, z)
+    k1 = (z, z, z, z, z, z)
+    k0 = _im_keep_device(t == 0, _im_sub_device(qa0, qb0, 0, xd, xi, ex), k0)
+    k1 = _im_keep_device(t == 0, _im_sub_device(qa0, qb0, 1, xd, xi + 32, ex), k1)
+    k0 = _im_keep_device(t == 1, _im_sub_device(qa1, qb1, 0, xd, xi + 64, ex), k0)
+    k1 = _im_keep_device(t == 1, _im_sub_device(qa1, qb1, 1, xd, xi + 96, ex), k1)
+    k0 = _im_keep_device(t == 2, _im_sub_device(qa2, qb2, 0, xd, xi + 128, ex), k0)
+    k1 = _im_keep_device(t == 2, _im_sub_device(qa2, qb2, 1, xd, xi + 160, ex), k1)
+    k0 = _im_keep_device(t == 3, _im_sub_device(qa3, qb3, 0, xd, xi + 192, ex), k0)
+    k1 = _im_keep_device(t == 3, _im_sub_device(qa3, qb3, 1, xd, xi + 224, ex), k1)
+    dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
+    dda1, dma1 = _q4k_factors_hw_device(ha0, ha1, 2 * t + 1)
+    ddb0, dmb0 = _q4k_factors_hw_device(hb0, hb1, 2 * t)
+    ddb1, dmb1 = _q4k_factors_hw_device(hb0, hb1, 2 * t + 1)
+    pa = _im_term_device(dda0, dma0, _im_s_device(k0[0], k0[1], k0[2]), ps[bt + 1], ps[bt], pa)
+    pa = _im_term_device(dda1, dma1, _im_s_device(k1[0], k1[1], k1[2]), ps[bt + 3], ps[bt + 2], pa)
+    pb = _im_term_device(ddb0, dmb0, _im_s_device(k0[3], k0[4], k0[5]), ps[bt + 1], ps[bt], pb)
+    pb = _im_term_device(ddb1, dmb1, _im_s_device(k1[3], k1[4], k1[5]), ps[bt + 3], ps[bt + 2], pb)
+    return pa, pb
+
+
+@cuda.jit(device=True, inline=True)
+def _im_sb_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, b0, b1, xch, ex, p):
+    """One super-block of a wider call: the lane's terms of every sub-block for its rows and two columns, into
+    p [c][row g / g+8][column 2t / 2t+1]. b0 / b1: ps index of sub-block 0's (p, X) for the two columns."""
+    ha0 = _quad_pick_u64_device(hw, 0, xch)
+    ha1 = _quad_pick_u64_device(hw, 1, xch)
+    hb0 = _quad_pick_u64_device(hw, 2, xch)
+    hb1 = _quad_pick_u64_device(hw, 3, xch)
+    for c in range(4):
+        qa = _pick4(c, qa0, qa1, qa2, qa3)
+        qb = _pick4(c, qb0, qb1, qb2, qb3)
+        for h in range(2):
+            r = _im_sub_device(qa, qb, h, xd, xi + 64 * c + 32 * h, ex)
+            dda, dma = _q4k_factors_hw_device(ha0, ha1, 2 * c + h)
+            ddb, dmb = _q4k_factors_hw_device(hb0, hb1, 2 * c + h)
+            j0 = b0 + 2 * (2 * c + h)
+            j1 = b1 + 2 * (2 * c + h)
+            p[4 * c] = _im_term_device(dda, dma, _im_s_device(r[0], r[4], r[8]), ps[j0 + 1], ps[j0], p[4 * c])
+            p[4 * c + 1] = _im_term_device(dda, dma, _im_s_device(r[1], r[5], r[9]), ps[j1 + 1], ps[j1], p[4 * c + 1])
+            p[4 * c + 2] = _im_term_device(ddb, dmb, _im_s_device(r[2], r[6], r[10]), ps[j0 + 1], ps[j0], p[4 * c + 2])
+            p[4 * c + 3] = _im_term_device(ddb, dmb, _im_s_device(r[3], r[7], r[11]), ps[j1 + 1], ps[j1],
+                                           p[4 * c + 3])
+
+
+@cuda.jit(device=True, inline=True)
+def _im_copy_device(src, o, n4, dst):
+    """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by the block's threads, four 16-byte
+    loads a thread in flight before their stores."""
+    n = IM_WARPS * WARP
+    for j0 in range(cuda.threadIdx.x, n4, 4 * n):
+        j1 = min(j0 + n, n4 - 1)
+        j2 = min(j0 + 2 * n, n4 - 1)
+        j3 = min(j0 + 3 * n, n4 - 1)
+        a0, a1, a2, a3 = load4_device(src, o + 4 * j0)
+        b0, b1, b2, b3 = load4_device(src, o + 4 * j1)
+        c0, c1, c2, c3 = load4_device(src, o + 4 * j2)
+        d0, d1, d2, d3 = load4_device(src, o + 4 * j3)
+        dst[4 * j0], dst[4 * j0 + 1], dst[4 * j0 + 2], dst[4 * j0 + 3] = a0, a1, a2, a3
+        dst[4 * j1], dst[4 * j1 + 1], dst[4 * j1 + 2], dst[4 * j1 + 3] = b0, b1, b2, b3
+        dst[4 * j2], dst[4 * j2 + 1], dst[4 * j2 + 2], dst[4 * j2 + 3] = c0, c1, c2, c3
+        dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
+
+
+def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
+    """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
+    `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
+    registers (bench/dev/q4k_probe.py compares variants)."""
+    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(IM_WARPS * WARP, min_blocks), cache=True)
+    four = batch == 4
+
+    @jit
+    def q4k_imma_kernel(xd, ps, kx, w1, n_words, rows_per_group, out_bf16, out):
+        """q4_K GEMV / GEMM on the tensor cores' integer MMA for FP32 activations staged by q4k_im_stage_kernel (xd,
+        ps; kx inputs a token): out[tok, n] = sum over k of W[n, k] x[tok, grp(n) * K + k], FP32 (BF16-rounded if
+        out_bf16). Block b: rows 16b .. 16b+15 (one group: rows_per_group a multiple of 16 or all rows); warp w: the
+        w-th quarter of the row's super-blocks (ceil(NB/4) steps each; steps past NB weigh zero), loaded `batch`
+        super-blocks at a time (a lane's 9 words each: one header word, shared in its quad by shuffles, and 8 nibble
+        words). The nibbles are the MMA's A as they lie in the base file (a byte masked to 0x0F is the unsigned q),
+        the activations' digits its B (tokens in passes of up to 8 columns; a pass's missing columns repeat its last
+        token); a one-token call first copies its tile's digits and (p, X) pairs to shared memory. A sub-block's
+        three digit sums give S (exact integers, combined in FP32) and the term (dd * S - dm * X) * p; per row and
+        token the terms go into p_c over sub-blocks 2c, 2c+1 in super-block order, the quarter's value is (p_0 + p_1)
+        + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
+        p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
+        operations in the same order, so a token's result does not depend on the tokens beside it."""
+        ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
+        xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
+        red = cuda.shared.array((IM_WARPS, WARP), np.float32)
+        qsum = cuda.shared.array((IM_WARPS, MMA_TOK, IM_ROWS), np.float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane // 4
+        t = lane % 4
+        n_tok, n_rows = out.shape
+        nb = n_words // Q4K_WORDS
+        r0 = cuda.blockIdx.x * IM_ROWS
+        wa = np.uint64(min(r0 + g, n_rows - 1)) * np.uint64(n_words)
+        wb = np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words)
+        xk0 = (r0 // rows_per_group) * nb * QK_K         # the tile's first input in a token row
+        quarter = (nb + IM_WARPS - 1) // IM_WARPS
+        sb0 = warp * quarter                             # every warp takes `quarter` steps (the simulator's shuffles
+        sb1 = min(nb, sb0 + quarter)                     # are block barriers); those past nb have zero weights and
+        sbe = sb0 + quarter                              # add exact zeros
+        nblk = kx // 32
+        p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
+        if decode:                                       # the tile's hi / lo words and (p, X) pairs -> shared memory
+            xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32)
+            xp = cuda.shared.array(IM_SMEM_PS, np.float32)
+            _im_copy_device(xd, xk0, nb * QK_K // 4, xs)
+            _im_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp)
+            cuda.syncthreads()
+        for t0 in range(0, n_tok, MMA_TOK):
+            nt = min(MMA_TOK, n_tok - t0)
+            tr = t0 + min(g, nt - 1)                     # the token of this lane's B column
+            n0 = t0 + min(2 * t, nt - 1)                 # the tokens of its two D columns
+            n1 = t0 + min(2 * t + 1, nt - 1)
+            for i in range(16):
+                p[i] = np.float32(0.0)
+            pa = np.float32(0.0)
+            pb = np.float32(0.0)
+            for cb in range(sb0, sbe, batch):
+                (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _im_words_device(w1, wa, wb, cb, t, cb < sb1)
+                (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = _im_words_device(w1, wa, wb, cb + 1, t,
+                                                                                           cb + 1 < sb1)
+                if four:
+                    (e2, qa20, qa21, qa22, qa23, qb20, qb21, qb22, qb23) = _im_words_device(w1, wa, wb, cb + 2, t,
+                                                                                               cb + 2 < sb1)
+                    (e3, qa30, qa31, qa32, qa33, qb30, qb31, qb32, qb33) = _im_words_device(w1, wa, wb, cb + 3, t,
+                                                                                               cb + 3 < sb1)
+                for i in range(batch):
+                    sb = cb + i
+                    if sb < sbe:                         # block-uniform
+                        sbc = min(sb, nb - 1)                # a dead step reads a live step's activations
+                        xi = tr * kx + xk0 + QK_K * sbc + 8 * t      # the lane's 8 inputs of sub-block 0
+                        blk = (xk0 + QK_K * sbc) // 32
+                        if decode:                       # shared-memory indices of the staged tile
+                            xj = QK_K * sbc + 8 * t
+                            bt = 2 * (8 * sbc + 2 * t)
+                            if i == 0:
+                                pa, pb = _im_sb_t1_device(e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03, xs, xj,
+                                                          xp, bt, xch[warp], ex[warp], pa, pb)
+                            elif i == 1:
+                                pa, pb = _im_sb_t1_device(e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13, xs, xj,
+                                                          xp, bt, xch[warp], ex[warp], pa, pb)
+                            elif four:
+                                if i == 2:
+                                    pa, pb = _im_sb_t1_device(e2, qa20, qa21, qa22, qa23, qb20, qb21, qb22, qb23, xs,
+                                                              xj, xp, bt, xch[warp], ex[warp], pa, pb)
+                                else:
+                                    pa, pb = _im_sb_t1_device(e3, qa30, qa31, qa32, qa33, qb30, qb31, qb32, qb33, xs,
+                                                              xj, xp, bt, xch[warp], ex[warp], pa, pb)
+                        else:
+                            b0 = 2 * (n0 * nblk + blk)
+                            b1 = 2 * (n1 * nblk + blk)
+                            if i == 0:
+                                _im_sb_device(e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03, xd, xi, ps, b0, b1,
+                                              xch[warp], ex[warp], p)
+                            elif i == 1:
+                                _im_sb_device(e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13, xd, xi, ps, b0, b1,
+                                              xch[warp], ex[warp], p)
+                            elif four:
+                                if i == 2:
+                                    _im_sb_device(e2, qa20, qa21, qa22, qa23, qb20, qb21, qb22, qb23, xd, xi, ps, b0,
+                                                  b1, xch[warp], ex[warp], p)
+                                else:
+                                    _im_sb_device(e3, qa30, qa31, qa32, qa33, qb30, qb31, qb32, qb33, xd, xi, ps, b0,
+                                                  b1, xch[warp], ex[warp], p)
+            if decode:
+                sa = _quad_sum_device(pa, red[warp])
+                sbv = _quad_sum_device(pb, red[warp])
+                if t == 0:
+                    qsum[warp, 0, g] = sa
+                    qsum[warp, 0, g + 8] = sbv
+            else:
+                for j in range(4):                                   # (row g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+                    col = 2 * t + j % 2
+                    v = (p[j] + p[4 + j]) + (p[8 + j] + p[12 + j])
+                    if col < nt:
+                        qsum[warp, col, g + (8 if j >= 2 else 0)] = v
+            cuda.syncthreads()
+            if tid < nt * IM_ROWS:
+                col = tid // IM_ROWS
+                r = tid % IM_ROWS
+                if r0 + r < n_rows:
+                    v = (qsum[0, col, r] + qsum[1, col, r]) + (qsum[2, col, r] + qsum[3, col, r])
+                    out[t0 + col, r0 + r] = round_bf16_device(v) if out_bf16 else v
+            cuda.syncthreads()
+    return q4k_imma_kernel
+
+
+q4k_imma_t1_kernel = _make_im_kernel(True)
+q4k_imma_kernel = _make_im_kernel(False, min_blocks=2)   # its p[16] needs registers
+
+
 @cuda.jit(device=True, inline=True)
 def _q8_0_weight_device(w16, row, blk, i):
     """Weight i (0..31) of Q8_0 block `blk` of a row: f16 d * int8 q (exact)."""
@@ -765,6 +1161,7 @@ _GEMV_SIG = "void(float32[:, :], uint64[:, :], int64, boolean, float32[:, :])"
 _Q8_SIG = "void(float32[:, :], uint16[:, :], int64, boolean, float32[:, :])"
 _MMA_SIG = ("void(uint64[:], int64, uint64[:], int64, int64, int64, boolean, boolean, float32[:, :, :], int32[:], "
             "float32[:, :])")
+_IM_SIG = "void(uint32[::1], float32[::1], int64, uint64[::1], int64, int64, boolean, float32[:, ::1])"
 SIGNATURES = {
     "q4k_gemv_t1_kernel": _GEMV_SIG,
     "q4k_gemv_t4_kernel": _GEMV_SIG,
@@ -773,6 +1170,9 @@ SIGNATURES = {
     "q4k_gemv_deep_kernel": "void(uint64[:], uint64[:], int64, int64, boolean, float32[:, :])",
     "q4k_mma_kernel": _MMA_SIG,
     "q4k_mma_t1_kernel": _MMA_SIG,
+    "q4k_imma_kernel": _IM_SIG,
+    "q4k_imma_t1_kernel": _IM_SIG,
+    "q4k_im_stage_kernel": "void(uint64[::1], int64, int64, uint32[::1], float32[::1])",
     "q4k_rows_kernel": "void(uint8[:, :], int64[:], float32[:, :])",
     "q8_0_rows_kernel": "void(uint16[:, :], int64[:], float32[:, :])",
 }
@@ -803,6 +1203,12 @@ def mma_part_bytes(n_rows, k, n_tok):
     """Bytes of the slice-partials scratch a tensor-core call on a q4_K [n_rows, k] matrix allocates (0 unsplit)."""
     _, n_slices = mma_splits(n_rows, k // QK_K)
     return 0 if n_slices == 1 else n_slices * mma_part_rows(n_tok) * n_rows * 4
+
+
+def im_fits(n_rows, rows_per_group):
+    """Whether a q4_K matrix of n_rows rows, rows_per_group to an input group, fits the integer tensor-core path:
+    its 16-row tiles must each lie in one group (rows_per_group a multiple of 16, or every row in one group)."""
+    return rows_per_group == n_rows or rows_per_group % IM_ROWS == 0
 
 
 def _contiguous(x):
@@ -864,6 +1270,17 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
                 xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
                 w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
+    elif kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg) and _contiguous(x):
+        kx = x.shape[1]
+        xd = _scratch(scratch, "im_xd", (n_tok * kx,), np.uint32, stream)
+        ps = _scratch(scratch, "im_ps", (n_tok * kx // 16,), np.float32, stream)
+        n_jobs = n_tok * kx // 8
+        q4k_im_stage_kernel[-(-n_jobs // IM_STAGE_THREADS), IM_STAGE_THREADS, stream](
+            x.view(np.uint64).reshape(n_tok * kx // 2), kx, n_jobs, xd, ps)
+        w64 = w.view(np.uint64)
+        kernel = q4k_imma_t1_kernel if n_tok == 1 and k <= IM_SMEM_WORDS else q4k_imma_kernel
+        kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](
+            xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out)
     elif kind == "q4_K" and n_tok == 1 and _contiguous(x):
         w64 = w.view(np.uint64)
         q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](

@@ -6,6 +6,10 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
     python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
     python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
     python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
+    python bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a --im 2,3/4,2   # FP32 activations on the integer
+        tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
+        times the FMA kernel the same calls took before it
+    python bench/dev/q4k_probe.py --check --mode imma   # integer tensor-core path vs FMA kernel vs float64, FP32 inputs
 """
 import argparse
 import math
@@ -20,16 +24,22 @@ from kernels.q4k_gemv import q4k_gemv  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
 SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wo_b": (5120, 8192), "shared_w1": (2304, 5120),
-          "head": (129280, 5120)}
+          "head": (129280, 5120), "wkv": (512, 5120), "wo_a": (8192, 4096), "shared_w2": (5120, 2304)}
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="wo_b", choices=sorted(SHAPES))
 ap.add_argument("--calls", type=int, default=6)
 ap.add_argument("--time", action="store_true")
-ap.add_argument("--mode", default="deep", choices=["deep", "mma"])
+ap.add_argument("--mode", default="deep", choices=["deep", "mma", "imma"])
+ap.add_argument("--shapes", default=None, help="comma list of shapes for --time / --check (default all)")
+ap.add_argument("--im", default=None,
+                help="'/'-separated BATCH,MIN_BLOCKS variants of q4k_imma_t1_kernel (--mode imma)")
 ap.add_argument("--check", action="store_true")
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
 a = ap.parse_args()
-SHAPES.update({"wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a": (8192, 4096), "shared_w2": (5120, 2304)})
+if a.shapes:
+    SHAPES = {k: v for k, v in SHAPES.items() if k in a.shapes.split(",")}
+qk.USE_IMMA = a.mode == "imma"                             # deep: the FMA kernel FP32 inputs took before q4k_imma
+IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 if a.check:
     import json
 
@@ -38,20 +48,26 @@ if a.check:
     from kernels.gemv import act_quant_fp8
     s = cuda.stream()
     for name, (N, K) in sorted(SHAPES.items()):
-        if name == "wo_a":
-            continue                                       # grouped rows: BF16 activations, FMA kernel only
+        if name == "wo_a" and a.mode != "imma":
+            continue                                       # grouped rows: FP32 activations, no FP8 path
         n = min(N, 512)
         w = cuda.device_array((n, K // 256 * 144), np.uint8, stream=s)
         synth_fill(w, "q4_K", key=7, sigma=K ** -0.5, k=K, stream=s)
-        x = cuda.to_device(round_bf16(np.random.default_rng(1).standard_normal((1, K)) * 3).astype(np.float32),
-                           stream=s)
-        xq = act_quant_fp8(x, stream=s)
-        mma = q4k_gemv(xq, w, quantize=False, fp8_input=True, out_bf16=False, stream=s).copy_to_host()
+        if a.mode == "imma":                               # FP32 x; wo_a: 512 rows of group 0 (K of its slice)
+            xq = cuda.to_device(np.random.default_rng(1).standard_normal((1, K)).astype(np.float32) * 3, stream=s)
+            qk.USE_IMMA = True
+            mma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
+            qk.USE_IMMA = False
+        else:
+            x = cuda.to_device(round_bf16(np.random.default_rng(1).standard_normal((1, K)) * 3).astype(np.float32),
+                               stream=s)
+            xq = act_quant_fp8(x, stream=s)
+            mma = q4k_gemv(xq, w, quantize=False, fp8_input=True, out_bf16=False, stream=s).copy_to_host()
         fma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
         ref = dequantize_q4k(w.copy_to_host()).astype(np.float64) @ xq.copy_to_host()[0].astype(np.float64)
         scale = np.sqrt(np.mean(ref ** 2))
         row = {"name": name, "rows": n, "K": K}
-        for tag, got in (("mma", mma[0]), ("fma", fma[0])):
+        for tag, got in ((a.mode if a.mode == "imma" else "mma", mma[0]), ("fma", fma[0])):
             err = got.astype(np.float64) - ref
             row[tag] = {"nmse": float(np.mean(err ** 2) / scale ** 2), "max_rel": float(np.max(np.abs(err)) / scale),
                         "bf16_flips": float(np.mean(round_bf16(got) != round_bf16(ref.astype(np.float32))))}
@@ -86,14 +102,17 @@ if a.time:
                      scratch=scratch, stream=s, fp8_input=a.mode == "mma")
             it[0] += 1
         for target in ([int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]):
-            qk.MMA_TARGET_BLOCKS = target
-            scratch.clear()
-            call()
-            s.synchronize()
-            sec = graph_time(call, s, max(copies * 4, 40))
-            print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
-                              "splits": qk.mma_splits(N, K // 256), "us": round(sec * 1e6, 2),
-                              "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
+            for iv in IM_VARIANTS:
+                qk.MMA_TARGET_BLOCKS = target
+                if iv is not None:
+                    qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
+                scratch.clear()
+                call()
+                s.synchronize()
+                sec = graph_time(call, s, max(copies * 4, 40))
+                print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
+                                  "splits": qk.mma_splits(N, K // 256), "im": iv, "us": round(sec * 1e6, 2),
+                                  "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)
 N, K = SHAPES[a.shape]
@@ -104,10 +123,14 @@ for c in range(copies):
     w = cuda.device_array((N, K // 256 * 144), np.uint8, stream=s)
     synth_fill(w, "q4_K", key=100 + c, sigma=K ** -0.5, k=K, stream=s)
     ws.append(w)
-x = cuda.to_device(np.random.default_rng(0).standard_normal((1, K)).astype(np.float32), stream=s)
+rpg = 1024 if a.shape == "wo_a" else None
+x = cuda.to_device(np.random.default_rng(0).standard_normal((1, K * (N // rpg if rpg else 1))).astype(np.float32),
+                   stream=s)
 out = cuda.device_array((1, N), np.float32, stream=s)
 scratch = {}
-for i in range(a.calls):
-    q4k_gemv(x, ws[i % copies], quantize=True, out=out, scratch=scratch, stream=s)
+if IM_VARIANTS[0] is not None:
+    qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *IM_VARIANTS[0])
+for i in range(a.calls):                                   # imma: FP32 activations, as the head and wo_a
+    q4k_gemv(x, ws[i % copies], quantize=a.mode != "imma", rows_per_group=rpg, out=out, scratch=scratch, stream=s)
 s.synchronize()
 print("ok", a.shape, copies)

@@ -93,11 +93,14 @@ def test_bad_arguments(cuda_ready):
 
 
 @pytest.mark.parametrize("rows,k,rpg", [(8, 256 * 3, None), (6, 512, 3), (4, 256 * 9, None), (5, 256 * 7, None)])
-def test_decode_kernel_equals_the_two_step_kernel(cuda_ready, rows, k, rpg):
-    """A one-token call takes q4k_gemv_deep_kernel (four steps of loads in flight, 8-byte activation loads); it keeps
-    the two-step kernel's lanes and FMA order, so the same bits, for any number of super-blocks (odd counts, tails
-    of 1-7 steps) and for grouped rows; a non-contiguous x takes the two-step kernel."""
+def test_decode_kernel_equals_the_two_step_kernel(cuda_ready, monkeypatch, rows, k, rpg):
+    """With the integer tensor-core path off, a one-token call takes q4k_gemv_deep_kernel (four steps of loads in
+    flight, 8-byte activation loads); it keeps the two-step kernel's lanes and FMA order, so the same bits, for any
+    number of super-blocks (odd counts, tails of 1-7 steps) and for grouped rows; a non-contiguous x takes the
+    two-step kernel."""
+    import kernels.q4k_gemv as qk
     from kernels.q4k_gemv import WARP, WARPS_PER_BLOCK, q4k_gemv, q4k_gemv_t1_kernel
+    monkeypatch.setattr(qk, "USE_IMMA", False)
     rng = np.random.default_rng(rows * k)
     q, _ = _q4k(rng, rows, k)
     groups = 1 if rpg is None else rows // rpg
@@ -179,3 +182,74 @@ def test_mma_fp8_input_and_block_scales(cuda_ready):
     assert _mma_taken(scratch)
     np.testing.assert_array_equal(pre, raw)
     assert_matches("gemv_f32", pre, linear_f32(xq.copy_to_host(), w), bf16=False)
+
+
+# ------------------------------------------------- the integer tensor-core path (FP32 / BF16 activations)
+def _im_taken(scratch):
+    return any(key[0] == "im_xd" for key in scratch)
+
+
+@pytest.mark.parametrize("rows,k", [(24, 256 * 9), (20, 256)])
+def test_imma_prefill_rows_equal_decode(cuda_ready, rows, k):
+    """FP32 activations on the integer tensor-core path (q4k_imma): a token's result is the same bits decoded alone (the
+    one-token kernel) or among 10 (two passes of up to 8 columns, the last ragged), with K quarters of 3, 3, 3, 0
+    super-blocks (9) or one warp of four busy (1), over a tail tile (24 and 20 rows); it is linear_f32's within the
+    FP32 reduction-order tolerance, and BF16 output is the rounding of the FP32 one."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(rows + k)
+    q, w = _q4k(rng, rows, k)
+    x = (rng.standard_normal((10, k)) * 3).astype(np.float32)
+    d_q = cuda_ready.to_device(q)
+    scratch = {}
+    many = q4k_gemv(cuda_ready.to_device(x), d_q, quantize=False, out_bf16=False, scratch=scratch).copy_to_host()
+    assert _im_taken(scratch)
+    for t in (0, 9):
+        one = q4k_gemv(cuda_ready.to_device(x[t:t + 1]), d_q, quantize=False, out_bf16=False).copy_to_host()
+        np.testing.assert_array_equal(one[0], many[t])
+    assert_matches("gemv_f32", many, linear_f32(x, w), bf16=False)
+    bf = q4k_gemv(cuda_ready.to_device(x), d_q, quantize=False).copy_to_host()
+    np.testing.assert_array_equal(bf, round_bf16(many))
+
+
+def test_imma_grouped_rows_and_block_scales(cuda_ready):
+    """Grouped rows (wo_a: 16-row tiles inside a group) read their group's slice; blocks of 32 spanning 2^-30 ..
+    2^20 in magnitude, FP32 subnormals and an all-zero block keep FP32 accuracy through the per-block power-of-two
+    scale and the three digits; rows_per_group 3 (tiles across groups) is refused by the path and takes the FMA
+    kernel."""
+    from kernels.q4k_gemv import im_fits, q4k_gemv
+    rng = np.random.default_rng(23)
+    G, R, Kg = 2, 16, 512
+    q, w = _q4k(rng, G * R, Kg)
+    o = rng.standard_normal((2, G * Kg)).astype(np.float32)
+    o *= np.exp2(rng.integers(-30, 20, size=(2, G * Kg // 32))).repeat(32, axis=1).astype(np.float32)
+    o[0, 32:64] = 0.0
+    o[1, 96:128] = rng.standard_normal(32).astype(np.float32) * np.float32(2.0 ** -135)      # subnormals
+    scratch = {}
+    got = q4k_gemv(cuda_ready.to_device(o), cuda_ready.to_device(q), quantize=False, out_bf16=False, rows_per_group=R,
+                   scratch=scratch).copy_to_host()
+    assert _im_taken(scratch)
+    want = einsum_f32("tgd,grd->tgr", o.reshape(2, G, Kg), w.reshape(G, R, Kg)).reshape(2, G * R)
+    assert_matches("gemv_f32", got, want, bf16=False)
+    assert im_fits(32, 16) and im_fits(5, 5) and not im_fits(6, 3)
+    scratch = {}
+    q3, _ = _q4k(rng, 6, 256)
+    q4k_gemv(cuda_ready.to_device(np.ascontiguousarray(o[:, :512])), cuda_ready.to_device(q3), quantize=False,
+             rows_per_group=3, scratch=scratch)
+    assert not _im_taken(scratch)
+
+
+def test_imma_non_finite_blocks_make_their_rows_nan(cuda_ready):
+    """A NaN or an infinity in a token's activations makes that token's outputs NaN on the integer path (its block
+    scale is NaN); the other tokens of the call are untouched."""
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(24)
+    q, w = _q4k(rng, 16, 512)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[0, 40] = np.inf
+    x[1, 300] = np.nan
+    scratch = {}
+    got = q4k_gemv(cuda_ready.to_device(x), cuda_ready.to_device(q), quantize=False, out_bf16=False,
+                   scratch=scratch).copy_to_host()
+    assert _im_taken(scratch)
+    assert np.isnan(got[:2]).all()
+    assert_matches("gemv_f32", got[2:], linear_f32(x[2:], w), bf16=False)
