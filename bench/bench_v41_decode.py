@@ -66,6 +66,10 @@ def _args(argv=None):
     p.add_argument("--one-stream", action="store_true",
                    help="a variant: the side stream's work (mixes, shared expert) queued on the main stream, in "
                         "the same order, without overlap (what the side stream is worth)")
+    p.add_argument("--shared-expert", choices=("side", "early", "main"), default="side",
+                   help="where the MoE's shared expert runs (CudaBackend.shared_expert_at): side (default) on the "
+                        "side stream beside the routed experts, early forked before the routing, main on the main "
+                        "stream before the routed experts; the same bits")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -500,6 +504,8 @@ def build(cfg, bits):
     if ARGS.one_stream:
         for b in backends.values():
             b.side = b.stream                # _fork and _join become no-ops (CudaBackend: side is stream)
+    for b in backends.values():
+        b.shared_expert_at = ARGS.shared_expert
     return W, backends, gen
 
 
@@ -592,7 +598,7 @@ def main():
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
-        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side"}
+        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side", "shared_expert": ARGS.shared_expert}
     emit(run, lines)
     rows = []
     for ctx in ARGS.contexts:

@@ -40,7 +40,8 @@ Two streams: what a layer needs only later runs on a side stream beside the crit
 mixes (read h, first needed by its hc_post) and the shared expert (beside the routed experts) —, forked from the
 main stream and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds
 them as parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
-bits are the same.
+bits are the same. `CudaBackend.shared_expert_at` may fork the shared expert before the routing or keep it on the
+main stream instead (the same bits again).
 
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
 from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
@@ -93,6 +94,7 @@ CAPTURE_GUESS_S = 0.1              # a batched capture's host time before one of
 POOL_STATES = 8                    # finished sessions' states kept for reuse, with their decode graphs
 _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set and logits row)
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
+SHARED_EXPERT_AT = ("side", "early", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -122,10 +124,18 @@ class _Call:
 
 
 class CudaBackend:
+    """`shared_expert_at` places the MoE's shared expert (`_moe`; the same kernels over the same inputs, so the same
+    bits, only the stream order differs):
+    - "side" (default): on the side stream, forked after the routing, beside the routed experts;
+    - "early": on the side stream, forked before the routing, so it starts beside the routing (route + plan) too;
+    - "main": on the main stream after the routing, before the routed experts, serially (the FFN's mHC mixes stay
+      on the side stream).
+    Set it before the first call: a graph captured earlier replays the placement it was captured with."""
     name = "cuda"
     simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
-    def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None):
+    def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None,
+                 shared_expert_at: str = "side"):
         from ds4lib.engine.engine import EngineError
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
@@ -153,6 +163,7 @@ class CudaBackend:
         self.side = self.stream if sim else cuda.stream()
         self._events = None if sim else (cuda.event(timing=False), cuda.event(timing=False))
         self.scr_side = {}            # the side stream's own scratch (its launchers' counters and partials)
+        self.shared_expert_at = shared_expert_at
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
@@ -199,6 +210,17 @@ class CudaBackend:
         self._ratios = {r.layer: r.ratio for r in self.roles[:cfg.n_layers] if r.owns_compressor}
         self._pend_norm = {l: self.L[l]["attn.compressor.norm.weight"] for l, ratio in self._ratios.items()
                            if ratio > 1}
+
+    @property
+    def shared_expert_at(self) -> str:
+        """Where `_moe` runs the shared expert: one of SHARED_EXPERT_AT (class docstring)."""
+        return self._shared_expert_at
+
+    @shared_expert_at.setter
+    def shared_expert_at(self, at):
+        if at not in SHARED_EXPERT_AT:
+            raise ValueError(f"shared_expert_at {at!r}: expected one of {', '.join(SHARED_EXPERT_AT)}")
+        self._shared_expert_at = at
 
     # ------------------------------------------------------------------ loading
     def _decode_io(self):
@@ -1150,12 +1172,23 @@ class CudaBackend:
     # ------------------------------------------------------------------ MoE
     def _moe(self, l, c, x, xq, observer, beside=None):
         """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values): routing (with the expert plan for one
-        token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert (gate and
-        up in one GEMV, SwiGLU writing the down projection's FP8 input) on the side stream with `beside()` (launches
-        of the caller's) before it, the expert-major combine."""
+        token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
+        (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
+        the side stream from the fork on, the expert-major combine. The side stream's work reads only xq, h and
+        weights, and writes only its own buffers and scratch: the routing may run beside it ("early")."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
+
+        def fork(shared):                                # the side stream's work: `beside`, then the shared expert
+            self._fork()
+            if beside is not None:
+                beside()
+            return self._shared_expert(l, T, xq, side=True) if shared else None
+
+        at = self.shared_expert_at
+        if at == "early":
+            ysh = fork(True)                             # beside the routing too
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
         key = ("plan", T, E, K)
         plan = self._const.get(key)
@@ -1166,15 +1199,11 @@ class CudaBackend:
         _, ids, rw = rout
         plan = plan._replace(ids=ids) if T == 1 else vq_gemv.vq_plan(ids, E, tile_rows=plan.tile_rows, out=plan,
                                                                       stream=s)
-        self._fork()                                     # the shared expert beside the routed ones, after the routing
-        if beside is not None:
-            beside()
-        gu_sh = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=True)
-        a_q = self._buf("sh_aq", (T, F))
-        moe.swiglu(gu_sh[:, :F], gu_sh[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
-                   scratch=self.scr_side, stream=self.side)
-        ysh = self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
-                           out=self._buf("sh_y", (T, D)), side=True)
+        if at == "side":
+            ysh = fork(True)                             # after the routing, beside the routed experts
+        elif at == "main":
+            fork(False)
+            ysh = self._shared_expert(l, T, xq, side=False)   # serially, before the routed experts
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
@@ -1191,6 +1220,18 @@ class CudaBackend:
             observer(l, "ye", ye_h / np.where(wts == 0, 1, wts)[:, :, None])
             observer(l, "ysh", ysh.copy_to_host())
         return vq_gemv.moe_combine(ye[0], ids, ysh, out=self._buf("moe_y", (T, D)), stream=s)
+
+    def _shared_expert(self, l, T, xq, side):
+        """Layer l's shared expert over xq [T, D] (act_quant_fp8 values) -> [T, D]: gate and up in one GEMV, SwiGLU
+        writing the down projection's FP8 input, the down projection; on the side stream with its scratch (`side`,
+        between `_fork` and `_join`) or on the main stream with its own. The same buffers either way."""
+        cfg, w, F = self.cfg, self.L[l], self.cfg.moe_inter_dim
+        gu = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=side)
+        a_q = self._buf("sh_aq", (T, F))
+        moe.swiglu(gu[:, :F], gu[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
+                   scratch=self.scr_side if side else self.scr, stream=self.side if side else self.stream)
+        return self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
+                            out=self._buf("sh_y", (T, cfg.dim)), side=side)
 
     # ------------------------------------------------------------------ host side
     def to_host(self, logits):

@@ -75,6 +75,31 @@ def test_micro_graph_keep_holds_every_scratch_dict(micro):
         del be.scr_side["probe"]
 
 
+def test_micro_shared_expert_placements_give_the_same_bits(micro):
+    """`shared_expert_at` moves the shared expert (forked before the routing, or on the main stream with the main
+    scratch) without changing a bit: one decode step per placement against the default placement's."""
+    _, cuda = micro
+    be = cuda.backend
+    assert be.shared_expert_at == "side"
+    got = {}
+    try:
+        for at in ("side", "early", "main"):
+            be.shared_expert_at = at
+            got[at] = cuda.logits([0], split=0)
+    finally:
+        be.shared_expert_at = "side"
+    assert np.isfinite(got["side"]).all()
+    np.testing.assert_array_equal(got["early"], got["side"])
+    np.testing.assert_array_equal(got["main"], got["side"])
+
+
+def test_micro_shared_expert_placement_refuses_unknown_values(micro):
+    be = micro[1].backend
+    with pytest.raises(ValueError, match=r"'beside'.*side, early, main"):
+        be.shared_expert_at = "beside"
+    assert be.shared_expert_at == "side"
+
+
 def test_micro_decode_steps_match_cpu(micro):
     """Two one-token calls (window ring read, the ratio-2 group completed from the previous call's pending row,
     caches grown, indexer and candidates at S > 0) against the CPU reference's prefill of the same tokens."""
