@@ -71,7 +71,6 @@ from ds4lib.engine.cuda_graph import mapped as _mapped
 from ds4lib.engine.cuda_state import CudaState
 from ds4lib.engine.cuda_weights import SHARED_W13, CudaWeights, upload_base
 from ds4lib.engram_geometry import engram_geometry
-from ds4lib.formats.floats import f32_to_bf16_bits
 from ds4lib.formats.names import layer_prefix
 from ds4lib.ref.engram import engram_hashes
 from ds4lib.ref.model import ForwardOut
@@ -1010,7 +1009,7 @@ class CudaBackend:
         """The layer's attention over x [T, D] (xq: its act_quant_fp8 values): the projections over all T rows at
         once; what reads or writes a session's state (window ring, compressor, indexer, sparse attention) per
         session, over its own rows (a batched decode step: one row of each session in c.rows)."""
-        cfg, s = self.cfg, self.stream
+        cfg = self.cfg
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         xq, qrq, q3 = self._query(l, c, x, xq)
         kvq = self._window_kv(l, c, xq)
@@ -1075,7 +1074,7 @@ class CudaBackend:
 
     def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None):
         """Sparse attention of queries q3 [T, H, Dh] at positions `pos`, its output rotated back (inverse RoPE)."""
-        cfg, H, dh = self.cfg, self.cfg.n_heads, self.cfg.head_dim
+        H, dh = self.cfg.n_heads, self.cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
         T = q3.shape[0]
         n_rows = win_idx.shape[1] + (cmp_idx.shape[1] if cmp_idx is not None else 0)
