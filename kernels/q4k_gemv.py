@@ -39,7 +39,9 @@ against the reference, as theirs), and on the GPU the tensor cores' own accumula
 call give the same bits.
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
-head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`). q4k_im_stage_kernel turns each block of
+head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
+IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row (16-row tiles that fill the GPU without a K split, rows
+long enough to carry the staging). q4k_im_stage_kernel turns each block of
 32 activations into a power of two p and integers X = round(x / p) of 23 bits (the block's largest |x| / p in [2^21,
 2^22), so the rounding costs at most 2^-22 of it, about FP32's own precision) held as three byte digits; the nibble
 bytes of the base file are the u8 MMA's A as they lie (masked), the digits its B, and the three digit sums of a
@@ -702,6 +704,10 @@ IM_SMEM_SB = 32                # a one-token call stages its tile's activations 
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
 IM_E_TOP = 21                  # a block of 32 is scaled so that its largest |x| / p lies in [2^21, 2^22)
+IM_FP8_MIN_ROWS = 4096         # FP8-grid activations take this path for matrices of at least this many rows and
+IM_FP8_MIN_SB = 16             # super-blocks a row; the others keep q4k_mma (on the H200 only V4.1's wo_b gains:
+                               # 21.1 -> 18.3 us; wq_b, K = 1,280, went 17.6 -> 23.6). A function of the shape
+                               # alone, so a token's bits are the same in decode and batched calls
 IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
 IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
 ROUND_MAGIC = np.float32(12582912.0)              # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer (RNE)
@@ -761,7 +767,7 @@ def _im_bytes4_device(a, b, c, d, shift):
 
 
 @cuda.jit(cache=True)
-def q4k_im_stage_kernel(x1, kx, n_jobs, xd, ps):
+def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     """FP32 activations x [T, kx] (x1: its flat uint64 words) -> the integer tensor-core path's operands. Per token
     and block of 32 inputs: the power of two p with max |x| / p in [2^21, 2^22) (p = 1 for an all-zero block, never
     below 2^-126, NaN for a block holding a NaN or an infinity), per input X = round(x / p), an integer of at most 23
@@ -769,7 +775,10 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, xd, ps):
     2^16 + d1 * 2^8 + d0 with d0, d1 unsigned bytes and d2 a signed one. xd [T * kx] uint32: per 8 inputs the d0
     bytes (two words), the d1 bytes, the d2 bytes, two zero words (a lane's B fragments of one sub-block: two 16-byte
     loads). ps [T * kx/32 * 2] float32: per block p and the FP32 value of the exact integer sum of its X. A thread
-    takes 8 inputs, the quad of four threads one block; job j = thread index (n_jobs = T * kx / 8)."""
+    takes 8 inputs, the quad of four threads one block; job j = thread index (n_jobs = T * kx / 8). `raw`: x holds
+    unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel (the
+    activation rule of linear_q without a launch of its own). FP8-grid values are integers here exactly: a block's
+    smallest step, 2^-9 of its act_quant scale, is at least 2^3 p."""
     red = cuda.shared.array((IM_STAGE_WARPS, WARP), np.float32)
     redi = cuda.shared.array((IM_STAGE_WARPS, WARP), np.int32)
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -784,6 +793,12 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, xd, ps):
     v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
     v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
     am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+    if raw:                                            # act_quant_fp8's rule first, the same operations
+        q = pow2_ceil_device(mul_rn_device(max(_quad_max_device(am, red[w]), np.float32(1e-4)), INV448))
+        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
+        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
+        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
+                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
     fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
            and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
     bad = _quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
@@ -1172,7 +1187,7 @@ SIGNATURES = {
     "q4k_mma_t1_kernel": _MMA_SIG,
     "q4k_imma_kernel": _IM_SIG,
     "q4k_imma_t1_kernel": _IM_SIG,
-    "q4k_im_stage_kernel": "void(uint64[::1], int64, int64, uint32[::1], float32[::1])",
+    "q4k_im_stage_kernel": "void(uint64[::1], int64, int64, boolean, uint32[::1], float32[::1])",
     "q4k_rows_kernel": "void(uint8[:, :], int64[:], float32[:, :])",
     "q8_0_rows_kernel": "void(uint16[:, :], int64[:], float32[:, :])",
 }
@@ -1235,7 +1250,8 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     `out_bf16` rounds to BF16 (linear_q / linear_bf16), False keeps FP32 (linear_f32). `rows_per_group` (default
     N) maps row n to the x slice n // rows_per_group (attention's grouped wo_a). `fp8_input` says that x already
     holds act_quant_fp8 values (quantize=False): q4_K rows then take the tensor-core path, as they do with
-    quantize=True (q4k_mma_kernel); any other x must not be passed with it."""
+    quantize=True (q4k_mma_kernel, or q4k_imma_kernel for long matrices: IM_FP8_MIN_*); any other x must not be passed
+    with it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels."""
     k = _row_length(w, kind, "q4k_gemv")
     n_rows = w.shape[0]
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2:
@@ -1252,7 +1268,10 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     if n_tok == 0 or n_rows == 0:
         return out
     mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows and _contiguous(x)
-    if quantize and not mma:
+    imma = (kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg) and _contiguous(x)
+            and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
+    mma = mma and not imma
+    if quantize and not mma and not imma:
         x = act_quant_fp8(x, out=_scratch(scratch, "xq", tuple(x.shape), np.float32, stream), stream=stream)
     grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
     if mma:
@@ -1270,13 +1289,13 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
                 xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
                 w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
-    elif kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg) and _contiguous(x):
+    elif imma:
         kx = x.shape[1]
         xd = _scratch(scratch, "im_xd", (n_tok * kx,), np.uint32, stream)
         ps = _scratch(scratch, "im_ps", (n_tok * kx // 16,), np.float32, stream)
         n_jobs = n_tok * kx // 8
         q4k_im_stage_kernel[-(-n_jobs // IM_STAGE_THREADS), IM_STAGE_THREADS, stream](
-            x.view(np.uint64).reshape(n_tok * kx // 2), kx, n_jobs, xd, ps)
+            x.view(np.uint64).reshape(n_tok * kx // 2), kx, n_jobs, bool(quantize), xd, ps)
         w64 = w.view(np.uint64)
         kernel = q4k_imma_t1_kernel if n_tok == 1 and k <= IM_SMEM_WORDS else q4k_imma_kernel
         kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](

@@ -10,6 +10,8 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
         tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
         times the FMA kernel the same calls took before it
     python bench/dev/q4k_probe.py --check --mode imma   # integer tensor-core path vs FMA kernel vs float64, FP32 inputs
+    python bench/dev/q4k_probe.py --time --mode imma8   # FP8-grid inputs (fp8_input) on the integer path, every shape;
+        --mode mma times them on q4k_mma (IM_FP8_MIN_ROWS decides between the two in the engine)
 """
 import argparse
 import math
@@ -29,7 +31,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="wo_b", choices=sorted(SHAPES))
 ap.add_argument("--calls", type=int, default=6)
 ap.add_argument("--time", action="store_true")
-ap.add_argument("--mode", default="deep", choices=["deep", "mma", "imma"])
+ap.add_argument("--mode", default="deep", choices=["deep", "mma", "imma", "imma8"])
 ap.add_argument("--shapes", default=None, help="comma list of shapes for --time / --check (default all)")
 ap.add_argument("--im", default=None,
                 help="'/'-separated BATCH,MIN_BLOCKS variants of q4k_imma_t1_kernel (--mode imma)")
@@ -38,7 +40,9 @@ ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS
 a = ap.parse_args()
 if a.shapes:
     SHAPES = {k: v for k, v in SHAPES.items() if k in a.shapes.split(",")}
-qk.USE_IMMA = a.mode == "imma"                             # deep: the FMA kernel FP32 inputs took before q4k_imma
+qk.USE_IMMA = a.mode in ("imma", "imma8")                 # deep: the FMA kernel FP32 inputs took before q4k_imma
+qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inputs on the integer path, any shape
+qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 if a.check:
     import json
@@ -58,16 +62,18 @@ if a.check:
             qk.USE_IMMA = True
             mma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
             qk.USE_IMMA = False
-        else:
+        else:                                              # mma / imma8: FP8-grid x on its tensor-core path
             x = cuda.to_device(round_bf16(np.random.default_rng(1).standard_normal((1, K)) * 3).astype(np.float32),
                                stream=s)
             xq = act_quant_fp8(x, stream=s)
+            qk.USE_IMMA = a.mode == "imma8"
             mma = q4k_gemv(xq, w, quantize=False, fp8_input=True, out_bf16=False, stream=s).copy_to_host()
+            qk.USE_IMMA = False
         fma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
         ref = dequantize_q4k(w.copy_to_host()).astype(np.float64) @ xq.copy_to_host()[0].astype(np.float64)
         scale = np.sqrt(np.mean(ref ** 2))
         row = {"name": name, "rows": n, "K": K}
-        for tag, got in ((a.mode if a.mode == "imma" else "mma", mma[0]), ("fma", fma[0])):
+        for tag, got in ((a.mode if a.mode != "deep" else "mma", mma[0]), ("fma", fma[0])):
             err = got.astype(np.float64) - ref
             row[tag] = {"nmse": float(np.mean(err ** 2) / scale ** 2), "max_rel": float(np.max(np.abs(err)) / scale),
                         "bf16_flips": float(np.mean(round_bf16(got) != round_bf16(ref.astype(np.float32))))}
@@ -89,9 +95,9 @@ if a.time:
             synth_fill(w, "q4_K", key=100 + c, sigma=K ** -0.5, k=K, stream=s)
             ws.append(w)
         x = cuda.to_device(np.random.default_rng(0).standard_normal((1, G * K)).astype(np.float32), stream=s)
-        if a.mode == "mma":
+        if a.mode in ("mma", "imma8"):
             if rpg is not None:
-                continue                                   # grouped wo_a keeps the FMA kernel
+                continue                                   # grouped wo_a: FP32 activations only
             x = act_quant_fp8(x, stream=s)
         out = cuda.device_array((1, N), np.float32, stream=s)
         scratch = {}
@@ -99,7 +105,7 @@ if a.time:
 
         def call():
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
-                     scratch=scratch, stream=s, fp8_input=a.mode == "mma")
+                     scratch=scratch, stream=s, fp8_input=a.mode in ("mma", "imma8"))
             it[0] += 1
         for target in ([int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]):
             for iv in IM_VARIANTS:

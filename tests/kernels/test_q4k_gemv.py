@@ -253,3 +253,33 @@ def test_imma_non_finite_blocks_make_their_rows_nan(cuda_ready):
     assert _im_taken(scratch)
     assert np.isnan(got[:2]).all()
     assert_matches("gemv_f32", got[2:], linear_f32(x[2:], w), bf16=False)
+
+
+def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
+    """Matrices of at least IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row take the integer path for
+    FP8-grid activations too (linear_q: raw x quantised in its staging by act_quant_fp8's rule, or fp8_input): the
+    same bits either way, a token's bits the same decoded alone or among 10, and linear_q's result within its
+    tolerance (FP8-grid values are integers there exactly); other matrices keep q4k_mma."""
+    import kernels.q4k_gemv as qk
+    from kernels.gemv import act_quant_fp8
+    rng = np.random.default_rng(25)
+    q, w = _q4k(rng, 32, 256 * 3)
+    x = round_bf16(rng.standard_normal((10, 256 * 3)) * 2)
+    x[3, :32] *= np.float32(2.0 ** -20)
+    d_q = cuda_ready.to_device(q)
+    scratch = {}
+    short = qk.q4k_gemv(cuda_ready.to_device(x), d_q, scratch=scratch).copy_to_host()
+    assert _mma_taken(scratch) and not _im_taken(scratch)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 32)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 3)
+    scratch = {}
+    raw = qk.q4k_gemv(cuda_ready.to_device(x), d_q, scratch=scratch).copy_to_host()
+    assert _im_taken(scratch) and not _mma_taken(scratch)
+    xq = act_quant_fp8(cuda_ready.to_device(x))
+    pre = qk.q4k_gemv(xq, d_q, quantize=False, fp8_input=True).copy_to_host()
+    np.testing.assert_array_equal(pre, raw)
+    for t in (0, 3, 9):
+        one = qk.q4k_gemv(cuda_ready.to_device(x[t:t + 1]), d_q).copy_to_host()
+        np.testing.assert_array_equal(one[0], raw[t])
+    assert_matches("gemv_bf16", raw, linear_q(x, w, True))
+    assert_matches("gemv_bf16", short, linear_q(x, w, True))
