@@ -146,51 +146,30 @@ else:
     from numba.core import types as _types
     from numba.core.extending import intrinsic as _intrinsic
 
-    def _int_mma_sig_codegen(op):
-        """(signature, codegen) of an intrinsic running `op` (an m16n8 MMA with six b32 operand registers and int32 C
-        and D) on one lane's registers."""
-        u, i = _types.uint32, _types.int32
-        sig = _types.UniTuple(i, 4)(u, u, u, u, u, u, i, i, i, i)
-
-        def codegen(context, builder, signature, args):
-            i32 = _ir.IntType(32)
-            fnty = _ir.FunctionType(_ir.LiteralStructType([i32] * 4), [i32] * 10)
-            asm = _ir.InlineAsm(fnty, op + " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                                "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r")
-            res = builder.call(asm, args)
-            vals = [builder.extract_value(res, j) for j in range(4)]
-            return context.make_tuple(builder, signature.return_type, vals)
-        return sig, codegen
-
-    def _mma_intrinsic(op):
-        """An intrinsic running `op` (an m16n8 MMA with six b32 operand registers and FP32 C and D) on one lane's
-        registers; its inline assembly returns the four D floats as a literal struct."""
+    def _mma_intrinsic(op, integer=False):
+        """An intrinsic running `op` (an m16n8 MMA with six b32 operand registers and FP32 C and D, or int32 ones:
+        `integer`) on one lane's registers; its inline assembly returns the four D values as a literal struct."""
         @_intrinsic
         def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-            u, f = _types.uint32, _types.float32
-            sig = _types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+            u, acc = _types.uint32, (_types.int32 if integer else _types.float32)
+            sig = _types.UniTuple(acc, 4)(u, u, u, u, u, u, acc, acc, acc, acc)
 
             def codegen(context, builder, signature, args):
-                f32, i32 = _ir.FloatType(), _ir.IntType(32)
-                fnty = _ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                i32 = _ir.IntType(32)
+                el, c = (i32, "r") if integer else (_ir.FloatType(), "f")
+                fnty = _ir.FunctionType(_ir.LiteralStructType([el] * 4), [i32] * 6 + [el] * 4)
                 asm = _ir.InlineAsm(fnty, op + " {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                                    ",".join([f"={c}"] * 4 + ["r"] * 6 + [c] * 4))
                 res = builder.call(asm, args)
                 vals = [builder.extract_value(res, i) for i in range(4)]
                 return context.make_tuple(builder, signature.return_type, vals)
             return sig, codegen
         return mma
 
-    @_intrinsic
-    def _mma_int_u8u8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        return _int_mma_sig_codegen("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32")
-
-    @_intrinsic
-    def _mma_int_u8s8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        return _int_mma_sig_codegen("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32")
-
     _mma_e4m3 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")
     _mma_f16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    _mma_int_u8u8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32", integer=True)
+    _mma_int_u8s8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32", integer=True)
 
     @cuda.jit(device=True, inline=True)
     def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):

@@ -715,17 +715,6 @@ FLT_MAX = np.float32(3.4028234663852886e38)
 
 if SIM:
     @cuda.jit(device=True)
-    def _quad_sum_i32_device(v, red):
-        """((v_0 + v_1) + (v_2 + v_3)) of int32 v over each quad, in every lane (the simulator: shared memory)."""
-        lane = cuda.threadIdx.x % WARP
-        red[lane] = v
-        cuda.syncwarp(0xFFFFFFFF)
-        q = lane - lane % 4
-        s = np.int32((red[q] + red[q + 1]) + (red[q + 2] + red[q + 3]))
-        cuda.syncwarp(0xFFFFFFFF)
-        return s
-
-    @cuda.jit(device=True)
     def _quad_pick_u64_device(v, src, xch):
         """v of lane 4g + src (src 0..3) in every lane of quad g (the simulator: shared memory; `xch` is the warp's
         uint64 [32] slice of a shared array)."""
@@ -736,12 +725,6 @@ if SIM:
         cuda.syncwarp(0xFFFFFFFF)
         return r
 else:
-    @cuda.jit(device=True, inline=True)
-    def _quad_sum_i32_device(v, red):
-        """The int32 sum of v over each quad (two butterfly shuffles; exact, so every lane has the same value)."""
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
-        return v + cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
-
     @cuda.jit(device=True, inline=True)
     def _quad_pick_u64_device(v, src, xch):
         """v of lane 4g + src (src 0..3) in every lane of quad g (a 64-bit shuffle: two 32-bit ones; `xch` unused)."""
@@ -809,7 +792,7 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     inv = bits_f32(np.uint32(127 - e) << np.uint32(23))
     i0, i1, i2, i3 = _im_int_device(v0, inv), _im_int_device(v1, inv), _im_int_device(v2, inv), _im_int_device(v3, inv)
     i4, i5, i6, i7 = _im_int_device(v4, inv), _im_int_device(v5, inv), _im_int_device(v6, inv), _im_int_device(v7, inv)
-    sm = _quad_sum_i32_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])
+    sm = _quad_sum_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])   # exact integers
     if ok:
         o = 8 * jj
         xd[o] = _im_bytes4_device(i0, i1, i2, i3, 0)
