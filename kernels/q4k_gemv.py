@@ -451,6 +451,29 @@ def _aq_device(v, q):
     return e4m3_round_device(min(max(v / q, -E4M3_MAX), E4M3_MAX)) * q
 
 
+@cuda.jit(device=True, inline=True)
+def _x8_device(x1, base, raw, red):
+    """The 8 activations at flat uint64 word `base` of x (four words) and the max |v| over the thread's quad (`red`:
+    the warp's float32 [32] slice of a shared array, for the simulator). `raw`: act_quant_fp8's rule is applied
+    first, with the same operations as its kernel (block scale from the quad's max), and the max is taken again."""
+    w0 = x1[base]
+    w1 = x1[base + np.uint64(1)]
+    w2 = x1[base + np.uint64(2)]
+    w3 = x1[base + np.uint64(3)]
+    v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
+    v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
+    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+    am = _quad_max_device(am, red)
+    if raw:
+        q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
+        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
+        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
+        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
+                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+        am = _quad_max_device(am, red)
+    return v0, v1, v2, v3, v4, v5, v6, v7, am
+
+
 @cuda.jit(device=True)
 def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw):
     """Tokens t0..t0+nt-1, inputs k0 .. k0 + 256*n_sb - 1 of x (FP8-grid float32; x1 its flat uint64 words, kx
@@ -472,21 +495,7 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
         b = (jj // 4) % nblk
         part = jj % 4
         base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
-        w0 = x1[base]
-        w1 = x1[base + np.uint64(1)]
-        w2 = x1[base + np.uint64(2)]
-        w3 = x1[base + np.uint64(3)]
-        v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
-        v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
-        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-        am = _quad_max_device(am, red)
-        if raw:                                           # act_quant_fp8's rule first, the same operations
-            q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
-            v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
-            v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
-            am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
-                     max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-            am = _quad_max_device(am, red)
+        v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
         p = _fp8_block_scale_device(am)
         word, sm = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
         sm = _quad_sum_device(sm, red)
@@ -768,24 +777,10 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     w = cuda.threadIdx.x // WARP
     ok = j < n_jobs
     jj = j if ok else n_jobs - 1                       # idle threads of the last warp still join the quad ops
-    base = np.uint64(jj * 4)
-    w0 = x1[base]
-    w1 = x1[base + np.uint64(1)]
-    w2 = x1[base + np.uint64(2)]
-    w3 = x1[base + np.uint64(3)]
-    v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
-    v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
-    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-    if raw:                                            # act_quant_fp8's rule first, the same operations
-        q = pow2_ceil_device(mul_rn_device(max(_quad_max_device(am, red[w]), np.float32(1e-4)), INV448))
-        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
-        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
-        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
-                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+    v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, np.uint64(jj * 4), raw, red[w])
     fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
            and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
     bad = _quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
-    am = _quad_max_device(am, red[w])
     e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
     e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
     p = bits_f32(np.uint32(e + 127) << np.uint32(23))
