@@ -452,16 +452,10 @@ def _aq_device(v, q):
 
 
 @cuda.jit(device=True, inline=True)
-def _x8_device(x1, base, raw, red):
-    """The 8 activations at flat uint64 word `base` of x (four words) and the max |v| over the thread's quad (`red`:
-    the warp's float32 [32] slice of a shared array, for the simulator). `raw`: act_quant_fp8's rule is applied
-    first, with the same operations as its kernel (block scale from the quad's max), and the max is taken again."""
-    w0 = x1[base]
-    w1 = x1[base + np.uint64(1)]
-    w2 = x1[base + np.uint64(2)]
-    w3 = x1[base + np.uint64(3)]
-    v0, v1, v2, v3 = f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1)
-    v4, v5, v6, v7 = f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1)
+def _quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, red):
+    """A thread's 8 activations of a block of 32 (the quad holds the block) and the max |v| over the quad (`red`: the
+    warp's float32 [32] slice of a shared array, for the simulator). `raw`: act_quant_fp8's rule is applied first,
+    with the same operations as its kernel (block scale from the quad's max), and the max is taken again."""
     am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
     am = _quad_max_device(am, red)
     if raw:
@@ -472,6 +466,18 @@ def _x8_device(x1, base, raw, red):
                  max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
         am = _quad_max_device(am, red)
     return v0, v1, v2, v3, v4, v5, v6, v7, am
+
+
+@cuda.jit(device=True, inline=True)
+def _x8_device(x1, base, raw, red):
+    """_quant8_device of the 8 activations at flat uint64 word `base` of x (four words)."""
+    w0 = x1[base]
+    w1 = x1[base + np.uint64(1)]
+    w2 = x1[base + np.uint64(2)]
+    w3 = x1[base + np.uint64(3)]
+    return _quant8_device(f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1),
+                          f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1),
+                          raw, red)
 
 
 @cuda.jit(device=True)

@@ -63,11 +63,10 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels.bf16 import f16_bits_device, mul_rn_device, round_bf16_device
-from kernels.gemv import pow2_ceil_device
+from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, load4_device, mma_f16_device
-from kernels.q4k_gemv import INV448, _aq_device, _code_word_device, _fp8_block_scale_device, _quad_max_device
+from kernels.q4k_gemv import _code_word_device, _fp8_block_scale_device, _quant8_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "moe_combine", "VQPlan",
@@ -337,16 +336,8 @@ def _stage_slot_device(n_x, n_cwp):
 def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red):
     """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
     lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
-    w = cuda.threadIdx.x // WARP
-    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-    am = _quad_max_device(am, red[w])
-    if raw:
-        q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
-        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
-        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
-        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
-                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-        am = _quad_max_device(am, red[w])
+    v0, v1, v2, v3, v4, v5, v6, v7, am = _quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw,
+                                                        red[cuda.threadIdx.x // WARP])
     p = _fp8_block_scale_device(am)
     word, _ = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
     if ok:
