@@ -153,8 +153,8 @@ def pow2_ceil_device(x):
 
 @cuda.jit(device=True, inline=True)
 def _rint_step_device(ax, magic):
-    """Round a non-negative float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to
-    even: the FP32 add rounds at exactly that bit."""
+    """Round a float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to even: the FP32 add
+    rounds at exactly that bit (|ax| below 2^22 steps, so that ax + magic stays between 2^23 and 2^24 steps)."""
     return (ax + magic) - magic
 
 

@@ -61,7 +61,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
-from kernels.gemv import E4M3_MAX, act_quant_fp8, e4m3_round_device, pow2_ceil_device
+from kernels.gemv import E4M3_MAX, _rint_step_device, act_quant_fp8, e4m3_round_device, pow2_ceil_device
 from kernels.mma import (MMA_EX_WORDS, e4m3_encode_device, load4_device, mma_e4m3_device, mma_u8s8_device,
                          mma_u8u8_device)
 from kernels.scratch import scratch_array as _scratch
@@ -520,6 +520,14 @@ def _sub_block_term_device(dd, dm, d, xs, p, acc):
 
 
 @cuda.jit(device=True, inline=True)
+def _tile_rows_device(r0, g, n_rows, n_words):
+    """Flat word offsets of rows r0 + g and r0 + g + 8 (a lane's two MMA fragment rows), rows past the end clamped to
+    the last (read, never stored)."""
+    return (np.uint64(min(r0 + g, n_rows - 1)) * np.uint64(n_words),
+            np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words))
+
+
+@cuda.jit(device=True, inline=True)
 def _mma_words_device(w1, wa, wb, sb, lw, live):
     """(header words of rows a and b, their nibble words of groups c = 0..3 for the lane) of super-block sb, zeros
     when not `live`."""
@@ -588,8 +596,7 @@ def _make_mma_kernel(decode, min_blocks):
         r0 = cuda.blockIdx.x * (MMA_WARPS * MMA_ROWS) + warp * MMA_ROWS
         ra = r0 + g
         rb = r0 + g + 8
-        wa = np.uint64(min(ra, n_rows - 1)) * np.uint64(n_words)
-        wb = np.uint64(min(rb, n_rows - 1)) * np.uint64(n_words)
+        wa, wb = _tile_rows_device(r0, g, n_rows, n_words)
         lw = np.uint64(2 + t)
         sl = cuda.blockIdx.y
         sb0 = sl * sps
@@ -725,7 +732,7 @@ IM_FP8_MIN_SB = 16             # super-blocks a row; the others keep q4k_mma (on
                                # alone, so a token's bits are the same in decode and batched calls
 IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
 IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
-ROUND_MAGIC = np.float32(12582912.0)              # 1.5 * 2^23: (v + M) - M rounds |v| < 2^22 to an integer (RNE)
+INT_MAGIC = np.float32(12582912.0)                # 1.5 * 2^23: _rint_step_device's magic for a step of 1
 FLT_MAX = np.float32(3.4028234663852886e38)
 
 if SIM:
@@ -753,7 +760,7 @@ def _im_int_device(v, inv):
     s = v * inv
     if not abs(s) <= FLT_MAX:
         return np.int32(0)
-    return np.int32((s + ROUND_MAGIC) - ROUND_MAGIC)
+    return np.int32(_rint_step_device(s, INT_MAGIC))
 
 
 @cuda.jit(device=True, inline=True)
@@ -976,8 +983,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         n_tok, n_rows = out.shape
         nb = n_words // Q4K_WORDS
         r0 = cuda.blockIdx.x * IM_ROWS
-        wa = np.uint64(min(r0 + g, n_rows - 1)) * np.uint64(n_words)
-        wb = np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words)
+        wa, wb = _tile_rows_device(r0, g, n_rows, n_words)
         xk0 = (r0 // rows_per_group) * nb * QK_K         # the tile's first input in a token row
         quarter = (nb + IM_WARPS - 1) // IM_WARPS
         sb0 = warp * quarter                             # every warp takes `quarter` steps (the simulator's shuffles
