@@ -874,16 +874,21 @@ def _im_keep_device(keep, r, k):
 
 
 @cuda.jit(device=True, inline=True)
+def _im_headers_device(hw, xch):
+    """The two header words of rows g and g + 8 (ha0, ha1, hb0, hb1) from the quad's four lanes, each of which
+    loaded one of them (_im_words_device's word t)."""
+    return (_quad_pick_u64_device(hw, 0, xch), _quad_pick_u64_device(hw, 1, xch), _quad_pick_u64_device(hw, 2, xch),
+            _quad_pick_u64_device(hw, 3, xch))
+
+
+@cuda.jit(device=True, inline=True)
 def _im_sb_t1_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, bt, xch, ex, pa, pb):
     """One super-block of a one-token call: lane t's terms of sub-blocks 2t and 2t + 1 (rows g, g+8) added to pa, pb.
     hw: the lane's header word (_im_words_device), q*: its nibble words; xi: xd index of its 8 inputs of sub-block
     0; bt: ps index of sub-block 2t's (p, X). Every lane runs every group's MMAs (they are warp-wide) and keeps the
     digit sums of group c == t."""
     t = cuda.threadIdx.x % 4
-    ha0 = _quad_pick_u64_device(hw, 0, xch)
-    ha1 = _quad_pick_u64_device(hw, 1, xch)
-    hb0 = _quad_pick_u64_device(hw, 2, xch)
-    hb1 = _quad_pick_u64_device(hw, 3, xch)
+    ha0, ha1, hb0, hb1 = _im_headers_device(hw, xch)
     z = np.int32(0)
     k0 = (z, z, z, z, z, z)
     k1 = (z, z, z, z, z, z)
@@ -910,10 +915,7 @@ def _im_sb_t1_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, bt,
 def _im_sb_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, b0, b1, xch, ex, p):
     """One super-block of a wider call: the lane's terms of every sub-block for its rows and two columns, into
     p [c][row g / g+8][column 2t / 2t+1]. b0 / b1: ps index of sub-block 0's (p, X) for the two columns."""
-    ha0 = _quad_pick_u64_device(hw, 0, xch)
-    ha1 = _quad_pick_u64_device(hw, 1, xch)
-    hb0 = _quad_pick_u64_device(hw, 2, xch)
-    hb1 = _quad_pick_u64_device(hw, 3, xch)
+    ha0, ha1, hb0, hb1 = _im_headers_device(hw, xch)
     for c in range(4):
         qa = _pick4(c, qa0, qa1, qa2, qa3)
         qb = _pick4(c, qb0, qb1, qb2, qb3)
