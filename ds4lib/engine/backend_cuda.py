@@ -37,9 +37,11 @@ row is replayed from a graph of its own per sampling parameter set, its seed and
 `graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
 
 Two streams: what a layer needs only later runs on a side stream beside the critical path — each sub-layer's mHC
-mixes (read h, first needed by its hc_post) and the shared expert (beside the routed experts) —, forked from the
-main stream and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds
-them as parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
+mixes (read h, first needed by its hc_post), the attention's window key (its projection, norm and RoPE, written to
+the window ring with the window rows of the call) and, for one session's rows, the compressor, all beside the query
+path (wq_a, q_norm, wq_b, RoPE), and the shared expert (beside the routed experts) —, forked from the main stream
+and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds them as
+parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
 bits are the same. `CudaBackend.shared_expert_at` may fork the shared expert before the routing or keep it on the
 main stream instead (the same bits again).
 
@@ -276,9 +278,11 @@ class CudaBackend:
             d[key] = cuda.device_array(key[1], dtype, stream=self.stream)
         return d[key]
 
-    def _const_arr(self, name, make):
+    def _const_arr(self, name, make, stream=None):
+        """A constant array, uploaded on first use on `stream` (default the main stream): the stream that reads it
+        first, so that its upload is ordered before that read."""
         if name not in self._const:
-            self._const[name] = cuda.to_device(make(), stream=self.stream)
+            self._const[name] = cuda.to_device(make(), stream=self.stream if stream is None else stream)
         return self._const[name]
 
     def _rope_tables(self, need):
@@ -1011,10 +1015,19 @@ class CudaBackend:
         session, over its own rows (a batched decode step: one row of each session in c.rows)."""
         cfg = self.cfg
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
-        xq, qrq, q3 = self._query(l, c, x, xq)
-        kvq = self._window_kv(l, c, xq)
+        # beside the query path, on the side stream after the sub-layer's mixes: the window key and, for one
+        # session's rows, its window rows and the compressor (they read x and xq only; the indexer needs the query
+        # latent)
+        kvq = self._window_kv(l, c, xq, side=True)
+        win_idx = None
         if c.rows is None:
-            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer)
+            win_idx = self._window_rows(l, st, c, kvq, side=True)
+            if self.roles[l].ratio and self.roles[l].owns_compressor:
+                self._compressor(l, st, c, x, side=True)
+        xq, qrq, q3 = self._query(l, c, x, xq)
+        self._join()
+        if c.rows is None:
+            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx)
         else:
             o = self._buf("attn_o_rows", (T, H, dh))
             for b, (st_b, c_b) in enumerate(c.rows):
@@ -1022,19 +1035,28 @@ class CudaBackend:
                 self._attend_session(l, st_b, c_b, x[r], xq[r], qrq[r], q3[r], kvq[r], o[r], observer)
         return self._output(l, c, o)
 
-    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer):
-        """One session's rows of a layer's attention: window ring written and read, compressed rows and top-k
-        (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given)."""
+    def _window_rows(self, l, st, c, kvq, side=False):
+        """One session's window keys kvq [T, Dh] written past the ring of layer l, and the window rows its queries
+        read -> [T, W] int32; `side`: on the side stream (between `_fork` and `_join`)."""
+        s, W = (self.side if side else self.stream), self.cfg.window_size
+        rows = self._const_arr(("win_rows", c.T), lambda: np.arange(W, W + c.T, dtype=np.int64), stream=s)
+        attention.cache_write(kvq, rows, st.win[l], stream=s)
+        return attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (c.T, W), np.int32),
+                                        stream=s)
+
+    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None):
+        """One session's rows of a layer's attention: window ring written and read (`_window_rows`), compressed
+        rows and top-k (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given). `win_idx`: the
+        window rows and the compressor's work done already, on the side stream (`_attention`)."""
         cfg, s, role = self.cfg, self.stream, self.roles[l]
         T, dh, W = c.T, cfg.head_dim, cfg.window_size
         buf = st.win[l]
-        rows = self._const_arr(("win_rows", T), lambda: np.arange(W, W + T, dtype=np.int64))
-        attention.cache_write(kvq, rows, buf, stream=s)
-        win_idx = attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (T, W), np.int32),
-                                           stream=s)
+        early = win_idx is not None
+        if not early:
+            win_idx = self._window_rows(l, st, c, kvq)
         cmp_keys = cmp_idx = None
         if role.ratio:
-            self._compress(l, st, c, x, xq, qrq, observer)
+            self._compress(l, st, c, x, qrq, observer, run_compressor=not early)
             cmp_idx = c.topk[role.idx_src]
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
@@ -1061,12 +1083,14 @@ class CudaBackend:
         rope.rope(q3, c.pos, cos, sin, stream=s)
         return xq, qrq, q3
 
-    def _window_kv(self, l, c, xq):
-        """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv)."""
-        cfg, s, w = self.cfg, self.stream, self.L[l]
+    def _window_kv(self, l, c, xq, side=False):
+        """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv); `side`: on the side
+        stream (between `_fork` and `_join`)."""
+        cfg, s, w = self.cfg, (self.side if side else self.stream), self.L[l]
         T, dh = c.T, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
-        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, fp8=True, out=self._buf("kv", (T, dh)))
+        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, fp8=True, out=self._buf("kv", (T, dh)),
+                          side=side)
         kvq = self._buf("kvq", (T, dh))
         rms_norm.rms_norm_rope_q(kv, w["attn.kv_norm.weight"], cfg.norm_eps, c.pos, cos, sin,
                                  self._buf("kvn", (T, dh)), kvq, stream=s)
@@ -1093,42 +1117,56 @@ class CudaBackend:
                          out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)))
         return self._linear(u, w["attn.wo_b.weight"], quantize=True, out=self._buf("attn_y", (T, cfg.dim)))
 
-    def _compress(self, l, st, c, x, xq, qrq, observer):
-        """Compressor (KV sources) and indexer (index sources) of a compressed layer; sets c.topk[l]."""
-        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+    def _compressor(self, l, st, c, x, side=False):
+        """The compressor of layer l (a KV source) over x [T, D]: its projections, the pooled latents of the groups
+        the call completes, written RoPE'd and quantised to the compressed cache (and the indexer's keys where it
+        owns them); reads x, the positions and its own state only. `side`: on the side stream with its scratch
+        (between `_fork` and `_join`)."""
+        cfg, w, role = self.cfg, self.L[l], self.roles[l]
+        s = self.side if side else self.stream
         T, dh, ratio = c.T, cfg.head_dim, role.ratio
         cos, sin = self._rope[role.yarn]
-        if role.owns_compressor:
-            n_g = c.gmax[l]                               # 0: the call completes no group (the state still moves)
-            if ratio == 1:
-                kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, out=self._buf("ckv", (T, dh)))
-                lat = compressor.compress(kvc, None, None, None, c.pos, 1, w["attn.compressor.norm.weight"],
-                                          cfg.norm_eps, n_g, out=self._buf("lat", (n_g, dh)), stream=s)
-            else:
-                own = st.log is not None                  # a marked call keeps its rows for a rollback
-                kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, bf16=False,
-                                   out=self._buf(f"ckv{l}" if own else "ckv", (T, dh)))
-                sc = self._linear(x, w["attn.compressor.wgate.weight"], quantize=False, bf16=False,
-                                  out=self._buf(f"csc{l}" if own else "csc", (T, dh)))
-                if own:
-                    st.log[l] = (kvc, sc)
-                lat = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], c.pos, ratio,
-                                          w["attn.compressor.norm.weight"], cfg.norm_eps, n_g,
-                                          out=self._buf("lat", (n_g, dh)), stream=s)
-            if n_g:
-                slots, gpos = self._buf("c_rows", (n_g,), np.int64), self._buf("c_gpos", (n_g,), np.int64)
-                step.group_rows(c.pos, ratio, slots, gpos, stream=s)
-                if role.indexer_owns_k:
-                    di = cfg.index_head_dim
-                    k = self._linear(lat, w["attn.indexer.wk.weight"], quantize=False, out=self._buf("ik", (n_g, di)))
-                    kn = rms_norm.rms_norm(k, w["attn.indexer.k_norm.weight"], cfg.norm_eps,
-                                           out=self._buf("ikn", (n_g, di)), stream=s)
-                    rope.rope(kn, gpos, cos, sin, stream=s)
-                    attention.cache_write(gemv.act_quant_fp4_pow2(kn, out=self._buf("ikq", (n_g, di)), stream=s),
-                                          slots, st.idxk[l].buf, stream=s)
-                rope.rope(lat, gpos, cos, sin, stream=s)
-                attention.cache_write(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s),
-                                      slots, st.ckv[l].buf, stream=s)
+        n_g = c.gmax[l]                           # 0: the call completes no group (the state still moves)
+        if ratio == 1:
+            kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, out=self._buf("ckv", (T, dh)),
+                               side=side)
+            lat = compressor.compress(kvc, None, None, None, c.pos, 1, w["attn.compressor.norm.weight"],
+                                      cfg.norm_eps, n_g, out=self._buf("lat", (n_g, dh)), stream=s)
+        else:
+            own = st.log is not None              # a marked call keeps its rows for a rollback
+            kvc = self._linear(x, w["attn.compressor.wkv.weight"], quantize=False, bf16=False,
+                               out=self._buf(f"ckv{l}" if own else "ckv", (T, dh)), side=side)
+            sc = self._linear(x, w["attn.compressor.wgate.weight"], quantize=False, bf16=False,
+                              out=self._buf(f"csc{l}" if own else "csc", (T, dh)), side=side)
+            if own:
+                st.log[l] = (kvc, sc)
+            lat = compressor.compress(kvc, sc, st.pend_kv[l], st.pend_sc[l], c.pos, ratio,
+                                      w["attn.compressor.norm.weight"], cfg.norm_eps, n_g,
+                                      out=self._buf("lat", (n_g, dh)), stream=s)
+        if n_g:
+            slots, gpos = self._buf("c_rows", (n_g,), np.int64), self._buf("c_gpos", (n_g,), np.int64)
+            step.group_rows(c.pos, ratio, slots, gpos, stream=s)
+            if role.indexer_owns_k:
+                di = cfg.index_head_dim
+                k = self._linear(lat, w["attn.indexer.wk.weight"], quantize=False, out=self._buf("ik", (n_g, di)),
+                                 side=side)
+                kn = rms_norm.rms_norm(k, w["attn.indexer.k_norm.weight"], cfg.norm_eps,
+                                       out=self._buf("ikn", (n_g, di)), stream=s)
+                rope.rope(kn, gpos, cos, sin, stream=s)
+                attention.cache_write(gemv.act_quant_fp4_pow2(kn, out=self._buf("ikq", (n_g, di)), stream=s),
+                                      slots, st.idxk[l].buf, stream=s)
+            rope.rope(lat, gpos, cos, sin, stream=s)
+            attention.cache_write(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s),
+                                  slots, st.ckv[l].buf, stream=s)
+
+    def _compress(self, l, st, c, x, qrq, observer, run_compressor=True):
+        """Compressor (KV sources, `_compressor`; `run_compressor=False`: it has run already) and indexer (index
+        sources) of a compressed layer; sets c.topk[l]."""
+        cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
+        T, ratio = c.T, role.ratio
+        cos, sin = self._rope[role.yarn]
+        if role.owns_compressor and run_compressor:
+            self._compressor(l, st, c, x)
         if not role.owns_indexer:
             return
         k_top = cfg.index_topk
