@@ -308,8 +308,8 @@ class CudaBackend:
             return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
                                      out=out, scratch=self.scr_side if side else self.scr, stream=s,
                                      fp8_input=fp8 and not quantize)
-        if quantize:
-            x = gemv.act_quant_fp8(x, out=self._buf("lin_xq", tuple(x.shape)), stream=s)
+        if quantize:                                     # each stream its own buffer: the two may overlap
+            x = gemv.act_quant_fp8(x, out=self._buf("lin_xq_side" if side else "lin_xq", tuple(x.shape)), stream=s)
         return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
 
     def _fork(self):
