@@ -11,7 +11,8 @@ Output: JSON lines on stdout (the first describes the run: machine, date, commit
 roofline; then one per context), then a human-readable table; `--out FILE` also writes the JSON lines to FILE.
 
 Per context and mode: tokens/s and ms/token (wall clock around `--steps` steps of forward + greedy device sampling
-with its token read back, after `--warm` steps that compile, grow the caches and capture the bucket's graph),
+with its token read back, after `--warm` steps that compile, grow the caches and capture the bucket's graph; with
+`--rounds R`, the median of R such rounds, each kept in `ms_per_token_rounds`),
 launches per token (eager steps: Numba kernel launches counted at numba's launch call, sampling included), graph
 nodes (the replayed decode graph), graph captures during the timed steps (should be 0).
 Bytes per token are counted from the device weight structure: every non-expert weight once (the embedding: one row),
@@ -49,6 +50,9 @@ def _args(argv=None):
     p.add_argument("--contexts", default=None, help="comma-separated contexts (default 1024,16384,65536; small 8)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per context and mode (20; small 1)")
     p.add_argument("--warm", type=int, default=None, help="untimed steps before timing (3; small 0)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed rounds of --steps steps per context and mode; ms/token is their median, each round's "
+                        "figure is kept (ms_per_token_rounds): the spread within one lease (default 1)")
     p.add_argument("--trace-steps", type=int, default=None, help="graph-mode steps in the CUPTI trace (5; small 0)")
     p.add_argument("--bits", default="auto", help="VQ bit plan (ds4lib.quant.plan.parse_bits_plan; default auto)")
     p.add_argument("--engram-rows", type=int, default=1 << 20, help="rows kept of each Engram table (host)")
@@ -382,16 +386,23 @@ def run_mode(backend, ctx, mode):
     if ARGS.warm:
         tok, launches = count_launches(lambda: decode(backend, st, tok, 1, ARGS.warm - 1))
         counted, stats1 = 1, dict(backend.stats)
-    backend.stream.synchronize()
-    t = time.perf_counter()
-    if ARGS.warm:
-        tok = decode(backend, st, tok, ARGS.steps, ARGS.warm)
-    else:
-        tok, launches = count_launches(lambda: decode(backend, st, tok, ARGS.steps, 0))
-        counted, stats1 = ARGS.steps, stats0
-    dt = (time.perf_counter() - t) / ARGS.steps
+    rounds, step0, counted_launches = [], ARGS.warm, 0
+    for _ in range(ARGS.rounds):
+        backend.stream.synchronize()
+        t = time.perf_counter()
+        if ARGS.warm:
+            tok = decode(backend, st, tok, ARGS.steps, step0)
+        else:
+            tok, n = count_launches(lambda: decode(backend, st, tok, ARGS.steps, step0))
+            counted_launches += n
+        rounds.append((time.perf_counter() - t) / ARGS.steps)
+        step0 += ARGS.steps
+    if not ARGS.warm:
+        launches, counted, stats1 = counted_launches, ARGS.steps * ARGS.rounds, stats0
+    dt = float(np.median(rounds))
     replays = (backend.stats if not ARGS.warm else stats1)["graph_replays"] - stats0["graph_replays"]
     rec = {"mode": mode, "ms_per_token": round(dt * 1e3, 3), "tokens_per_s": round(1 / dt, 2),
+           "ms_per_token_rounds": [round(r * 1e3, 3) for r in rounds],
            "kernel_launches_per_token": launches / counted, "graph_launches_per_token": replays / counted,
            "graph_nodes": backend.stats["graph_nodes"] if mode == "graph" else 0,
            "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
@@ -477,7 +488,7 @@ def batch_cost(backend, ctx, rows_list, steps, warm):
                     "captures_in_timing": backend.stats["graph_captures"] - captures})
         for st in sts:
             backend.park_state(st)                       # its graphs and the batched steps that hold it
-        del sts
+        sts.clear()                                      # (the list `step` closes over: the states go with it)
         backend.stream.synchronize()
     return out
 

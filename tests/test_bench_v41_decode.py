@@ -28,6 +28,7 @@ def test_bench_v41_decode_small_runs(tmp_path):
     for mode in ("eager",):
         x = ctx[0][mode]
         assert x["tokens_per_s"] > 0 and x["kernel_launches_per_token"] > 10 and 0 <= x["last_token"] < 64
+        assert x["ms_per_token_rounds"] == [x["ms_per_token"]]            # one round (--rounds 1): its own median
     assert "per-op" in p.stdout or "no per-op table" in p.stdout
 
 
