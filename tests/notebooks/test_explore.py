@@ -71,3 +71,10 @@ def test_notebook_says_a_missing_sidecar_is_not_built(tmp_path, stack):
     doc, _ = _run(tmp_path, stack, domain="finance", max_tokens=2)
     assert "sidecar for finance is not built" in doc["results"]["status"]
     assert "rows" not in doc["results"]
+
+
+def test_notebook_names_a_bad_parameter(tmp_path, stack):
+    with pytest.raises(papermill.PapermillExecutionError) as err:
+        _run(tmp_path, stack, domain="nosuch")
+    assert "domain: 'nosuch' is not one of none, finance" in str(err.value)
+    assert not (tmp_path / "summary.json").exists(), "stopped before the run wrote anything"
