@@ -261,7 +261,8 @@ def section_tiny(stream, reps):
             lg = eng.decode(s, tok)
             tok = be.sample(lg, p, 0, step + 1)           # the host reads back the token: a full sync per step
         dt = time.perf_counter() - t0
-        stats = {k: v - before.get(k, 0) if k != "graph_nodes" else v for k, v in getattr(be, "stats", {}).items()}
+        stats = {k: v - before.get(k, 0) if k not in ("graph_nodes", "graph_pdl_edges") else v
+                 for k, v in getattr(be, "stats", {}).items()}
         emit({"section": "tiny", "name": "ds4-tiny.decode_greedy", "tokens": n, "context_start": 64,
               "seconds": round(dt, 4), "tokens_per_s": round(n / dt, 1), "ms_per_token": round(1e3 * dt / n, 3),
               "mode": "graph" if graphs else "eager", "backend_stats": stats})

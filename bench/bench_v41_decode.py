@@ -96,7 +96,7 @@ import numpy as np                                      # noqa: E402
 from numba import cuda                                  # noqa: E402
 
 import kernels  # noqa: E402,F401  (numpy alias before anything compiles)
-from ds4lib.config import ModelConfig                   # noqa: E402
+from ds4lib.config import Env, ModelConfig              # noqa: E402
 from ds4lib.engine.cuda_weights import Lin              # noqa: E402
 from ds4lib.engram_geometry import engram_geometry      # noqa: E402
 from ds4lib.roles import layer_roles                    # noqa: E402
@@ -405,6 +405,7 @@ def run_mode(backend, ctx, mode):
            "ms_per_token_rounds": [round(r * 1e3, 3) for r in rounds],
            "kernel_launches_per_token": launches / counted, "graph_launches_per_token": replays / counted,
            "graph_nodes": backend.stats["graph_nodes"] if mode == "graph" else 0,
+           "graph_pdl_edges": backend.stats["graph_pdl_edges"] if mode == "graph" else 0,
            "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
     if mode == "graph" and ARGS.trace_steps:
         ops, why, tl = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000), ARGS.trace_steps,
@@ -554,7 +555,7 @@ def table(run, rows):
            f"roofline {run['roofline']['roofline_tbps']:.2f} TB/s ({run['roofline']['roofline_from']}; read kernel "
            f"{run['roofline']['read_tbps']:.2f}, device copy {run['roofline']['copy_tbps']:.2f})",
            f"{'context':>8} {'mode':>6} {'tok/s':>8} {'ms/tok':>8} {'GB/tok':>7} {'roof ms':>8} {'% roof':>7} "
-           f"{'launches':>9} {'nodes':>6}"]
+           f"{'launches':>9} {'nodes':>6} {'pdl':>5}"]
     for r in rows:
         for m in ("eager", "graph"):
             if m not in r:
@@ -562,7 +563,7 @@ def table(run, rows):
             x = r[m]
             out.append(f"{r['context']:>8} {m:>6} {x['tokens_per_s']:>8.2f} {x['ms_per_token']:>8.2f} "
                        f"{r['bytes_per_token'] / 1e9:>7.3f} {r['roofline_ms']:>8.3f} {x['pct_of_roofline']:>7.1f} "
-                       f"{x['kernel_launches_per_token']:>9.0f} {x['graph_nodes']:>6}")
+                       f"{x['kernel_launches_per_token']:>9.0f} {x['graph_nodes']:>6} {x['graph_pdl_edges']:>5}")
     for r in rows:
         ops = r.get("graph", {}).get("ops")
         if not isinstance(ops, dict):
@@ -608,7 +609,8 @@ def main():
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
-        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side", "shared_expert": ARGS.shared_expert}
+        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side", "shared_expert": ARGS.shared_expert,
+        "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)"}
     emit(run, lines)
     rows = []
     for ctx in ARGS.contexts:

@@ -431,13 +431,16 @@ class Env:
     per version of the kernel sources under it): DS4_KERNEL_CACHE, else NUMBA_CACHE_DIR, else
     $XDG_CACHE_HOME/ds4/numba (an absolute XDG_CACHE_HOME only, as the XDG spec asks), else ~/.cache/ds4/numba.
     `cuda_graphs`: the CUDA backend replays decode steps from CUDA graphs (DS4_CUDA_GRAPHS, default on; 0 keeps the
-    same launches eager)."""
+    same launches eager).
+    `cuda_pdl`: those graphs' kernel-to-kernel edges are programmatic ones (kernels.pdl; DS4_CUDA_PDL, default on;
+    0 keeps default edges: the same kernels, launched only when their predecessors have finished)."""
 
     require_cuda: bool
     cache_dir: Path
     cudasim: bool
     kernel_cache_dir: Path
     cuda_graphs: bool = True
+    cuda_pdl: bool = True
 
     @classmethod
     def read(cls) -> "Env":
@@ -451,4 +454,5 @@ class Env:
             cudasim=os.getenv("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"),
             kernel_cache_dir=Path(explicit).expanduser().absolute() if explicit else user_cache / "ds4" / "numba",
             cuda_graphs=os.getenv("DS4_CUDA_GRAPHS", "1") not in ("", "0"),
+            cuda_pdl=os.getenv("DS4_CUDA_PDL", "1") not in ("", "0"),
         )

@@ -6,8 +6,9 @@ Kernels import numpy, numba and ds4lib.formats constants only; no I/O and no mod
 `ds4lib.config.Env` (the one reader of the environment) for the kernel cache's home, and hashes the kernel sources
 once at import (below).
 
-Every `@cuda.jit` kernel is declared with `cache=True`: numba-cuda keeps its compiled code (LLVM IR, PTX, cubin) on
-disk, so a later process loads it instead of compiling (docs/toolchain.md §4.5). The cache lives in
+Every `@cuda.jit` kernel begins with `kernels.pdl.grid_entry_device()` (the grid-dependency wait of programmatic
+graph edges, docs/toolchain.md §4.8) and is declared with `cache=True`: numba-cuda keeps its compiled code (LLVM IR,
+PTX, cubin) on disk, so a later process loads it instead of compiling (docs/toolchain.md §4.5). The cache lives in
 `KERNEL_CACHE_DIR` = Env.kernel_cache_dir / "kernels-<hash of the kernel sources>". Numba keys a cached kernel by its
 own bytecode, its closure variables and its file's mtime and size, but not by the device functions it calls from
 other modules (kernels.bf16, rms_norm's block sums), an intrinsic's PTX text or the ds4lib.formats constants it

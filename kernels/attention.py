@@ -39,6 +39,7 @@ from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
 from kernels.scratch import scratch_array as _scratch
 
@@ -68,6 +69,7 @@ NEG_INF = np.float32(-np.inf)
 @cuda.jit(cache=True)
 def window_write_kernel(kv, positions, ring, ring_pos):
     """ring[p mod W] = bf16(kv[t]) for the last min(T, W) rows; ring_pos[p mod W] = p."""
+    grid_entry_device()
     n_tok, dh = kv.shape
     w = ring.shape[0]
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -85,6 +87,7 @@ def window_write_kernel(kv, positions, ring, ring_pos):
 @cuda.jit(cache=True)
 def window_index_kernel(ring_pos, positions, idx):
     """idx[t, j] = key-buffer row of position positions[t] - W + 1 + j, or -1 (positions[0] starts the call)."""
+    grid_entry_device()
     n_tok, w = idx.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * w:
@@ -106,6 +109,7 @@ def window_index_kernel(ring_pos, positions, idx):
 @cuda.jit(cache=True)
 def cache_write_kernel(src, rows, dst):
     """dst[rows[r]] = bf16 bits of src[r] (rows[r] < 0: skipped)."""
+    grid_entry_device()
     n, dh = src.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n * dh:
@@ -153,6 +157,7 @@ def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
 def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, z):
     """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x (32 * rows_per_quad) rows per block; -inf for invalid
     rows. rows_per_quad (1, 2 or 4) only changes which quad computes a row, never a row's sum or its order."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     quad = tid // 4
     qd = tid % 4
@@ -209,6 +214,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
 def attn_softmax_kernel(z, sink, den):
     """Per (t, h): z <- bf16(exp(z - max)) in place; den = float64 sum of the exp weights + exp(sink - max),
     or 0 when no row is valid."""
+    grid_entry_device()
     lane = cuda.threadIdx.x % WARP
     g = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
     n_tok, n_heads, n_rows = z.shape
@@ -254,6 +260,7 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
     row order and the chunk sums are added in order, so the result does not depend on how many chunks a split
     holds as long as the splits are 1 or one per chunk (the launcher's choices). Rows go in groups of
     VALUE_GROUP with the group's key loads issued before its arithmetic."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     s = cuda.blockIdx.x
     h0 = cuda.blockIdx.y * HEADS_PER_BLOCK
@@ -318,6 +325,7 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
     """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row); with `has_rope`
     the tail's adjacent pairs then rotate back to positions[t] exactly as kernels.rope's inverse rotation does
     (the pair's other value from the neighbouring lane: a pair never straddles a warp)."""
+    grid_entry_device()
     n_tok, n_split, n_heads, dh = part.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     ok = g < n_tok * n_heads * dh

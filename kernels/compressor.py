@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 from kernels.rms_norm import block_sum_rows_f64_device
 
 __all__ = ["compress", "compress_pool_kernel", "compress_state_kernel", "SIGNATURES"]
@@ -42,6 +43,7 @@ def _row_device(kv, state, start_pos, p, d):
 def compress_pool_kernel(kv, score, state_kv, state_score, positions, ratio, norm_w, eps, out):
     """out[j] = RMSNorm(bf16(pool of group positions[0] // ratio + j)); ratio 1: out[j] = RMSNorm(kv[j]); rows j
     past the call's completed groups are zero."""
+    grid_entry_device()
     j = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     dh = kv.shape[1]
@@ -87,6 +89,7 @@ def compress_pool_kernel(kv, score, state_kv, state_score, positions, ratio, nor
 @cuda.jit(cache=True)
 def compress_state_kernel(kv, score, positions, state_kv, state_score):
     """Rows of the trailing incomplete group -> state slot p mod ratio."""
+    grid_entry_device()
     n_tok, dh = kv.shape
     ratio = state_kv.shape[0]
     start_pos = positions[0]

@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import round_bf16_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["dspark_features", "markov_add", "table_rows", "dspark_features_kernel", "markov_add_kernel",
            "table_rows_kernel", "SIGNATURES"]
@@ -27,6 +28,7 @@ THREADS = 128
 @cuda.jit(cache=True)
 def dspark_features_kernel(h, col0, out):
     """out[t, col0 + d] = bf16((((h[t, 0, d] + h[t, 1, d]) + ...) / S) in FP32."""
+    grid_entry_device()
     n_tok, n_streams, dim = h.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * dim:
@@ -42,6 +44,7 @@ def dspark_features_kernel(h, col0, out):
 @cuda.jit(cache=True)
 def markov_add_kernel(base, row, bias, out):
     """out[d] = base[row, d] + bias[0, d]."""
+    grid_entry_device()
     d = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if d < out.shape[0]:
         out[d] = base[row, d] + bias[0, d]
@@ -50,6 +53,7 @@ def markov_add_kernel(base, row, bias, out):
 @cuda.jit(cache=True)
 def table_rows_kernel(table, ids, out):
     """out[t, k] = table[ids[t], k]."""
+    grid_entry_device()
     n_tok, k_len = out.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g < n_tok * k_len:

@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bits_f32, exp_f32_device, f32_bits, mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 from kernels.rms_norm import block_sum_rows_f64_device
 
 __all__ = ["engram_hashes", "engram_gather", "engram_gate", "engram_hash_kernel", "engram_gather_kernel",
@@ -40,6 +41,7 @@ E4M3_SUBNORMAL_STEP = np.float32(2.0 ** -9)
 @cuda.jit(cache=True)
 def engram_hash_kernel(cids, history, primes, offsets, mults, n_heads, pad, out, new_history):
     """out[t, l, c] for every (token, layer, column); new_history = last n-1 of history ++ cids."""
+    grid_entry_device()
     n_tok, n_layers, n_cols = out.shape
     h0 = history.shape[0]                          # n - 1
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -91,6 +93,7 @@ def ue8m0_decode_device(code):
 @cuda.jit(cache=True)
 def engram_gather_kernel(hashes, codes32, scales, out):
     """out[t, c, 4w..4w+3] = bf16(e4m3(codes[row, 4w..]) * ue8m0(scales[row, 4w // 32])), row = hashes[t, c]."""
+    grid_entry_device()
     n_tok, n_cols, hd = out.shape
     nw = hd // 4
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -110,6 +113,7 @@ def engram_gather_kernel(hashes, codes32, scales, out):
 @cuda.jit(cache=True)
 def engram_gate_kernel(h, kv, q_weight, k_weight, dead, eps, out):
     """Block (stream s, token t): out[t, s] = bf16(h[t, s] + gate * value)."""
+    grid_entry_device()
     s = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x

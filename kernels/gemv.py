@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["gemv", "act_quant_fp8", "act_quant_fp8_lane_device", "act_quant_fp4_pow2", "act_quant_fp4_e4m3",
            "gemv_t1_kernel", "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
@@ -70,6 +71,7 @@ def _make_gemv_kernel(tt, dot, per_word):
     warps' shuffle-tree sums meet in shared memory and are added in warp order."""
     @cuda.jit(cache=True)
     def gemv_kernel(x64, w64, rows_per_group, split, out_bf16, out):
+        grid_entry_device()
         red = cuda.shared.array((BLOCK_WARPS, TOKENS_WIDE), np.float32)
         lane = cuda.threadIdx.x % WARP
         wib = cuda.threadIdx.x // WARP                   # warp in block
@@ -214,6 +216,7 @@ def act_quant_fp8_lane_device(v):
 @cuda.jit(cache=True)
 def act_quant_fp8_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; one element per thread, one quantisation block per warp."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     lane = cuda.threadIdx.x % WARP
     n = x.shape[0]
@@ -227,6 +230,7 @@ def act_quant_fp8_kernel(x, out):
 @cuda.jit(cache=True)
 def act_quant_fp4_pow2_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; scale 2^ceil(log2(amax/6)) per block of 32."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     lane = cuda.threadIdx.x % WARP
     n = x.shape[0]
@@ -243,6 +247,7 @@ def act_quant_fp4_pow2_kernel(x, out):
 @cuda.jit(cache=True)
 def act_quant_fp4_e4m3_kernel(x, out):
     """x, out [n] float32, n % 16 == 0; scale e4m3(amax/6) per block of 16."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     lane = cuda.threadIdx.x % WARP
     n = x.shape[0]

@@ -38,6 +38,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
@@ -95,6 +96,7 @@ def _mix_partial_device(h2, fn, cols, partial):
 @cuda.jit(cache=True)
 def hc_mix_partial_kernel(h2, fn, cols, partial):
     """The partials of every token, one block per COLS_PER_BLOCK columns (_mix_partial_device)."""
+    grid_entry_device()
     _mix_partial_device(h2, fn, cols, partial)
 
 
@@ -172,6 +174,7 @@ def _mix_finish_device(parts, pt, t, lane, base, scale, n_cols, norm_eps, hc_eps
 def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
     """One block per token. The partials are summed by FIN_PARTS threads per mix (_part_sum_device), then the
     first warp finishes (_mix_finish_device)."""
+    grid_entry_device()
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     parts = cuda.shared.array((1, N_ACC, FIN_PARTS), np.float64)
@@ -191,6 +194,7 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
     each block writes its partials, then the block that draws the last ticket of `counter` (int32 [1], zero on
     entry; left zero) sums every token's partials and finishes them, warp w taking tokens w, w + 4, ... The
     same device functions as the two kernels, so the same bits (module docstring: memory order)."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     n_tok = h2.shape[0]
     n_blk = cuda.gridDim.x
@@ -221,6 +225,7 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
 @cuda.jit(cache=True)
 def hc_pre_kernel(h, pre, out):
     """out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]); one thread per (t, d)."""
+    grid_entry_device()
     n_tok, n_s, d = h.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * d:
@@ -236,6 +241,7 @@ def hc_pre_kernel(h, pre, out):
 @cuda.jit(cache=True)
 def hc_post_kernel(y, h, post, comb, out):
     """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d)."""
+    grid_entry_device()
     n_tok, n_s, d = h.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * d:

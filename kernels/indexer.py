@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["index_scores", "select_topk", "candidate_blocks", "index_score_kernel", "topk_init_kernel",
@@ -57,6 +58,7 @@ def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block,
     """out[t, s]: a thread per key row with all heads' accumulators in registers; per key word (4 dims, the next
     word's load in flight) every head's two query pairs come from shared memory as broadcasts; then the heads'
     rounded terms are added in head order."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     n_heads, di = q.shape[1], q.shape[2]
@@ -117,6 +119,7 @@ def _key16_device(v):
 @cuda.jit(cache=True)
 def topk_init_kernel(hist, st, out):
     """Zero the histograms and state; -1 into every output slot (slots past min(k, S) stay -1)."""
+    grid_entry_device()
     t = cuda.blockIdx.x
     for i in range(cuda.threadIdx.x, hist.shape[1] * BINS, cuda.blockDim.x):
         hist[t, i // BINS, i % BINS] = 0
@@ -130,6 +133,7 @@ def topk_init_kernel(hist, st, out):
 def topk_hist_kernel(scores, chunk, pass_id, st, hist):
     """Pass 0: histogram of the high byte of every key. Pass 1: of the low byte among keys whose high byte is
     the pass-0 choice. One shared histogram per block, merged with one atomic per non-empty bin."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     sh = cuda.shared.array(BINS, np.int32)
@@ -155,6 +159,7 @@ def topk_hist_kernel(scores, chunk, pass_id, st, hist):
 def topk_scan_kernel(hist, k, pass_id, st):
     """Per row: the lowest non-empty bin (scanning from the top) with fewer than k keys above it. Thread i
     owns bins 255 - 2i and 254 - 2i; a warp-shuffle scan plus one shared step gives the counts above."""
+    grid_entry_device()
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     lane = tid % WARP
@@ -204,6 +209,7 @@ def topk_scan_kernel(hist, k, pass_id, st):
 @cuda.jit(cache=True)
 def topk_count_kernel(scores, chunk, st, cnt):
     """cnt[t, blk] = (keys above the threshold, keys equal to it) in the block's chunk."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     sh = cuda.shared.array(2, np.int32)
@@ -253,6 +259,7 @@ def _block_rank_device(flag, wtot):
 @cuda.jit(cache=True)
 def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
     """Selected indices of the block's chunk, in index order, at their global output slots."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.y
     blk = cuda.blockIdx.x
@@ -294,6 +301,7 @@ def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
 @cuda.jit(cache=True)
 def block_max_kernel(scores, positions, ratio, block_size, out):
     """out[t, b] = max over block b of scores[t] (missing positions -inf); the newest reachable block +inf."""
+    grid_entry_device()
     n_tok, n_rows = scores.shape
     nb = out.shape[1]
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -311,6 +319,7 @@ def block_max_kernel(scores, positions, ratio, block_size, out):
 @cuda.jit(cache=True)
 def candidate_keep_kernel(block_scores, ids, keep):
     """keep[t, b] = 1 if block b is among the row's selected ids (ascending, -1 at the end) and > -inf."""
+    grid_entry_device()
     n_tok, nb = block_scores.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * nb:

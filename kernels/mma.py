@@ -41,6 +41,7 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.bf16 import f32_bits
 from kernels.engram import e4m3_decode_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["mma_e4m3_device", "mma_f16_device", "mma_u8u8_device", "mma_u8s8_device", "e4m3x2_to_f16x2_device",
            "load4_device",
@@ -271,6 +272,7 @@ def e4m3_encode_device(v):
 @cuda.jit(cache=True)
 def e4m3_encode_kernel(v, out):
     """out[i] = e4m3_encode_device(v[i]) (tests: the encoder on every code)."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < v.shape[0]:
         out[i] = e4m3_encode_device(v[i])
@@ -279,6 +281,7 @@ def e4m3_encode_kernel(v, out):
 @cuda.jit(cache=True)
 def e4m3_to_f16_kernel(codes, out):
     """out[i] = the halves of codes[i]'s two E4M3 bytes (tests: the conversion on every pair of codes)."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < codes.shape[0]:
         out[i] = e4m3x2_to_f16x2_device(codes[i])

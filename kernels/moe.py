@@ -29,6 +29,7 @@ from numba import cuda
 
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.gemv import act_quant_fp8_lane_device, gemv
+from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swiglu_kernel", "swiglu_q_kernel",
@@ -75,6 +76,7 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
     the experts (thread i: experts i, i + THREADS, ..., their loads issued before any arithmetic) into shared
     memory; then the first warp takes the top-k, each lane holding experts lane + 32 j. has_plan (T = 1 only):
     also pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     t = cuda.blockIdx.x
     n_tok, n_exp = logits.shape
@@ -168,6 +170,7 @@ def _swiglu_device(g, u, w, has_w, limit, r, c):
 @cuda.jit(cache=True)
 def swiglu_kernel(g, u, w, has_w, limit, out):
     """out[r, f] = bf16(w[r] * (silu(min(g, limit)) * clamp(u, +-limit))); limit <= 0: no clamp."""
+    grid_entry_device()
     n, f = g.shape
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= n * f:
@@ -181,6 +184,7 @@ def swiglu_kernel(g, u, w, has_w, limit, out):
 def swiglu_q_kernel(g, u, w, has_w, limit, out, out_q):
     """swiglu_kernel and out_q = act_quant_fp8(out) (F % 32 == 0: a warp's elements are one block of a row, and
     a warp is wholly inside or wholly past the n*F elements, so its return is warp-uniform)."""
+    grid_entry_device()
     n, f = g.shape
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= n * f:

@@ -64,6 +64,7 @@ from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, mul_
 from kernels.gemv import E4M3_MAX, _rint_step_device, act_quant_fp8, e4m3_round_device, pow2_ceil_device
 from kernels.mma import (MMA_EX_WORDS, e4m3_encode_device, load4_device, mma_e4m3_device, mma_u8s8_device,
                          mma_u8u8_device)
+from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["q4k_gemv", "q4k_rows", "warp_sum_device", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
@@ -204,6 +205,7 @@ def _make_q4k_kernel(tt):
     """q4_K GEMV for `tt` tokens per pass; x [T, G*K], w64 [N, NB*18]."""
     @cuda.jit(cache=True)
     def q4k_gemv_kernel(x, w64, rows_per_group, out_bf16, out):
+        grid_entry_device()
         red = cuda.shared.array((WARPS_PER_BLOCK, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
         row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
@@ -341,6 +343,7 @@ def _make_q4k_deep_kernel(warps):
     x1 [G*K/2] (x as flat uint64), w1 [N*NB*18] (the weights as flat uint64 words), n_words = NB*18."""
     @cuda.jit(cache=True)
     def q4k_gemv_deep_kernel(x1, w1, n_words, rows_per_group, out_bf16, out):
+        grid_entry_device()
         red = cuda.shared.array((warps, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
         row = cuda.blockIdx.x * warps + cuda.threadIdx.x // WARP
@@ -580,6 +583,7 @@ def _make_mma_kernel(decode, min_blocks):
         form all four for its two columns. The same operations in the same order, so a token's result does not depend
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
         (counters, reset to 0 by it); a single slice writes directly."""
+        grid_entry_device()
         codes = cuda.shared.array(MMA_CODES_WORDS, nb_uint64)
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -784,6 +788,7 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel (the
     activation rule of linear_q without a launch of its own). FP8-grid values are integers here exactly: a block's
     smallest step, 2^-9 of its act_quant scale, is at least 2^3 p."""
+    grid_entry_device()
     red = cuda.shared.array((IM_STAGE_WARPS, WARP), np.float32)
     redi = cuda.shared.array((IM_STAGE_WARPS, WARP), np.int32)
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -973,6 +978,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
         operations in the same order, so a token's result does not depend on the tokens beside it."""
+        grid_entry_device()
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
         red = cuda.shared.array((IM_WARPS, WARP), np.float32)
@@ -1097,6 +1103,7 @@ def _make_q8_0_kernel(tt):
     """Q8_0 GEMV (the fallback of rows that are not a multiple of 256): lane i owns weight i of each block."""
     @cuda.jit(cache=True)
     def q8_0_gemv_kernel(x, w16, rows_per_group, out_bf16, out):
+        grid_entry_device()
         red = cuda.shared.array((WARPS_PER_BLOCK, WARP), np.float32)
         lane = cuda.threadIdx.x % WARP
         row = cuda.blockIdx.x * WARPS_PER_BLOCK + cuda.threadIdx.x // WARP
@@ -1132,6 +1139,7 @@ q8_0_gemv_t4_kernel = _make_q8_0_kernel(TOKENS_WIDE)
 @cuda.jit(cache=True)
 def q4k_rows_kernel(w8, ids, out):
     """out[t, k] = dequantize_q4k(w[ids[t]])[k]; one thread per output element."""
+    grid_entry_device()
     n_tok, k_len = out.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * k_len:
@@ -1155,6 +1163,7 @@ def q4k_rows_kernel(w8, ids, out):
 @cuda.jit(cache=True)
 def q8_0_rows_kernel(w16, ids, out):
     """out[t, k] = dequantize_q8_0(w[ids[t]])[k]; one thread per output element."""
+    grid_entry_device()
     n_tok, k_len = out.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if g >= n_tok * k_len:

@@ -41,6 +41,7 @@ from numba import cuda
 from kernels.bf16 import round_bf16_device
 from kernels.gemv import act_quant_fp8_lane_device
 from kernels.hc import HC
+from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
@@ -168,6 +169,7 @@ def _make_norm_kernel(hc_in, quant):
 
     @cuda.jit(cache=True)
     def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
+        grid_entry_device()
         row = cuda.blockIdx.x
         d = src.shape[src.ndim - 1]
         step = cuda.blockDim.x * ELEMS
@@ -199,6 +201,7 @@ def rms_norm_rope_q_kernel(x, w, eps, positions, cos, sin, out, out_q):
     """rms_norm_kernel, then kernels.rope's forward rotation of the tail's adjacent pairs at positions[r] (in place,
     the head dims as normed), then out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0). A pair (2i, 2i+1) sits in two
     neighbouring lanes of one warp (element j is thread j mod n's), so its other value is one shuffle away."""
+    grid_entry_device()
     row = cuda.blockIdx.x
     d = x.shape[1]
     step = cuda.blockDim.x * ELEMS

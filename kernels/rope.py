@@ -15,6 +15,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import mul_rn_device, round_bf16_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["rope", "rope_pair_value_device", "rope_kernel", "SIGNATURES"]
 
@@ -34,6 +35,7 @@ def rope_pair_value_device(v, other, odd, c, s):
 @cuda.jit(cache=True)
 def rope_kernel(x, positions, cos, sin, inverse, first_pair, out):
     """One thread per pair (2j, 2j+1) of x [T, H, Dh], pairs j >= first_pair; pairs of the tail rotate."""
+    grid_entry_device()
     half = cos.shape[1]
     n_tok, n_heads, dh = x.shape
     per_row = dh // 2 - first_pair

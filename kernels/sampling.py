@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import f32_bits
+from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["sample", "truncate", "sample_max_kernel", "sample_reduce_kernel", "sample_hist_kernel",
@@ -139,6 +140,7 @@ def _block_best_device(v, i, sh_v, sh_i):
 @cuda.jit(cache=True)
 def sample_max_kernel(logits, chunk, mask, use_mask, part_v, part_i):
     """Per block: the largest (allowed) logit of its chunk and its first index."""
+    grid_entry_device()
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     n = logits.shape[1]
@@ -164,6 +166,7 @@ def sample_max_kernel(logits, chunk, mask, use_mask, part_v, part_i):
 @cuda.jit(cache=True)
 def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
     """Per row: max and argmax over the blocks (token for temperature 0); reset the state and histograms."""
+    grid_entry_device()
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     bv = NEG_INF64
@@ -190,6 +193,7 @@ def sample_reduce_kernel(part_v, part_i, st, stf, hist_cnt, hist_w, tokens):
 @cuda.jit(cache=True)
 def sample_hist_kernel(logits, chunk, mask, use_mask, temperature, st, stf, pass_id, hist_cnt, hist_w):
     """Count and weight histograms of the current digit over keys matching the chosen higher digits."""
+    grid_entry_device()
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -224,6 +228,7 @@ def sample_hist_kernel(logits, chunk, mask, use_mask, temperature, st, stf, pass
 @cuda.jit(cache=True)
 def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k, st, stf):
     """Pick the digit of this pass (see module docstring); record thresholds after the last pass."""
+    grid_entry_device()
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     lane = tid % WARP
@@ -316,6 +321,7 @@ def sample_scan_kernel(hist_cnt, hist_w, pass_id, phase, top_k, top_p, use_top_k
 def sample_gumbel_kernel(logits, chunk, mask, use_mask, temperature, min_p, seeds, steps, st, stf, part_v, part_i,
                          kept, write_kept):
     """Per block: the kept token with the largest z + Gumbel noise."""
+    grid_entry_device()
     b = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     n = logits.shape[1]
@@ -348,6 +354,7 @@ def sample_gumbel_kernel(logits, chunk, mask, use_mask, temperature, min_p, seed
 @cuda.jit(cache=True)
 def sample_pick_kernel(part_v, part_i, tokens):
     """Per row: the best block result, blocks in order (lowest index on ties); a non-finite row keeps its -1."""
+    grid_entry_device()
     b = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if b >= tokens.shape[0] or tokens[b] < 0:
         return

@@ -27,6 +27,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels.pdl import grid_entry_device
 from kernels.sampling import (CHUNK, F_MAX, FIXED_ONE, NEG_INF64, S_ARGMAX, S_THETA_K, S_THETA_P, THREADS,
                               _block_best_device, _order_key_device, _weight_device, philox_uniform_device, sample,
                               truncate)
@@ -50,6 +51,7 @@ def _prob_device(v, m, theta, temperature, min_p, mass):
 @cuda.jit(cache=True)
 def spec_mass_kernel(logits, temperature, min_p, st, stf, mass):
     """mass[b] = sum of exp(z) over row b's kept tokens (float64; a thread's tokens in order, then a tree)."""
+    grid_entry_device()
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     n = logits.shape[1]
@@ -79,6 +81,7 @@ def spec_residual_kernel(target, draft, chunk, temperature, min_p, st_t, stf_t, 
                          part_r, part_ri, part_p, part_pi):
     """Per block of row j (grid.y, j < k): the best log(p_i - q_i) + G_i over r_i > 0 (part_r / part_ri) and the best
     z_i + G_i over p's kept tokens (part_p / part_pi), G_i = -log(-log u_i), u of step RESIDUAL << 56 | io[1] + j."""
+    grid_entry_device()
     j = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     n = target.shape[1]
@@ -136,6 +139,7 @@ def _best_of_blocks_device(part_v, part_i, j):
 def spec_decide_kernel(target, draft, drafts, k, temperature, min_p, st_t, stf_t, st_d, stf_d, mass_t, mass_d, io,
                        part_r, part_ri, part_p, part_pi, bonus, out):
     """One thread: out = (n kept, next token) (module docstring)."""
+    grid_entry_device()
     if cuda.threadIdx.x != 0 or cuda.blockIdx.x != 0:
         return
     for j in range(k):

@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bf16_bits_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["step_inputs", "batch_inputs", "group_rows", "fill_bits", "step_inputs_kernel", "batch_inputs_kernel",
            "group_rows_kernel", "fill_bits_kernel", "SIGNATURES"]
@@ -29,6 +30,7 @@ THREADS = 128
 @cuda.jit(cache=True)
 def step_inputs_kernel(inp, image_token, pos, rep, dead):
     """inp int64 [2] = (position, token) -> pos [1], rep [S] = token, dead [1] = token is the image token."""
+    grid_entry_device()
     i = cuda.threadIdx.x
     if i == 0:
         pos[0] = inp[0]
@@ -41,6 +43,7 @@ def step_inputs_kernel(inp, image_token, pos, rep, dead):
 def batch_inputs_kernel(inp, image_token, pos, rep, dead):
     """inp int64 [B, 2] = (position, token) of each row -> pos [B], rep [B * S] = each row's token S times,
     dead [B]."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     n_rows = inp.shape[0]
     if i >= rep.shape[0]:
@@ -56,6 +59,7 @@ def batch_inputs_kernel(inp, image_token, pos, rep, dead):
 @cuda.jit(cache=True)
 def group_rows_kernel(positions, ratio, rows, gpos):
     """rows[j], gpos[j] of the call's completed groups (module docstring)."""
+    grid_entry_device()
     j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if j >= rows.shape[0]:
         return
@@ -69,6 +73,7 @@ def group_rows_kernel(positions, ratio, rows, gpos):
 @cuda.jit(cache=True)
 def fill_bits_kernel(buf, seed, scale):
     """buf[r, c] = BF16 bits of a hash of (seed, r, c) mapped to [-scale/2, scale/2)."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     n_rows, width = buf.shape
     if i >= n_rows * width:

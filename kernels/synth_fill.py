@@ -27,6 +27,7 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.formats.fp8 import E4M3_VALUES
 from ds4lib.formats.q4k import Q4K_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK8_0, QK_K
 from kernels.bf16 import bf16_bits_device
+from kernels.pdl import grid_entry_device
 
 __all__ = ["synth_fill", "synth_key", "FORMATS", "E4M3_SMALL_MASK", "E4M3_SMALL_RMS", "SIGNATURES",
            "fill_bits_kernel", "fill_q4k_kernel", "fill_q8_0_kernel", "fill_f32_kernel", "fill_bf16_kernel",
@@ -87,6 +88,7 @@ def _uniform_device(key, i, center, sigma):
 @cuda.jit(cache=True)
 def fill_bits_kernel(out, key, mask):
     """out[i] = hash(key, i) & mask."""
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = np.uint32(_hash_device(key, i) & np.uint64(mask))
 
@@ -104,6 +106,7 @@ def _q4k_min_device(sc):
 @cuda.jit(cache=True)
 def fill_q4k_kernel(out, key, d_dmin):
     """out uint32 [NB * 36]: q4_K blocks (module docstring); d_dmin = d bits | dmin bits << 16."""
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         blk = i // Q4K_WORDS
         w = i - blk * Q4K_WORDS
@@ -128,6 +131,7 @@ def fill_q4k_kernel(out, key, d_dmin):
 @cuda.jit(cache=True)
 def fill_q8_0_kernel(out, key, d_bits):
     """out uint8 [NB * 34]: Q8_0 blocks, f16 d = d_bits, random int8 codes."""
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         o = i % Q8_0_BLOCK_BYTES
         if o == 0:
@@ -140,12 +144,14 @@ def fill_q8_0_kernel(out, key, d_bits):
 
 @cuda.jit(cache=True)
 def fill_f32_kernel(out, key, center, sigma):
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = _uniform_device(key, i, center, sigma)
 
 
 @cuda.jit(cache=True)
 def fill_bf16_kernel(out, key, center, sigma):
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = bf16_bits_device(_uniform_device(key, i, center, sigma))
 
@@ -153,6 +159,7 @@ def fill_bf16_kernel(out, key, center, sigma):
 @cuda.jit(cache=True)
 def fill_f16_kernel(out, key, exp_bits):
     """Positive f16 values: exponent bits fixed, random mantissa."""
+    grid_entry_device()
     for i in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
         out[i] = np.uint16(np.uint64(exp_bits) | (_hash_device(key, i) & np.uint64(0x3FF)))
 

@@ -13,6 +13,8 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels.pdl import grid_entry_device
+
 __all__ = ["vq_accumulate", "vq_accumulate_kernel", "SIGNATURES", "DIM", "THREADS", "FIXED_SHIFT",
            "MAX_LAUNCH_VECTORS"]
 
@@ -25,6 +27,7 @@ MAX_LAUNCH_VECTORS = 1 << 26
 
 @cuda.jit(cache=True)
 def vq_accumulate_kernel(x, idx, sums, counts):
+    grid_entry_device()
     v = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
     if v < x.shape[0]:
         k = idx[v]

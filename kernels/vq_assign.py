@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from kernels.bf16 import bits_f32, f32_bits
+from kernels.pdl import grid_entry_device
 
 __all__ = ["vq_assign", "vq_assign_kernel", "round_sig12_device", "SIGNATURES", "DIM", "THREADS", "VPT",
            "CHUNK", "VECTORS_PER_BLOCK", "MAX_LAUNCH_VECTORS"]
@@ -44,6 +45,7 @@ def round_sig12_device(v):
 
 @cuda.jit(cache=True)
 def vq_assign_kernel(x, cbm2, cnorm, out):
+    grid_entry_device()
     sh_c = cuda.shared.array((CHUNK, DIM), float32)
     sh_n = cuda.shared.array(CHUNK, float32)
     xr = cuda.local.array((VPT, DIM), float32)

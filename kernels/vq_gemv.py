@@ -66,6 +66,7 @@ from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, load4_device, mma_f16_device
+from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import _code_word_device, _fp8_block_scale_device, _quant8_device
 from kernels.scratch import scratch_array as _scratch
 
@@ -209,6 +210,7 @@ def vq_plan_kernel(ids, n_experts, tile_rows, pairs, tiles, n_tiles):
     threads places each expert's pairs and tiles; then each warp writes its pairs in order (_plan_fill_device).
     Every slot is a function of the ids alone, so the pairs of an expert land in ascending order whatever the
     scheduling, and the plan does not depend on the block size."""
+    grid_entry_device()
     tid = cuda.threadIdx.x
     warp = tid // WARP
     nt = cuda.blockDim.x
@@ -274,6 +276,7 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
                        rows_b, cols_b, n_mats):
     """File layout -> device layout, one thread per (matrix, device block, lane); matrix i = 3e + m is [rows_b,
     cols_b] for m == 1 (w2), else [rows_a, cols_a]. Positions past a row's end or past the last row get index 0."""
+    grid_entry_device()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     nb_max = d_words // WORDS_PER_BLOCK
     if i >= n_mats * nb_max * WARP:
@@ -365,6 +368,7 @@ def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
     lower input in the low half, zeros for c >= J; in the GEMV's fragment order: c = 16s + 4k + t of row r at words
     4 (r*Jp + 16s + 4t + k) .. + 3) and scl1 float32 [n * Jp/4] (block q of 32 inputs' power-of-two scale P at
     r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of lanes per block of 32."""
+    grid_entry_device()
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
     ok, r, c = _stage_slot_device(x.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
@@ -378,6 +382,7 @@ def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
     """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded
     (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging.
     g, u float32 [n, 8J], w float32 [n]."""
+    grid_entry_device()
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
     ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
     v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
@@ -532,6 +537,7 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
     @jit
     def vq_gemv_kernel(xh, scl1, n_cwp, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len,
                        has_plane, mat0, mat_step, n_mats, n_rows, n_rg, n_seg, gain_a, gain_b, scale, has_scale, out):
+        grid_entry_device()
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         cbs = cuda.shared.array(0, nb_uint64)                     # [C] codewords, 8 E4M3 codes each
@@ -617,6 +623,7 @@ vq_gemv_wide_kernel = _make_vq_kernel(WIDE_THREADS, True)
 @cuda.jit(cache=True)
 def moe_combine_kernel(ye, ids, shared, out):
     """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d])."""
+    grid_entry_device()
     n_tok, d_len = out.shape
     k_act = ids.shape[1]
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x

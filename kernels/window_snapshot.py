@@ -20,6 +20,8 @@ Shapes: L layers, W window, C call rows after the ring, Dh head dim, S snapshot 
 import numpy as np
 from numba import cuda
 
+from kernels.pdl import grid_entry_device
+
 __all__ = ["window_save", "window_restore", "window_save_kernel", "window_restore_kernel", "SIGNATURES"]
 
 THREADS = 128
@@ -28,6 +30,7 @@ THREADS = 128
 @cuda.jit(cache=True)
 def window_save_kernel(ring, ring_pos, firsts, save, save_pos):
     """save[l, i, d] = ring[l, (first + i) % W, d]; save_pos[l, i] = ring_pos[l, (first + i) % W]; first = firsts[0]."""
+    grid_entry_device()
     n_layers, n_save, dh = save.shape
     first = firsts[0]
     w = ring_pos.shape[1]
@@ -46,6 +49,7 @@ def window_save_kernel(ring, ring_pos, firsts, save, save_pos):
 @cuda.jit(cache=True)
 def window_restore_kernel(save, save_pos, firsts, keep, count, ring, ring_pos):
     """ring[l, (first + i) % W] = save[l, i] (and its position) for keep <= i < count; first = firsts[0]."""
+    grid_entry_device()
     n_layers, n_save, dh = save.shape
     first = firsts[0]
     w = ring_pos.shape[1]

@@ -34,7 +34,9 @@ so a wider view gives the same bits. The first step of a bucket is captured and 
 created an array while capturing (a process's first step, a larger scratch shape) the graph is dropped, that step
 runs eagerly and is captured again right after, in the same call. The device sampler over a decode step's logits
 row is replayed from a graph of its own per sampling parameter set, its seed and step read from host-mapped memory.
-`graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step and every sample eager.
+`graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step and every sample eager. The graphs' kernel-to-kernel edges are
+programmatic (kernels.pdl: a kernel's blocks are resident, waiting, when its predecessor completes; the same bits);
+DS4_CUDA_PDL=0 keeps default edges.
 
 Two streams: what a layer needs only later runs on a side stream beside the critical path — each sub-layer's mHC
 mixes (read h, first needed by its hc_post), the attention's window key (its projection, norm and RoPE, written to
@@ -191,8 +193,9 @@ class CudaBackend:
         if graphs is None:
             graphs = Env.read().cuda_graphs
         self.graphs = bool(graphs) and cuda_graph.available()
+        self.pdl = Env.read().cuda_pdl              # the graphs' kernel-to-kernel edges programmatic (kernels.pdl)
         self.bucket_min_rows = BUCKET_MIN_ROWS
-        self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0,
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "eager_steps": 0, "graph_nodes": 0, "graph_pdl_edges": 0,
                       "sample_graph_replays": 0, "batch_graph_replays": 0, "verify_graph_replays": 0,
                       "draft_graph_replays": 0, "ctx_graph_replays": 0, "rollback_graph_replays": 0,
                       "accept_graph_replays": 0}
@@ -885,7 +888,7 @@ class CudaBackend:
         before = [set(d) for d in dicts]
         error = None
         try:
-            graph = cuda_graph.StepGraph.capture(self.stream, run)
+            graph = cuda_graph.StepGraph.capture(self.stream, run, programmatic=self.pdl)
         except Exception as e:  # noqa: BLE001 - a capture problem costs speed, never a wrong token
             error, graph = e, None
             self.stream.synchronize()
@@ -909,6 +912,7 @@ class CudaBackend:
             graph.keep = self._graph_keep(self.m_engram)
             self.stats["graph_captures"] += 1
             self.stats["graph_nodes"] = graph.nodes
+            self.stats["graph_pdl_edges"] = graph.pdl_edges
         return graph, ran
 
     def _body(self, st, c, rep, want, out, observer):

@@ -3,16 +3,23 @@
 Owns `StepGraph`: `StepGraph.capture(stream, run)` records every launch `run()` issues on `stream` (nothing executes
 while capturing) through the CUDA runtime of `cuda.bindings`, instantiates the graph and keeps it; `launch()`
 replays it on the same stream (~1 µs per kernel node instead of Numba's ~17 µs eager launch); `nodes` counts its
-kernel and copy nodes; `mapped(shape, dtype)`: host-mapped memory the host writes a replayed graph's inputs into and
-its kernels read (`Mapped.host`, `Mapped.dev`). The caller keeps every device array the graph reads or writes alive
-for as long as the graph lives (`keep`), since a graph holds raw pointers. Capture uses the relaxed mode so that a
-launcher that happens to allocate a scratch array during capture still works; the backend warms every shape eagerly
-first, so none does in steady state. Not available under the CUDA simulator (no graphs there): `available()` says
-so.
+kernel and copy nodes; with `programmatic=True` every edge from a kernel node to a kernel node becomes a
+programmatic one before instantiation (`programmatic_edges`, counted in `pdl_edges`): the dependent kernel may be
+launched once every block of its predecessor has passed kernels.pdl's entry, and its own entry waits for the
+predecessor to complete, so its blocks are resident when it does. Only kernels that begin with that entry (every
+kernel of `kernels/`) may be captured that way. If the runtime refuses the edges the graph is captured again with
+default edges, with a warning; `mapped(shape, dtype)`: host-mapped memory the host writes a replayed graph's inputs
+into and its kernels read (`Mapped.host`, `Mapped.dev`). The caller keeps every device array the graph reads or
+writes alive for as long as the graph lives (`keep`), since a graph holds raw pointers. Capture uses the relaxed
+mode so that a launcher that happens to allocate a scratch array during capture still works; the backend warms every
+shape eagerly first, so none does in steady state. Not available under the CUDA simulator (no graphs there):
+`available()` says so.
 """
 from __future__ import annotations
 
-__all__ = ["StepGraph", "Mapped", "available", "mapped"]
+import warnings
+
+__all__ = ["StepGraph", "Mapped", "available", "mapped", "programmatic_edges"]
 
 
 class Mapped:
@@ -63,26 +70,79 @@ def _handle(stream):
     return int(getattr(h, "value", h))
 
 
-class StepGraph:
-    def __init__(self, graph, exe, stream, nodes, keep):
-        self._graph, self._exe, self.stream, self.nodes, self.keep = graph, exe, stream, nodes, keep
+def programmatic_edges(edges, is_kernel):
+    """The indices of the edges to make programmatic: `edges` [(from, to, default)] (node keys, and whether the
+    edge has default data), `is_kernel(key)`: both ends kernel nodes, the edge a default one."""
+    return [i for i, (a, b, default) in enumerate(edges) if default and is_kernel(a) and is_kernel(b)]
 
-    @classmethod
-    def capture(cls, stream, run, keep=()):
-        rt = _rt()
+
+def _edges(rt, graph):
+    """[(from node, to node, edge data)] of a graph."""
+    got = _check(rt.cudaGraphGetEdges(graph, 0), "edge count")
+    n = int(got[-1])
+    if n == 0:
+        return []
+    frm, to, data, n = _check(rt.cudaGraphGetEdges(graph, n), "edges")
+    return list(zip(frm[:n], to[:n], data[:n]))
+
+
+def _make_programmatic(rt, graph) -> int:
+    """Turn the graph's default kernel-to-kernel edges into programmatic ones (module docstring); -> their count."""
+    kernel = rt.cudaGraphNodeType.cudaGraphNodeTypeKernel
+    default = rt.cudaGraphDependencyType.cudaGraphDependencyTypeDefault
+    edges = _edges(rt, graph)
+    kinds = {}
+    for a, b, _ in edges:
+        for node in (a, b):
+            if int(node) not in kinds:
+                kinds[int(node)] = _check(rt.cudaGraphNodeGetType(node), "node type") == kernel
+    keyed = [(int(a), int(b), d.type == default and d.from_port == 0 and d.to_port == 0) for a, b, d in edges]
+    pick = programmatic_edges(keyed, kinds.__getitem__)
+    prog = rt.cudaGraphEdgeData()
+    prog.from_port = rt.cudaGraphKernelNodePortProgrammatic
+    prog.to_port = 0
+    prog.type = rt.cudaGraphDependencyType.cudaGraphDependencyTypeProgrammatic
+    for i in pick:
+        a, b, d = edges[i]
+        _check(rt.cudaGraphRemoveDependencies(graph, [a], [b], [d], 1), "edge removal")
+        _check(rt.cudaGraphAddDependencies(graph, [a], [b], [prog], 1), "programmatic edge")
+    return len(pick)
+
+
+class StepGraph:
+    def __init__(self, graph, exe, stream, nodes, keep, pdl_edges=0):
+        self._graph, self._exe, self.stream, self.nodes, self.keep = graph, exe, stream, nodes, keep
+        self.pdl_edges = pdl_edges
+
+    @staticmethod
+    def _record(rt, stream, run):
         h = _handle(stream)
         _check(rt.cudaStreamBeginCapture(h, rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed), "begin capture")
         try:
             run()
         finally:
             graph = _check(rt.cudaStreamEndCapture(h), "end capture")
+        return graph
+
+    @classmethod
+    def capture(cls, stream, run, keep=(), programmatic=False):
+        rt = _rt()
+        graph = cls._record(rt, stream, run)
+        pdl = 0
+        if programmatic:
+            try:
+                pdl = _make_programmatic(rt, graph)
+            except Exception as e:  # noqa: BLE001 - a runtime without programmatic edges costs speed, not a token
+                rt.cudaGraphDestroy(graph)           # edges may be half rewritten: record the launches again
+                warnings.warn(f"programmatic graph edges refused ({type(e).__name__}: {e}); default edges kept")
+                graph, pdl = cls._record(rt, stream, run), 0
         try:
             got = _check(rt.cudaGraphGetNodes(graph, 0), "node count")
             nodes = int(got[-1] if isinstance(got, tuple) else got)
         except Exception:  # noqa: BLE001 - the count is informative only
             nodes = -1
         exe = _check(rt.cudaGraphInstantiate(graph, 0), "instantiate")
-        return cls(graph, exe, stream, nodes, list(keep))
+        return cls(graph, exe, stream, nodes, list(keep), pdl)
 
     def launch(self):
         _check(_rt().cudaGraphLaunch(self._exe, _handle(self.stream)), "launch")

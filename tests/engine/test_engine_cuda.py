@@ -312,8 +312,9 @@ def test_gpu_greedy_is_byte_identical_across_runs(stack, engines):
 
 @pytest.mark.cuda
 def test_gpu_graph_decode_equals_eager_decode(stack, engines):
-    """Decode steps replayed from whole-step CUDA graphs are the eager launches bit for bit: 170 steps that cross
-    cache buckets (so graphs are re-captured), then greedy and seeded sampling through both paths."""
+    """Decode steps replayed from whole-step CUDA graphs (with programmatic kernel-to-kernel edges unless
+    DS4_CUDA_PDL=0) are the eager launches bit for bit: 170 steps that cross cache buckets (so graphs are
+    re-captured), then greedy and seeded sampling through both paths."""
     _, cuda = engines
     be = cuda.backend
     assert be.graphs, "CUDA graphs are not available on this machine"
@@ -327,6 +328,8 @@ def test_gpu_graph_decode_equals_eager_decode(stack, engines):
     assert be.stats["graph_replays"] - before["graph_replays"] >= 160
     assert be.stats["graph_captures"] - before["graph_captures"] >= 3
     assert be.stats["graph_nodes"] > 100
+    if be.pdl:                        # the graphs' kernel-to-kernel edges are programmatic (DS4_CUDA_PDL, default on)
+        assert be.stats["graph_pdl_edges"] > 100, be.stats
     be.graphs = False
     try:
         eager = cuda.logits(toks, split=30)

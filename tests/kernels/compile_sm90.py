@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import selectors
 import subprocess
 import sys
@@ -104,6 +105,20 @@ def _cache_keys():
     return 0
 
 
+_MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local)", re.M)
+
+
+def entry_first(ptx):
+    """Whether the kernel's PTX runs kernels.pdl's entry (the grid-dependency wait, then the trigger) before its
+    first load, store or atomic (the entry block comes first in the text), parameter loads and a thread's own local
+    memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it)."""
+    body = ptx[ptx.find(".entry"):]
+    wait = body.find("griddepcontrol.wait;")
+    trigger = body.find("griddepcontrol.launch_dependents;")
+    first = _MEMORY_OP.search(body)
+    return 0 <= wait < trigger and (first is None or trigger < first.start())
+
+
 def all_kernels():
     """[(module name, kernel name, signature)] of every kernel listed in a SIGNATURES table, in a fixed order."""
     import kernels
@@ -120,7 +135,8 @@ def _compile_one(numba_cuda, mod_name, kname, sig, with_ptx=False):
         ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
         ok = ".target sm_90" in ptx
         row = {"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
-               "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx}
+               "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx,
+               "entry_first": entry_first(ptx)}
         if with_ptx:
             row["ptx"] = ptx
         return row
