@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba.cuda.core import config as _cuda_config
 
 from kernels.bf16 import round_bf16_device
 from kernels.gemv import act_quant_fp8_lane_device
@@ -50,6 +51,14 @@ __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
+SIM = bool(_cuda_config.ENABLE_CUDASIM)
+
+
+def _row_jit():
+    """cuda.jit for a row kernel: launch bounds (THREADS_MAX, 1) on the GPU, so that ptxas keeps it within the
+    65,536 registers of a block of THREADS_MAX threads (64 a thread). Unbounded, rms_norm_kernel took 80 (ptxas,
+    sm_90): no block over 800 threads could launch, i.e. no row over 6,400 elements (docs/toolchain.md)."""
+    return cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(THREADS_MAX, 1), cache=True)
 QUANT_BLOCK = 32                # act_quant_fp8's block: one warp's elements of a pass
 
 
@@ -166,8 +175,9 @@ def _make_norm_kernel(hc_in, quant):
     prep = _load_pre_device if hc_in else _no_pre_device
     load = _load_hc_pass_device if hc_in else _load_x_pass_device
     store = _store_q_pass_device if quant else _store_x_pass_device
+    jit = _row_jit()
 
-    @cuda.jit(cache=True)
+    @jit
     def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
         grid_entry_device()
         row = cuda.blockIdx.x
@@ -196,39 +206,47 @@ hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pr
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 
 
-@cuda.jit(cache=True)
-def rms_norm_rope_q_kernel(x, w, eps, positions, cos, sin, out, out_q):
-    """rms_norm_kernel, then kernels.rope's forward rotation of the tail's adjacent pairs at positions[r] (in place,
-    the head dims as normed), then out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0). A pair (2i, 2i+1) sits in two
-    neighbouring lanes of one warp (element j is thread j mod n's), so its other value is one shuffle away."""
-    grid_entry_device()
-    row = cuda.blockIdx.x
-    d = x.shape[1]
-    step = cuda.blockDim.x * ELEMS
-    first = d // 2 - cos.shape[1]                 # first rotated pair
-    sh = cuda.shared.array(WARP, np.float64)
-    xs = cuda.local.array(ELEMS, np.float32)
-    ws = cuda.local.array(ELEMS, np.float32)
-    acc = 0.0
-    for base in range(0, d, step):
-        _load_pass_device(x, w, row, base, d, xs, ws)
-        acc = _add_squares_device(xs, base, d, acc)
-    scale = _row_scale_device(acc, sh, d, eps)
-    pos = positions[row]
-    for base in range(0, d, step):
-        if step < d:
+def _make_rope_q_kernel():
+    """rms_norm_rope_q_kernel (a factory for its launch bounds, as _make_norm_kernel)."""
+    jit = _row_jit()
+
+    @jit
+    def rms_norm_rope_q_kernel(x, w, eps, positions, cos, sin, out, out_q):
+        """rms_norm_kernel, then kernels.rope's forward rotation of the tail's adjacent pairs at positions[r] (in place,
+        the head dims as normed), then out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0). A pair (2i, 2i+1) sits in two
+        neighbouring lanes of one warp (element j is thread j mod n's), so its other value is one shuffle away."""
+        grid_entry_device()
+        row = cuda.blockIdx.x
+        d = x.shape[1]
+        step = cuda.blockDim.x * ELEMS
+        first = d // 2 - cos.shape[1]                 # first rotated pair
+        sh = cuda.shared.array(WARP, np.float64)
+        xs = cuda.local.array(ELEMS, np.float32)
+        ws = cuda.local.array(ELEMS, np.float32)
+        acc = 0.0
+        for base in range(0, d, step):
             _load_pass_device(x, w, row, base, d, xs, ws)
-        for m in range(ELEMS):
-            j = base + m * cuda.blockDim.x + cuda.threadIdx.x
-            y = round_bf16_device(ws[m] * (xs[m] * scale))
-            other = cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
-            p = j // 2 - first
-            if j < d and p >= 0:
-                y = rope_pair_value_device(y, other, j % 2 == 1, cos[pos, p], sin[pos, p])
-            q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))
-            if j < d:
-                out[row, j] = y
-                out_q[row, j] = q
+            acc = _add_squares_device(xs, base, d, acc)
+        scale = _row_scale_device(acc, sh, d, eps)
+        pos = positions[row]
+        for base in range(0, d, step):
+            if step < d:
+                _load_pass_device(x, w, row, base, d, xs, ws)
+            for m in range(ELEMS):
+                j = base + m * cuda.blockDim.x + cuda.threadIdx.x
+                y = round_bf16_device(ws[m] * (xs[m] * scale))
+                other = cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
+                p = j // 2 - first
+                if j < d and p >= 0:
+                    y = rope_pair_value_device(y, other, j % 2 == 1, cos[pos, p], sin[pos, p])
+                q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))
+                if j < d:
+                    out[row, j] = y
+                    out_q[row, j] = q
+    return rms_norm_rope_q_kernel
+
+
+rms_norm_rope_q_kernel = _make_rope_q_kernel()
 
 
 SIGNATURES = {

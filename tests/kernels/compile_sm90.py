@@ -9,9 +9,11 @@ that `compile_all(workers)` can keep N children busy from one queue. Each kernel
 dispatcher has the cache (`cache=True`), its cache directory, the index file it shares with the other kernels of the
 same function (a factory's kernels share one) and a hash of the index key a lookup of its signature uses.
 
-`ptx_counts(["module:kernel", ...], [pattern, ...])` (for tests) returns {"module:kernel": {pattern: occurrences in its
-PTX, ..., "sm90": bool}}: from the PTX that `compile_all` made earlier in the same test session when it has them (the
-same compile_ptx call on the same sources), else compiled the same way in a child process.
+`ptx_texts(["module:kernel", ...])` (for tests) returns {"module:kernel": its PTX}: the PTX that `compile_all` made
+earlier in the same test session when it has them (the same compile_ptx call on the same sources), else compiled the
+same way in a child process; `ptx_counts(targets, [pattern, ...])` counts patterns in them ({pattern: occurrences,
+..., "sm90": bool}). Each kernel is compiled with its own launch bounds, as the GPU build does, and
+`ptxas_resources(ptx)` reads the registers and spill bytes that ptxas gives it for sm_90.
 """
 import importlib
 import json
@@ -52,28 +54,30 @@ def _counts(ptx, patterns):
     return out
 
 
-def ptx_counts(targets, patterns):
-    """Occurrences of each pattern in the sm_90 PTX of each "module:kernel" (compile_all's PTX of this session when
-    it has them all, else compiled in a child process)."""
+def ptx_texts(targets):
+    """{"module:kernel": its sm_90 PTX}: compile_all's PTX of this session when it has them all, else compiled the
+    same way (launch bounds included) in a child process."""
     if all(t in PTX_OF_SESSION for t in targets):
-        return {t: _counts(PTX_OF_SESSION[t], patterns) for t in targets}
-    env = _child_env()
-    cmd = [sys.executable, "-m", "tests.kernels.compile_sm90", "--count", json.dumps([list(targets), list(patterns)])]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return {t: PTX_OF_SESSION[t] for t in targets}
+    cmd = [sys.executable, "-m", "tests.kernels.compile_sm90", "--ptx", json.dumps(list(targets))]
+    p = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise RuntimeError(f"PTX compilation failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _count(spec):
-    targets, patterns = json.loads(spec)
+def ptx_counts(targets, patterns):
+    """Occurrences of each pattern in the sm_90 PTX of each "module:kernel" (ptx_texts)."""
+    return {t: _counts(ptx, patterns) for t, ptx in ptx_texts(targets).items()}
+
+
+def _ptx(spec):
     cuda = _compiler()
     out = {}
-    for t in targets:
+    for t in json.loads(spec):
         mod_name, kname = t.split(":")
         mod = importlib.import_module(f"kernels.{mod_name}")
-        ptx, _ = cuda.compile_ptx(getattr(mod, kname).py_func, mod.SIGNATURES[kname], cc=(9, 0), fastmath=False)
-        out[t] = _counts(ptx, patterns)
+        out[t] = _ptx_of(cuda, getattr(mod, kname), mod.SIGNATURES[kname])
     print(json.dumps(out))
     return 0
 
@@ -105,6 +109,41 @@ def _cache_keys():
     return 0
 
 
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_path():
+    """The CUDA toolkit's ptxas (PATH, else /usr/local/cuda/bin), or None."""
+    import shutil
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    fallback = Path("/usr/local/cuda/bin/ptxas")
+    return str(fallback) if fallback.exists() else None
+
+
+def ptxas_resources(ptx, timeout=300):
+    """{"registers", "spill_bytes"} of the kernel in `ptx` as ptxas assembles it for sm_90 (`-c`: fp16 helpers stay
+    extern), honouring the PTX's own launch bounds; RuntimeError when ptxas is missing or fails."""
+    import tempfile
+    exe = ptxas_path()
+    if exe is None:
+        raise RuntimeError("ptxas not found (PATH or /usr/local/cuda/bin)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        p = subprocess.run([exe, "-arch=sm_90", "-c", "-v", "-o", str(Path(tmp) / "k.o"), str(src)],
+                           capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{p.stderr[-3000:]}")
+    used = _PTXAS_USED.findall(p.stderr)
+    spill = _PTXAS_SPILL.findall(p.stderr)
+    if len(used) != 1:
+        raise RuntimeError(f"ptxas reported {len(used)} kernels' registers:\n{p.stderr[-3000:]}")
+    return {"registers": int(used[0]), "spill_bytes": sum(int(a) + int(b) for a, b in spill)}
+
+
 _MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local)", re.M)
 
 
@@ -129,10 +168,21 @@ def all_kernels():
     return out
 
 
+def launch_bounds_of(fn):
+    """The launch bounds a kernel's dispatcher was built with (`cuda.jit(launch_bounds=...)`), or None: the GPU
+    compile of the engine passes them to ptxas, so the PTX made here must carry them too (.maxntid, .minnctapersm)."""
+    return getattr(fn, "targetoptions", {}).get("launch_bounds")
+
+
+def _ptx_of(numba_cuda, fn, sig):
+    ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False, launch_bounds=launch_bounds_of(fn))
+    return ptx
+
+
 def _compile_one(numba_cuda, mod_name, kname, sig, with_ptx=False):
     fn = getattr(importlib.import_module(f"kernels.{mod_name}"), kname)
     try:
-        ptx, _ = numba_cuda.compile_ptx(fn.py_func, sig, cc=(9, 0), fastmath=False)
+        ptx = _ptx_of(numba_cuda, fn, sig)
         ok = ".target sm_90" in ptx
         row = {"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
                "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx,
@@ -221,8 +271,8 @@ def compile_all(workers=2, timeout=1200):
 
 
 def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--count":
-        return _count(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--ptx":
+        return _ptx(sys.argv[2])
     if len(sys.argv) == 2 and sys.argv[1] == "--cache":
         return _cache_keys()
     if len(sys.argv) == 2 and sys.argv[1] == "--serve":

@@ -71,6 +71,40 @@ def test_sm90_ptx_keeps_the_row_in_registers():
     assert v["sm90"] and v[".local"] == 0 and v["shfl.sync"] >= 10, v
 
 
+NORM_ROW_KERNELS = ("rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel", "hc_rms_norm_q_kernel",
+                    "rms_norm_rope_q_kernel")
+LAYER_NORM_KERNELS = ("rms_norm_q_kernel", "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel")   # every layer's
+
+
+def test_row_launcher_reaches_threads_max():
+    """Rows longer than 6,400 elements take blocks over 800 threads (the widest that 80 registers a thread allow),
+    up to THREADS_MAX; longer rows take passes."""
+    from kernels import rms_norm
+    assert rms_norm._threads(5120) == 640
+    assert rms_norm._threads(6656) == 832
+    assert rms_norm._threads(8192) == rms_norm.THREADS_MAX == 1024
+    assert rms_norm._threads(20000) == rms_norm.THREADS_MAX
+
+
+def test_sm90_row_kernels_fit_a_block_of_threads_max():
+    """ptxas for sm_90, with the kernels' launch bounds: a block of THREADS_MAX threads fits the SM's 65,536
+    registers (a warp's registers are allocated in units of 256, i.e. a thread's count rounded up to 8), and the
+    norms of every layer spill nothing. Without the bounds rms_norm_kernel took 80 registers, so no row longer than
+    6,400 elements could launch."""
+    from kernels import rms_norm
+    from tests.kernels.compile_sm90 import ptx_texts, ptxas_path, ptxas_resources
+    if ptxas_path() is None:
+        pytest.skip("no ptxas (CUDA toolkit) on this machine")
+    names = [f"rms_norm:{k}" for k in NORM_ROW_KERNELS]
+    ptx = ptx_texts(names)
+    for k in NORM_ROW_KERNELS:
+        assert f".maxntid {rms_norm.THREADS_MAX}, 1, 1" in ptx[f"rms_norm:{k}"], k
+        r = ptxas_resources(ptx[f"rms_norm:{k}"])
+        assert -(-r["registers"] // 8) * 8 * rms_norm.THREADS_MAX <= 65536, (k, r)
+        if k in LAYER_NORM_KERNELS:
+            assert r["spill_bytes"] == 0, (k, r)
+
+
 # ------------------------------------------------------------------- fused forms: the chain's bits, not ref's
 def _wide_rows(rng, rows, d):
     """BF16 rows: random ones, then (rows >= 2) a row of zeros, then (rows >= 3) a row whose magnitudes span
