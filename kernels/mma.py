@@ -20,6 +20,8 @@ Owns:
   On sm_90 this is the tensor cores' own instruction (HMMA.16816.F32), whereas the E4M3 MMA above is emulated by
   ptxas: its six operand registers are unpacked by twelve F2FP.F16.E4M3 conversions into two HMMA.16816 (seen in
   the SASS on the H200), so a kernel that can hold its operands as halves should feed them to this one.
+- `mma_bf16_device`: one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, the f16 MMA's fragments
+  with BF16 halves (the tensor cores' own instruction on sm_90, like the f16 one; the simulator's is the ideal one).
 - `mma_u8u8_device`, `mma_u8s8_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.s32.u8.{u8,s8}.s32`:
   D [16, 8] = A [16, 32] x B [32, 8] + C with A unsigned bytes, B unsigned / signed bytes, C and D int32, in the
   E4M3 MMA's fragment layout (a register holds four consecutive k of a row of A or a column of B). Integer products
@@ -43,7 +45,8 @@ from kernels.bf16 import f32_bits
 from kernels.engram import e4m3_decode_device
 from kernels.pdl import grid_entry_device
 
-__all__ = ["mma_e4m3_device", "mma_f16_device", "mma_u8u8_device", "mma_u8s8_device", "e4m3x2_to_f16x2_device",
+__all__ = ["mma_e4m3_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
+           "e4m3x2_to_f16x2_device",
            "load4_device",
            "f16_of_e4m3_value_device",
            "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "MMA_EX_WORDS", "SIGNATURES"]
@@ -109,6 +112,13 @@ if SIM:
                                      tab[_HB_LANE, _HB_HALF].astype(np.float64), c0, c1, c2, c3)
 
     @cuda.jit(device=True)
+    def mma_bf16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """The simulator's ideal m16n8k16 BF16 MMA (module docstring); `ex` the warp's uint32 [32, 6] exchange."""
+        tab = _publish_device(a0, a1, a2, a3, b0, b1, ex).view(np.uint16).reshape(WARP, 2 * MMA_EX_WORDS)
+        vals = (tab.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+        return _ideal_outputs_device(vals[_HA_LANE, _HA_HALF], vals[_HB_LANE, _HB_HALF], c0, c1, c2, c3)
+
+    @cuda.jit(device=True)
     def _int_outputs_device(a, b, c0, c1, c2, c3):
         """The lane's four int32 outputs: exact integer dot products of its rows of A and columns of B plus c."""
         lane = cuda.threadIdx.x % WARP
@@ -169,6 +179,7 @@ else:
 
     _mma_e4m3 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")
     _mma_f16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    _mma_bf16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
     _mma_int_u8u8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32", integer=True)
     _mma_int_u8s8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32", integer=True)
 
@@ -183,6 +194,12 @@ else:
         """m16n8k16 f16 x f16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @cuda.jit(device=True, inline=True)
+    def mma_bf16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
+        """m16n8k16 BF16 x BF16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
+        return _mma_bf16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
+                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
     @cuda.jit(device=True, inline=True)
     def mma_u8u8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):

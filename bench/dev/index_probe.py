@@ -16,7 +16,7 @@ from bench.timing import graph_time  # noqa: E402
 from ds4lib.formats.actquant import act_quant_fp4_pow2  # noqa: E402
 from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16  # noqa: E402
 from kernels import indexer  # noqa: E402
-from kernels.dev import index_score_v1, index_score_v2, index_score_v4  # noqa: E402
+from kernels.dev import index_score_v1, index_score_v2, index_score_v3, index_score_v4  # noqa: E402
 
 NI, DI = 32, 128
 rng = np.random.default_rng(0)
@@ -33,7 +33,8 @@ for rows in (256, 4096, 16384):
     copies = len(keys)
     want = indexer.index_scores(q, wts, 0.5, keys[0], pos, 4, stream=s).copy_to_host(stream=s)
     for name, mod in (("v1 thread: 2 rows, all heads", index_score_v1), ("v2 warp: a row, lane per head", index_score_v2),
-                      ("v3 thread: a row, all heads, q in shared (launcher)", None),
+                      ("v3 thread: a row, all heads, q in shared (the launcher's before)", index_score_v3),
+                      ("v5 warp: 16-row tiles on the BF16 tensor cores (launcher)", None),
                       ("v4 warp: a row per coalesced load, shuffled", index_score_v4)):
         out = cuda.device_array((1, rows), np.float32, stream=s)
         it = [0]
