@@ -1023,15 +1023,17 @@ class CudaBackend:
         # session's rows, its window rows and the compressor (they read x and xq only; the indexer needs the query
         # latent)
         kvq = self._window_kv(l, c, xq, side=True)
-        win_idx = None
+        win_idx = wts = None
         if c.rows is None:
             win_idx = self._window_rows(l, st, c, kvq, side=True)
             if self.roles[l].ratio and self.roles[l].owns_compressor:
                 self._compressor(l, st, c, x, side=True)
+            if self.roles[l].ratio and self.roles[l].owns_indexer:     # the indexer's head weights read x only
+                wts = self._index_weights(l, x, side=True)
         xq, qrq, q3 = self._query(l, c, x, xq)
         self._join()
         if c.rows is None:
-            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx)
+            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx, wts=wts)
         else:
             o = self._buf("attn_o_rows", (T, H, dh))
             for b, (st_b, c_b) in enumerate(c.rows):
@@ -1048,10 +1050,11 @@ class CudaBackend:
         return attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (c.T, W), np.int32),
                                         stream=s)
 
-    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None):
+    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None, wts=None):
         """One session's rows of a layer's attention: window ring written and read (`_window_rows`), compressed
         rows and top-k (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given). `win_idx`: the
-        window rows and the compressor's work done already, on the side stream (`_attention`)."""
+        window rows and the compressor's work done already, on the side stream (`_attention`); `wts`: the
+        indexer's head weights, computed there too."""
         cfg, s, role = self.cfg, self.stream, self.roles[l]
         T, dh, W = c.T, cfg.head_dim, cfg.window_size
         buf = st.win[l]
@@ -1060,7 +1063,7 @@ class CudaBackend:
             win_idx = self._window_rows(l, st, c, kvq)
         cmp_keys = cmp_idx = None
         if role.ratio:
-            self._compress(l, st, c, x, qrq, observer, run_compressor=not early)
+            self._compress(l, st, c, x, qrq, observer, run_compressor=not early, wts=wts)
             cmp_idx = c.topk[role.idx_src]
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
@@ -1163,9 +1166,16 @@ class CudaBackend:
             attention.cache_write(gemv.act_quant_fp4_e4m3(lat, out=self._buf("latq", (n_g, dh)), stream=s),
                                   slots, st.ckv[l].buf, stream=s)
 
-    def _compress(self, l, st, c, x, qrq, observer, run_compressor=True):
+    def _index_weights(self, l, x, side=False):
+        """The indexer's per-head weights of layer l: weights_proj(x) [T, nI] (BF16 values; `side`: on the side
+        stream, between `_fork` and `_join`)."""
+        return self._linear(x, self.L[l]["attn.indexer.weights_proj.weight"], quantize=False,
+                            out=self._buf("iw", (x.shape[0], self.cfg.index_n_heads)), side=side)
+
+    def _compress(self, l, st, c, x, qrq, observer, run_compressor=True, wts=None):
         """Compressor (KV sources, `_compressor`; `run_compressor=False`: it has run already) and indexer (index
-        sources) of a compressed layer; sets c.topk[l]."""
+        sources) of a compressed layer; sets c.topk[l]. `wts`: the indexer's head weights (`_index_weights`) when
+        they are computed already."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, ratio = c.T, role.ratio
         cos, sin = self._rope[role.yarn]
@@ -1190,7 +1200,8 @@ class CudaBackend:
         qi3 = qi.reshape(T, nI, di)
         rope.rope(qi3, c.pos, cos, sin, stream=s)
         qiq = gemv.act_quant_fp4_pow2(qi3, out=self._buf("iqq", (T, nI, di)), stream=s)
-        wts = self._linear(x, w["attn.indexer.weights_proj.weight"], quantize=False, out=self._buf("iw", (T, nI)))
+        if wts is None:
+            wts = self._index_weights(l, x)
         cand = c.cand if role.consumes_candidates else None
         sc = indexer.index_scores(qiq, wts, np.float32(di ** -0.5 * nI ** -0.5), keys, c.pos, ratio,
                                   cand=cand, cand_block=cfg.candidate_block_size,
