@@ -4,18 +4,24 @@ docs/architecture.md §6.3–§6.5, errata N1 and N2 in §1.2).
 Owns:
 - `index_scores`: score[t, s] = bf16(sum_h bf16(relu(bf16(q[t, h] . K[s])) * w[t, h])), the head sum in FP32 in
   head order, w = bf16(weights_proj(x) * scale); -inf where s >= (pos_t + 1) // ratio or where the candidate
-  mask (per block of `cand_block` positions) is off. On the tensor cores: a warp takes tiles of 16 key rows as the
-  A operand of BF16 MMAs (m16n8k16, the keys' BF16 words as stored) against the query's heads as B (4 tiles of 8
-  heads, staged once a block in shared memory in fragment order), 8 chained steps of 16 dims; tiles wholly past
-  the query's reach skip the products. With FP4-simulated q and keys every product and partial sum is exact in
-  FP32, so the dot products have the reference's bits whatever the order; the rounded terms of a row are then
-  added in head order by one lane. Before it, a thread per key row with all heads in registers took 39, 41 and
-  53 us per call at 1k, 16k and 64k context in a V4.1 decode step on the H200 (BENCHMARKS.md; it and the other
-  layouts are in kernels/dev for bench/dev/index_probe.py).
+  mask (per block of `cand_block` positions) is off. Two kernels give the same bits (with FP4-simulated q and keys
+  every product and partial sum is exact in FP32, so the dot products do not depend on their order; the rounded
+  terms of a row are added in head order by one thread):
+  - `index_score_kernel`, on the tensor cores: a warp takes tiles of 16 key rows as the A operand of BF16 MMAs
+    (m16n8k16, the keys' BF16 words as stored) against the query's heads as B (4 tiles of 8 heads, staged once a
+    block in shared memory in fragment order), 8 chained steps of 16 dims; tiles wholly past the query's reach skip
+    the products. Tested under the simulator and compiled for sm_90; not yet run on the H200, so SCORES_MMA keeps
+    it off by default.
+  - `index_score_rows_kernel`: a thread per key row with all heads in registers, queries in shared memory; 39, 41
+    and 53 us per call at 1k, 16k and 64k context in a V4.1 decode step on the H200 (BENCHMARKS.md; the other
+    layouts measured are in kernels/dev for bench/dev/index_probe.py).
 - `select_topk`: the k best per row by (score descending, lower index first), returned in ascending index
   order, entries >= the row's reach replaced by -1, -1 padded: a two-pass radix select on the 16-bit
   order key of the BF16 scores (histograms merged with one global atomic per non-empty bin and block),
-  then a compaction in index order (per-block counts, prefix over earlier blocks, ballot ranks).
+  then a compaction in index order (per-block counts, prefix over earlier blocks, ballot ranks): seven launches.
+  `topk_one_kernel` does all of it for a row in one block and one launch (a shared histogram, the same scan and
+  compaction as device functions), the same result; TOPK_ONE makes it the default up to ONE_MAX_ROWS scores once
+  it has run on the H200.
 - `candidate_blocks`: block scores (max over blocks of `block_size` positions, the newest reachable block
   pinned to +inf), the best `topk_blocks` blocks by the same selection, kept if their score is > -inf ->
   uint8 [T, nb] (per block; index_scores takes it with cand_block = block_size).
@@ -33,7 +39,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels.bf16 import f32_bits, mul_rn_device, round_bf16_device
+from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.mma import MMA_EX_WORDS, mma_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
@@ -52,6 +58,10 @@ SCORE_NT = NI_MAX // 8              # head tiles (the MMA's N = 8 heads)
 SCORE_KS = DI_MAX // 16             # dim steps (the MMA's K = 16 dims)
 SCORE_MAX_BLOCKS = 264              # blocks of a launch: 2 an SM on the H200; warps loop over further tiles
 TERMS_PITCH = NI_MAX + 1            # floats a row of a warp's head terms takes in shared memory (no bank conflicts)
+ROWS_THREADS = 64                   # index_score_rows_kernel: key rows (a thread each) per block
+DI_PAIRS = DI_MAX // 2
+SCORES_MMA = False                  # index_scores' default kernel: the tensor-core one awaits its first H200 run
+TOPK_ONE = False                    # select_topk's default: one launch a row (the same) awaits it too
 KW_WORDS = 2 * SCORE_KS             # a lane's key words of a tile (rows g and g + 8 at every step)
 ACC_REGS = 4 * SCORE_NT             # a lane's accumulators of a tile (4 D registers a head tile)
 CHUNK = 4096                        # scores per selection block (launch parameter `chunk` overrides)
@@ -159,6 +169,58 @@ def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block,
                         v = round_bf16_device(tot)
                 out[t, srow] = v
         cuda.syncwarp(0xFFFFFFFF)
+
+
+@cuda.jit(cache=True)
+def index_score_rows_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block, use_cand, out):
+    """out[t, s] without the tensor cores: a thread per key row with all heads' accumulators in registers; per key
+    word (4 dims, the next word's load in flight) every head's two query pairs come from shared memory as
+    broadcasts; then the heads' rounded terms are added in head order."""
+    grid_entry_device()
+    tid = cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    n_heads, di = q.shape[1], q.shape[2]
+    n_rows = keys.shape[0]
+    n_words = di // 4
+    q_sh = cuda.shared.array((NI_MAX, DI_PAIRS), np.uint64)
+    w_sh = cuda.shared.array(NI_MAX, np.float32)
+    for k in range(tid, NI_MAX * DI_PAIRS, ROWS_THREADS):      # heads past n_heads and dims past di are zero
+        h = k // DI_PAIRS
+        c = k % DI_PAIRS
+        v = np.uint64(0)
+        if h < n_heads and 2 * c < di:
+            v = np.uint64(f32_bits(q[t, h, 2 * c])) | (np.uint64(f32_bits(q[t, h, 2 * c + 1])) << np.uint64(32))
+        q_sh[h, c] = v
+    if tid < NI_MAX:
+        w_sh[tid] = round_bf16_device(mul_rn_device(wts[t, tid], wscale)) if tid < n_heads else np.float32(0.0)
+    cuda.syncthreads()
+    s = cuda.blockIdx.x * ROWS_THREADS + tid
+    if s >= n_rows:
+        return                                      # no barrier follows
+    acc = cuda.local.array(NI_MAX, np.float32)
+    for h in range(NI_MAX):
+        acc[h] = np.float32(0.0)
+    nxt = keys[s, 0]
+    for c in range(n_words):
+        word = nxt
+        if c + 1 < n_words:
+            nxt = keys[s, c + 1]
+        k0 = bf16x4_device(word, 0)
+        k1 = bf16x4_device(word, 1)
+        k2 = bf16x4_device(word, 2)
+        k3 = bf16x4_device(word, 3)
+        for h in range(NI_MAX):                     # products and partial sums exact: any order gives the same
+            qa = q_sh[h, 2 * c]
+            qb = q_sh[h, 2 * c + 1]
+            acc[h] += (f32x2_device(qa, 0) * k0 + f32x2_device(qa, 1) * k1) + (
+                f32x2_device(qb, 0) * k2 + f32x2_device(qb, 1) * k3)
+    tot = np.float32(0.0)
+    for h in range(NI_MAX):                         # head sum in head order, as the reference
+        tot += round_bf16_device(max(round_bf16_device(acc[h]), np.float32(0.0)) * w_sh[h])
+    v = round_bf16_device(tot)
+    if s >= (positions[t] + 1) // ratio or (use_cand and cand[t, s // cand_block] == 0):
+        v = NEG_INF
+    out[t, s] = v
 
 
 # --------------------------------------------------------------------------------------------- selection
@@ -459,6 +521,8 @@ def candidate_keep_kernel(block_scores, ids, keep):
 SIGNATURES = {
     "index_score_kernel": "void(float32[:, :, :], float32[:, :], float32, uint64[:, :], int64[:], int64, "
                           "uint8[:, :], int64, boolean, float32[:, :])",
+    "index_score_rows_kernel": "void(float32[:, :, :], float32[:, :], float32, uint64[:, :], int64[:], int64, "
+                               "uint8[:, :], int64, boolean, float32[:, :])",
     "topk_init_kernel": "void(int32[:, :, :], int64[:, :], int32[:, :])",
     "topk_hist_kernel": "void(float32[:, :], int64, int64, int64[:, :], int32[:, :, :])",
     "topk_scan_kernel": "void(int32[:, :, :], int64, int64, int64[:, :])",
@@ -475,10 +539,11 @@ SIGNATURES = {
 
 # ----------------------------------------------------------------------------------------------- launchers
 def index_scores(q, wts, wscale, keys, positions, ratio, cand=None, cand_block=1, out=None, scratch=None,
-                 stream=0):
+                 stream=0, tensor_cores=None):
     """q [T, nI, dI] float32 (RoPE'd, FP4-simulated); wts [T, nI] float32 (weights_proj output, BF16 values);
     keys [S, dI] uint16 BF16 bits; positions [T] int64 -> scores [T, S] float32 (BF16 values, -inf masked).
-    `cand` uint8 [T, ceil(S / cand_block)] from candidate_blocks masks positions of dropped blocks."""
+    `cand` uint8 [T, ceil(S / cand_block)] from candidate_blocks masks positions of dropped blocks. `tensor_cores`:
+    index_score_kernel (True) or index_score_rows_kernel (False), the same bits; None takes SCORES_MMA."""
     n_tok, n_heads, di = tuple(q.shape)
     if q.dtype != np.float32 or n_heads > NI_MAX or di > DI_MAX or di % 16:
         raise ValueError(f"index_scores: q must be float32 [T, nI <= {NI_MAX}, dI <= {DI_MAX}, dI % 16 == 0]")
@@ -493,17 +558,21 @@ def index_scores(q, wts, wscale, keys, positions, ratio, cand=None, cand_block=1
     if out is None:
         out = cuda.device_array((n_tok, n_rows), np.float32, stream=stream)
     if n_tok * n_rows:
-        grid = (min(SCORE_MAX_BLOCKS, math.ceil(n_rows / (16 * SCORE_WARPS))), n_tok)
-        index_score_kernel[grid, SCORE_THREADS, stream](q, wts, np.float32(wscale), keys.view(np.uint64), positions,
-                                                        int(ratio), cand, int(cand_block), use_cand, out)
+        args = (q, wts, np.float32(wscale), keys.view(np.uint64), positions, int(ratio), cand, int(cand_block),
+                use_cand, out)
+        if SCORES_MMA if tensor_cores is None else tensor_cores:
+            grid = (min(SCORE_MAX_BLOCKS, math.ceil(n_rows / (16 * SCORE_WARPS))), n_tok)
+            index_score_kernel[grid, SCORE_THREADS, stream](*args)
+        else:
+            index_score_rows_kernel[(math.ceil(n_rows / ROWS_THREADS), n_tok), ROWS_THREADS, stream](*args)
     return out
 
 
 def select_topk(scores, k, positions=None, ratio=1, chunk=CHUNK, out=None, scratch=None, stream=0, one_block=None):
     """scores [T, S] float32 (BF16 values or -inf) -> int32 [T, k]: the k best by (score desc, index asc) in
     ascending index order; with `positions`, indices >= (pos + 1) // ratio become -1; -1 padded. A row takes one
-    block and one launch (topk_one_kernel) up to ONE_MAX_ROWS scores, else selection blocks of `chunk` scores and
-    seven launches; `one_block` forces either (the same result)."""
+    block and one launch (topk_one_kernel) up to ONE_MAX_ROWS scores when TOPK_ONE, else selection blocks of `chunk`
+    scores and seven launches; `one_block` forces either (the same result)."""
     n_tok, n_rows = tuple(scores.shape)
     if scores.dtype != np.float32 or k < 0 or chunk % THREADS:
         raise ValueError("select_topk: float32 scores, k >= 0 and a chunk multiple of 128 expected")
@@ -517,7 +586,7 @@ def select_topk(scores, k, positions=None, ratio=1, chunk=CHUNK, out=None, scrat
     if not use_reach:
         positions = _scratch(scratch, "no_positions", (n_tok,), np.int64, stream)
     if one_block is None:
-        one_block = n_rows <= ONE_MAX_ROWS
+        one_block = TOPK_ONE and n_rows <= ONE_MAX_ROWS
     if one_block:                                          # one launch a call (a row a block)
         topk_one_kernel[n_tok, ONE_THREADS, stream](scores, int(k), positions, int(ratio), use_reach, out)
         return out

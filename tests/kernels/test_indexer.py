@@ -46,23 +46,25 @@ def _index_case(cfg, rng, T, S, P, ratio, bsize, cand_p=0.7, cancel=False):
     return want.astype(np.float32), (q, wts, di ** -0.5 * ni ** -0.5, f32_to_bf16_bits(keys), P, ratio, cand, bsize)
 
 
-def _run_index_scores(cuda, args):
+def _run_index_scores(cuda, args, tensor_cores):
     from kernels.indexer import index_scores
     q, wts, wscale, keys, P, ratio, cand, bsize = args
     return index_scores(cuda.to_device(q), cuda.to_device(wts), wscale, cuda.to_device(keys), cuda.to_device(P),
-                        ratio, cand=cuda.to_device(cand), cand_block=bsize).copy_to_host()
+                        ratio, cand=cuda.to_device(cand), cand_block=bsize, tensor_cores=tensor_cores).copy_to_host()
 
 
-def test_index_scores_bit_exact(cuda_ready):
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_index_scores_bit_exact(cuda_ready, tensor_cores):
     """A query at position 597 (ratio 2: reach 299 of 300 rows, 2 blocks), FP4-simulated as in the model, with a
     candidate mask on blocks of 4 positions (a consumer layer)."""
     want, args = _index_case(CFG, np.random.default_rng(1), 1, 300, [597], 2, 4)
-    got = _run_index_scores(cuda_ready, args)
+    got = _run_index_scores(cuda_ready, args, tensor_cores)
     assert_matches("index_scores", got, want)
     assert np.isfinite(got).sum() > 100 and np.isneginf(got[0, 299])
 
 
-def test_index_scores_bit_exact_v41_heads(cuda_ready):
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_index_scores_bit_exact_v41_heads(cuda_ready, tensor_cores):
     """V4.1's indexer shape (32 heads of 128 dims: every head tile and dim step of the tensor-core kernel), two
     queries: one whose reach (150 of 200 rows at ratio 4) ends inside a 16-row tile and leaves later tiles wholly
     out of reach, one that reaches every row; candidates on blocks of 8. The first and last heads cancel (`cancel`),
@@ -70,7 +72,7 @@ def test_index_scores_bit_exact_v41_heads(cuda_ready):
     cfg = ModelConfig.v41_flash()
     want, args = _index_case(cfg, np.random.default_rng(2), 2, 200, [599, 100000], 4, cfg.candidate_block_size,
                              cancel=True)
-    got = _run_index_scores(cuda_ready, args)
+    got = _run_index_scores(cuda_ready, args, tensor_cores)
     assert_matches("index_scores", got, want)
     assert np.isneginf(got[0, 150:]).all() and np.isfinite(got[0, :150]).sum() > 80
     assert np.isfinite(got[1]).sum() > 100
