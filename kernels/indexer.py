@@ -247,6 +247,18 @@ def topk_init_kernel(hist, st, out):
         st[t, cuda.threadIdx.x] = 0
 
 
+@cuda.jit(device=True, inline=True)
+def _hist_pass_device(scores, t, start, stop, step, pass_id, want_hi, hist):
+    """Histogram of pass `pass_id` over scores[t, start:stop:step] into hist (int32 [BINS], shared): pass 0 the high
+    byte of every key, pass 1 the low byte of the keys whose high byte is want_hi."""
+    for i in range(start, stop, step):
+        k = _key16_device(scores[t, i])
+        if pass_id == 0:
+            cuda.atomic.add(hist, k >> 8, 1)
+        elif (k >> 8) == want_hi:
+            cuda.atomic.add(hist, k & 0xFF, 1)
+
+
 @cuda.jit(cache=True)
 def topk_hist_kernel(scores, chunk, pass_id, st, hist):
     """Pass 0: histogram of the high byte of every key. Pass 1: of the low byte among keys whose high byte is
@@ -259,14 +271,7 @@ def topk_hist_kernel(scores, chunk, pass_id, st, hist):
         sh[b] = 0
     cuda.syncthreads()
     lo = cuda.blockIdx.x * chunk
-    hi = min(lo + chunk, scores.shape[1])
-    want_hi = st[t, ST_HI]
-    for i in range(lo + tid, hi, THREADS):
-        k = _key16_device(scores[t, i])
-        if pass_id == 0:
-            cuda.atomic.add(sh, k >> 8, 1)
-        elif (k >> 8) == want_hi:
-            cuda.atomic.add(sh, k & 0xFF, 1)
+    _hist_pass_device(scores, t, lo + tid, min(lo + chunk, scores.shape[1]), THREADS, pass_id, st[t, ST_HI], sh)
     cuda.syncthreads()
     for b in range(tid, BINS, THREADS):
         if sh[b]:
@@ -459,13 +464,7 @@ def _make_topk_one_kernel():
             for b in range(tid, BINS, nth):
                 hist[b] = 0
             cuda.syncthreads()
-            want_hi = st[ST_HI]
-            for i in range(tid, n, nth):
-                key = _key16_device(scores[t, i])
-                if pass_id == 0:
-                    cuda.atomic.add(hist, key >> 8, 1)
-                elif (key >> 8) == want_hi:
-                    cuda.atomic.add(hist, key & 0xFF, 1)
+            _hist_pass_device(scores, t, tid, n, nth, pass_id, st[ST_HI], hist)
             cuda.syncthreads()
             _select_bin_device(hist, k, pass_id, st)
             cuda.syncthreads()
