@@ -28,6 +28,10 @@ Owns:
   and sums are exact, so the simulator's twin (the exact dot products) gives the hardware's bits.
 - `e4m3x2_to_f16x2_device`: two E4M3 codes (the low 16 bits, low byte first) -> two halves packed in a uint32,
   exact (the hardware `cvt.rn.f16x2.e4m3x2`; the simulator decodes in software, same bits).
+- `e4m3x8_to_f16x2_device`: the eight codes of a uint64 -> four such uint32 (codes 0-1, 2-3, 4-5, 6-7): the
+  register split into 16-bit parts by one PTX mov, so that each conversion reads its half directly (no shifts).
+- `byte_perm_device`: `prmt.b32` in its default mode (any four of the eight bytes of two words; the simulator's
+  twin selects them in Python).
 - `f16_of_e4m3_value_device`: the IEEE half bits of a float32 that E4M3 represents (every such value is a normal or
   zero half: exact, integer operations only).
 - `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
@@ -46,10 +50,11 @@ from kernels.engram import e4m3_decode_device
 from kernels.pdl import grid_entry_device
 
 __all__ = ["mma_e4m3_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
-           "e4m3x2_to_f16x2_device",
+           "e4m3x2_to_f16x2_device", "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
            "f16_of_e4m3_value_device",
-           "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "MMA_EX_WORDS", "SIGNATURES"]
+           "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "e4m3x8_to_f16_kernel", "byte_perm_kernel",
+           "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -152,6 +157,27 @@ if SIM:
         lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32(pair) & np.uint32(0xFF)))
         hi = f16_of_e4m3_value_device(e4m3_decode_device((np.uint32(pair) >> np.uint32(8)) & np.uint32(0xFF)))
         return np.uint32(lo | (hi << np.uint32(16)))
+
+    @cuda.jit(device=True)
+    def e4m3x8_to_f16x2_device(word):
+        """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
+        4-5, 6-7 (the simulator: e4m3x2_to_f16x2_device on each pair)."""
+        w = np.uint64(word)
+        return (e4m3x2_to_f16x2_device(np.uint32(w & np.uint64(0xFFFF))),
+                e4m3x2_to_f16x2_device(np.uint32((w >> np.uint64(16)) & np.uint64(0xFFFF))),
+                e4m3x2_to_f16x2_device(np.uint32((w >> np.uint64(32)) & np.uint64(0xFFFF))),
+                e4m3x2_to_f16x2_device(np.uint32(w >> np.uint64(48))))
+
+    @cuda.jit(device=True)
+    def byte_perm_device(a, b, sel):
+        """prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of the pair (b, a), a's bytes 0-3,
+        b's 4-7; sel's nibbles below 8 (sign replication is not used)."""
+        ab = (np.uint64(b) << np.uint64(32)) | np.uint64(a)
+        out = np.uint32(0)
+        for i in range(4):
+            j = (np.uint32(sel) >> np.uint32(4 * i)) & np.uint32(7)
+            out |= np.uint32((ab >> np.uint64(8 * j)) & np.uint64(0xFF)) << np.uint32(8 * i)
+        return out
 else:
     from llvmlite import ir as _ir
     from numba.core import types as _types
@@ -225,6 +251,34 @@ else:
         return sig, codegen
 
     @_intrinsic
+    def _cvt_e4m3x8_f16x2x4(typingctx, word):
+        """Eight E4M3 codes of a b64 -> four f16x2 words: the register split into four 16-bit parts by one mov (no
+        shifts: each conversion reads its half of a 32-bit register directly, .H0 / .H1 in the SASS)."""
+        sig = _types.UniTuple(_types.uint32, 4)(_types.uint64)
+
+        def codegen(context, builder, signature, args):
+            i32 = _ir.IntType(32)
+            fnty = _ir.FunctionType(_ir.LiteralStructType([i32] * 4), [_ir.IntType(64)])
+            asm = _ir.InlineAsm(fnty, "{ .reg .b16 c0, c1, c2, c3; mov.b64 {c0, c1, c2, c3}, $4; "
+                                      "cvt.rn.f16x2.e4m3x2 $0, c0; cvt.rn.f16x2.e4m3x2 $1, c1; "
+                                      "cvt.rn.f16x2.e4m3x2 $2, c2; cvt.rn.f16x2.e4m3x2 $3, c3; }",
+                                "=r,=r,=r,=r,l")
+            res = builder.call(asm, args)
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, j) for j in range(4)])
+        return sig, codegen
+
+    @_intrinsic
+    def _prmt(typingctx, a, b, sel):
+        """prmt.b32 d, a, b, sel (default mode)."""
+        sig = _types.uint32(_types.uint32, _types.uint32, _types.uint32)
+
+        def codegen(context, builder, signature, args):
+            i32 = _ir.IntType(32)
+            asm = _ir.InlineAsm(_ir.FunctionType(i32, [i32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, args)
+        return sig, codegen
+
+    @_intrinsic
     def _ld_v4(typingctx, ary, i):
         """ld.v4 of the 16 bytes at element i of a 1-D array of 32-bit elements (generic address: any space)."""
         if ary.ndim != 1 or ary.dtype not in (_types.uint32, _types.int32, _types.float32):
@@ -255,6 +309,18 @@ else:
     def e4m3x2_to_f16x2_device(pair):
         """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (one hardware conversion)."""
         return _cvt_e4m3x2_f16x2(np.uint16(pair & np.uint32(0xFFFF)))
+
+    @cuda.jit(device=True, inline=True)
+    def e4m3x8_to_f16x2_device(word):
+        """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
+        4-5, 6-7 (four hardware conversions, no shifts)."""
+        return _cvt_e4m3x8_f16x2x4(np.uint64(word))
+
+    @cuda.jit(device=True, inline=True)
+    def byte_perm_device(a, b, sel):
+        """prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of the pair (b, a), a's bytes 0-3,
+        b's 4-7 (one PRMT; a constant sel is folded into it)."""
+        return _prmt(np.uint32(a), np.uint32(b), np.uint32(sel))
 
 
 @cuda.jit(device=True, inline=True)
@@ -304,4 +370,28 @@ def e4m3_to_f16_kernel(codes, out):
         out[i] = e4m3x2_to_f16x2_device(codes[i])
 
 
-SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])", "e4m3_to_f16_kernel": "void(uint32[:], uint32[:])"}
+@cuda.jit(cache=True)
+def e4m3x8_to_f16_kernel(words, out):
+    """out[4i .. 4i + 3] = e4m3x8_to_f16x2_device(words[i]) (tests: the eight-code conversion)."""
+    grid_entry_device()
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < words.shape[0]:
+        h0, h1, h2, h3 = e4m3x8_to_f16x2_device(words[i])
+        out[4 * i] = h0
+        out[4 * i + 1] = h1
+        out[4 * i + 2] = h2
+        out[4 * i + 3] = h3
+
+
+@cuda.jit(cache=True)
+def byte_perm_kernel(a, b, sel, out):
+    """out[i] = byte_perm_device(a[i], b[i], sel[i]) (tests)."""
+    grid_entry_device()
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < a.shape[0]:
+        out[i] = byte_perm_device(a[i], b[i], sel[i])
+
+
+SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])", "e4m3_to_f16_kernel": "void(uint32[:], uint32[:])",
+              "e4m3x8_to_f16_kernel": "void(uint64[:], uint32[:])",
+              "byte_perm_kernel": "void(uint32[:], uint32[:], uint32[:], uint32[:])"}

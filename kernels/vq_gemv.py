@@ -5,7 +5,7 @@ Owns:
 - `vq_codebook`: a layer's E4M3 codebook [C, 8] as uint64 [C] (8 codes a word, element 0 in the low byte), checked
   for NaN codes. Nothing is decoded at load: the GEMV converts a codeword's codes to halves as it multiplies.
 - `vq_device_layout`: a layer's index stream and 13th-bit plane from the file's layout into the device layout below
-  (one kernel at upload; the bytes are the same but for padding).
+  (one kernel at upload; the same bits, placed for the GEMV, with padding).
 - `vq_plan`: routing ids [T, K] -> the expert-major work list: pair p = t*K + k, the pairs of each expert in
   token order, tiles of up to `tile_rows` (<= 16) pairs of one expert, and their count (on the device; nothing is
   read back, so decode needs no host round trip).
@@ -29,7 +29,8 @@ activations as B (a decode step's one pair per expert fills one of B's 8 columns
 filled one of A's 16 rows: half the MMAs for the same weights). Lane 4g + t
 takes, at step k of a block, codeword 4k + t of rows g and g + 8 of its row group from the shared-memory codebook
 (C x 8 bytes): their values 0-3 are its A fragment of a first `mma.sync.m16n8k16` f16 MMA and values 4-7 of a
-second one chained to it (each pair of E4M3 codes converted to halves by one `cvt.rn.f16x2.e4m3x2`). B needs the same
+second one chained to it (each pair of E4M3 codes converted to halves by one `cvt.rn.f16x2.e4m3x2`, reading its
+half of the codeword's register directly: kernels.mma.e4m3x8_to_f16x2_device). B needs the same
 8 inputs of pair g: a first kernel (`vq_stage_kernel`) turns the call's activation rows into E4M3 codes, stores
 them as halves in fragment order (16 bytes a lane and step: one load) and their power-of-two block scales (a step's
 32 inputs are one act_quant_fp8 block). The MMA outputs (rows g and g + 8, pairs 2t and 2t + 1) are scaled by the
@@ -42,9 +43,13 @@ about 6 bank-conflict wavefronts a warp's gather.
 
 The device layout. A matrix [R, Kin] (J = Kin/8 codewords a row) is stored in blocks of the file's shape (256
 indices: three 128-byte lines of low bytes and high nibbles, plus 32 plane bytes on 13-bit layers; lane l's
-positions k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * n_seg + s holds rows 16rg ..
-16rg+15 x codewords 16s .. 16s+15, lane 4g + t's position k being codeword 16s + 4(k // 2) + t of row 16rg + g +
-8(k % 2): exactly the A fragments of the block's 4 steps. Rows are padded to a multiple of 16 and J to a multiple
+positions k = 0..7 in words l, 32 + l, 64 + l and plane byte l), but block rg * n_seg + s holds rows 16rg .. 16rg+15
+x codewords 16s .. 16s+15, lane 4g + t's position k being codeword 16s + 4(k // 2) + t of row 16rg + g + 8(k % 2):
+exactly the A fragments of the block's 4 steps. Within a lane's words the low bytes keep the file's places (byte k %
+4 of word k // 4) and so does the plane (bit k), but the high nibble of position k sits in byte k % 4 of the third
+word, low nibble for k < 4, high for k >= 4 (the file: nibble k), so that one mask and one shift put the high parts
+of four positions one to a byte, and each step's two indices are one byte permutation (`_block_pairs_device`: about
+3 instructions an index where bit-field extraction took 6). Rows are padded to a multiple of 16 and J to a multiple
 of 16 with index 0 (whose products meet zero activation codes; NaN codes are refused at load); V4.1's shapes need
 no padding. A warp's work unit is (tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in
 order, PREFETCH blocks ahead, and each step's activation loads serve every group of the unit. Units are dealt
@@ -65,7 +70,7 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.moe import swiglu_value_device
-from kernels.mma import MMA_EX_WORDS, e4m3x2_to_f16x2_device, load4_device, mma_f16_device
+from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import _code_word_device, _fp8_block_scale_device, _quant8_device
 from kernels.scratch import scratch_array as _scratch
@@ -265,10 +270,14 @@ def device_stream_bytes(shape_a, shape_b):
 @cuda.jit(device=True, inline=True)
 def _file_index_device(src, src_pl, has_plane, base_w, base_p, p):
     """The codeword index at stream position p of one matrix in the file's layout (ds4lib.formats.vq): its block's
-    words for the owning lane, read as the GEMV reads a device block (_load_block_device, _index_device)."""
+    words for the owning lane (_load_block_device), position k = p % 8 in byte k % 4 of word k // 4, nibble k of the
+    third word and bit k of the plane byte."""
     b = p // BLOCK_INDICES
     w0, w1, w2, pl = _load_block_device(src, src_pl, has_plane, base_w, base_p, b, b + 1, (p % BLOCK_INDICES) // 8)
-    return _index_device(w0, w1, w2, pl, p % 8)
+    k = p % 8
+    lo = (w0 >> np.uint32(8 * k)) if k < 4 else (w1 >> np.uint32(8 * (k - 4)))
+    return ((lo & np.uint32(0xFF)) | (((w2 >> np.uint32(4 * k)) & np.uint32(0xF)) << np.uint32(8))
+            | (((pl >> np.uint32(k)) & np.uint32(1)) << np.uint32(12)))
 
 
 @cuda.jit(cache=True)
@@ -305,7 +314,7 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
             w0 |= (v & np.uint32(0xFF)) << np.uint32(8 * k)
         else:
             w1 |= (v & np.uint32(0xFF)) << np.uint32(8 * (k - 4))
-        w2 |= ((v >> np.uint32(8)) & np.uint32(0xF)) << np.uint32(4 * k)
+        w2 |= ((v >> np.uint32(8)) & np.uint32(0xF)) << np.uint32(8 * (k % 4) + 4 * (k // 4))
         pl |= ((v >> np.uint32(12)) & np.uint32(1)) << np.uint32(k)
     o = np.uint64(mat) * np.uint64(d_words) + np.uint64(WORDS_PER_BLOCK * b + lane)
     dst[o] = w0
@@ -316,16 +325,6 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
 
 
 # ------------------------------------------------------------------------- activations as E4M3 codes
-@cuda.jit(device=True, inline=True)
-def _lo32(w):
-    return np.uint32(w & np.uint64(0xFFFFFFFF))
-
-
-@cuda.jit(device=True, inline=True)
-def _hi32(w):
-    return np.uint32(w >> np.uint64(32))
-
-
 @cuda.jit(device=True, inline=True)
 def _stage_slot_device(n_x, n_cwp):
     """(in range, row r, codeword c) of the staging thread; threads past the end take row 0, codeword 0."""
@@ -344,13 +343,12 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
     p = _fp8_block_scale_device(am)
     word, _ = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
     if ok:
-        lo = _lo32(word)
-        hi = _hi32(word)
         o = 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
-        xh[o] = e4m3x2_to_f16x2_device(lo)
-        xh[o + 1] = e4m3x2_to_f16x2_device(lo >> np.uint32(16))
-        xh[o + 2] = e4m3x2_to_f16x2_device(hi)
-        xh[o + 3] = e4m3x2_to_f16x2_device(hi >> np.uint32(16))
+        h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
+        xh[o] = h0
+        xh[o + 1] = h1
+        xh[o + 2] = h2
+        xh[o + 3] = h3
         if c % 4 == 0:
             scl1[r * (n_cwp // 4) + c // 4] = p
 
@@ -424,11 +422,26 @@ def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
 
 
 @cuda.jit(device=True, inline=True)
-def _index_device(w0, w1, w2, pl, k):
-    """Codeword index of the lane's position k (0..7) from its three stream words and plane byte."""
-    lo = (w0 >> np.uint32(8 * k)) if k < 4 else (w1 >> np.uint32(8 * (k - 4)))
-    return ((lo & np.uint32(0xFF)) | (((w2 >> np.uint32(4 * k)) & np.uint32(0xF)) << np.uint32(8))
-            | (((pl >> np.uint32(k)) & np.uint32(1)) << np.uint32(12)))
+def _spread4_device(b):
+    """Bits 0-3 of b -> bit 4 of bytes 0-3 (one multiply: the four shifted copies of b do not overlap)."""
+    return (b * np.uint32(0x02040810)) & np.uint32(0x10101010)
+
+
+@cuda.jit(device=True, inline=True)
+def _block_pairs_device(blk):
+    """A device block's words (_load_block_device) -> the lane's 4 steps as pair words: step k's index of row g in
+    bits 0-12 and of row g + 8 in bits 16-28. The index of position k is byte k % 4 of word k // 4, then nibble
+    k of the third word in bits 8-11 (its byte k % 4, low nibble for k < 4) and bit k of the plane byte in bit 12:
+    the high parts are spread to one byte a position (hi0: positions 0-3, hi1: 4-7) and each pair word is one byte
+    permutation of a low word and its high bytes."""
+    w0, w1, w2, pl = blk
+    m = np.uint32(0x0F0F0F0F)
+    hi0 = (w2 & m) | _spread4_device(pl & np.uint32(0xF))
+    hi1 = ((w2 >> np.uint32(4)) & m) | _spread4_device(pl >> np.uint32(4))
+    s01 = np.uint32(0x5140)                         # bytes lo[0], hi[0], lo[1], hi[1]
+    s23 = np.uint32(0x7362)                         # bytes lo[2], hi[2], lo[3], hi[3]
+    return (byte_perm_device(w0, hi0, s01), byte_perm_device(w0, hi0, s23), byte_perm_device(w1, hi1, s01),
+            byte_perm_device(w1, hi1, s23))
 
 
 @cuda.jit(device=True, inline=True)
@@ -439,19 +452,14 @@ def _pair_row_device(pairs, first, n, count, x_div):
 
 
 @cuda.jit(device=True, inline=True)
-def _a_frags_device(cbs, blk, k):
-    """The A fragments of step k for the lane's rows g and g + 8 of its row group: the codewords at positions 2k
-    and 2k + 1 of its block words, as halves: (values 0-3 as a0..a3 of the first MMA, values 4-7 of the second)."""
-    wg = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], 2 * k)]
-    w8 = cbs[_index_device(blk[0], blk[1], blk[2], blk[3], 2 * k + 1)]
-    lg = _lo32(wg)
-    hg = _hi32(wg)
-    l8 = _lo32(w8)
-    h8 = _hi32(w8)
-    sh = np.uint32(16)
-    return (e4m3x2_to_f16x2_device(lg), e4m3x2_to_f16x2_device(l8), e4m3x2_to_f16x2_device(lg >> sh),
-            e4m3x2_to_f16x2_device(l8 >> sh), e4m3x2_to_f16x2_device(hg), e4m3x2_to_f16x2_device(h8),
-            e4m3x2_to_f16x2_device(hg >> sh), e4m3x2_to_f16x2_device(h8 >> sh))
+def _a_frags_device(cbs, pw, k):
+    """The A fragments of step k for the lane's rows g and g + 8 of its row group: the codewords of pair word pw[k]
+    (_block_pairs_device), as halves: (values 0-3 as a0..a3 of the first MMA, values 4-7 of the second)."""
+    p = pw[k]
+    lo = byte_perm_device(p, np.uint32(0), np.uint32(0x4410))   # p & 0xFFFF, in one PRMT before the address step
+    g0, g1, g2, g3 = e4m3x8_to_f16x2_device(cbs[lo])
+    r0, r1, r2, r3 = e4m3x8_to_f16x2_device(cbs[p >> np.uint32(16)])
+    return g0, r0, g1, r1, g2, r2, g3, r3
 
 
 @cuda.jit(device=True, inline=True)
@@ -579,8 +587,8 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
             na1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 0, n_seg1, lane)
             nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 1, n_seg1, lane)
             for s in range(n_seg):
-                c0 = na0
-                c1 = na1
+                c0 = _block_pairs_device(na0)
+                c1 = _block_pairs_device(na1)
                 na0 = nb0
                 na1 = nb1
                 nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + PREFETCH, n_seg, lane)

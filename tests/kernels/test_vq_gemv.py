@@ -60,8 +60,9 @@ def _want(layer, m, x_rows, experts, scale=None):
 
 def _device_indices(index, plane, rows, cols):
     """The device layout read back on the host, straight from its definition (kernels.vq_gemv): block rg*n_seg + s,
-    lane 4n + t, position k = codeword 16s + 4(k // 2) + t of row 16rg + n + 8(k % 2) -> idx [rows16, cols16/8]
-    with the padding."""
+    lane 4n + t, position k = codeword 16s + 4(k // 2) + t of row 16rg + n + 8(k % 2), its low byte byte k % 4 of
+    word k // 4, its high nibble at bit 8(k % 4) + 4(k // 4) of the third word, bit 12 bit k of the plane byte ->
+    idx [rows16, cols16/8] with the padding."""
     J = cols // 8
     n_rg, n_seg = -(-rows // 16), -(-J // 16)
     words = index.view(np.uint32)
@@ -74,7 +75,7 @@ def _device_indices(index, plane, rows, cols):
                 pl = int(plane[32 * b + lane]) if plane is not None else 0
                 for k in range(8):
                     lo = ((w0 if k < 4 else w1) >> (8 * (k % 4))) & 0xFF
-                    v = lo | (((w2 >> (4 * k)) & 0xF) << 8) | (((pl >> k) & 1) << 12)
+                    v = lo | (((w2 >> (8 * (k % 4) + 4 * (k // 4))) & 0xF) << 8) | (((pl >> k) & 1) << 12)
                     out[16 * rg + lane // 4 + 8 * (k % 2), 16 * s + 4 * (k // 2) + lane % 4] = v
     return out
 
@@ -104,6 +105,42 @@ def test_e4m3_pairs_become_exact_halves(cuda_ready):
     e4m3_to_f16_kernel[2, 128](cuda_ready.to_device(pairs), out)
     half = lambda c: e4m3_decode(c.astype(np.uint8)).astype(np.float16).view(np.uint16).astype(np.uint32)
     np.testing.assert_array_equal(out.copy_to_host(), half(codes) | (half(partner) << 16))
+
+
+def test_e4m3_words_of_eight_codes_become_four_pairs_of_halves(cuda_ready):
+    """e4m3x8_to_f16x2_device (the GEMV's codewords, the staging's activation codes): codes 2i and 2i + 1 of a
+    uint64 -> word i, the same halves as the pair conversion above, for every finite code in every byte."""
+    from ds4lib.formats.fp8 import e4m3_decode
+    from kernels.mma import e4m3x8_to_f16_kernel
+    rng = np.random.default_rng(5)
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    codes = np.stack([np.roll(finite, 31 * j) for j in range(8)], axis=1)          # every code in every byte
+    codes = np.concatenate([codes, rng.choice(finite, (200, 8))])
+    words = codes.copy().view(np.uint64).reshape(-1)
+    out = cuda_ready.device_array(4 * len(words), np.uint32)
+    e4m3x8_to_f16_kernel[4, 128](cuda_ready.to_device(words), out)
+    half = e4m3_decode(codes).astype(np.float16).view(np.uint16).astype(np.uint32)
+    want = half[:, 0::2] | (half[:, 1::2] << 16)
+    np.testing.assert_array_equal(out.copy_to_host().reshape(-1, 4), want)
+
+
+def test_byte_permutation_selects_bytes_of_the_word_pair(cuda_ready):
+    """byte_perm_device (prmt.b32, default mode): byte i of the result is byte (sel >> 4i) & 7 of (b, a), a first;
+    the GEMV's selectors (0x5140, 0x7362, 0x4410) and random ones."""
+    from kernels.mma import byte_perm_kernel
+    rng = np.random.default_rng(9)
+    n = 300
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    sel = rng.integers(0, 8, (n, 4)) @ (16 ** np.arange(4))
+    sel[:3] = (0x5140, 0x7362, 0x4410)
+    sel = sel.astype(np.uint32)
+    out = cuda_ready.device_array(n, np.uint32)
+    byte_perm_kernel[3, 128](*(cuda_ready.to_device(v) for v in (a, b, sel)), out)
+    pair = np.stack([a.view(np.uint8).reshape(n, 4), b.view(np.uint8).reshape(n, 4)], axis=1).reshape(n, 8)
+    pick = (sel[:, None] >> (4 * np.arange(4, dtype=np.uint32))) & 7
+    want = np.take_along_axis(pair, pick.astype(np.int64), axis=1).copy().view(np.uint32).reshape(n)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
 @pytest.mark.parametrize("rows, cols, w2_shape, bits", [(3, 96, (3, 96), 12), (64, 96, (96, 64), 12),

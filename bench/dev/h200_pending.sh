@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The checks and A/B timings that wait for the lent H200, in one device call of about 9.5 minutes. Everything is
+# written under $OUT. Each part has a time cap and may fail; summary.txt gives every part's status and seconds.
+#
+#   bash bench/dev/h200_pending.sh            # on the device, from the repository root
+#
+# What to send with the call:
+# - carry [".whl"]. Build it first with `pip download --no-deps -d .whl gguf llguidance` (the device has no index).
+# - AB_BEFORE (default ab/): a folder of "before" files. Each sits at its path relative to the repository root,
+#   e.g. ab/kernels/vq_gemv.py made by `git show <commit>:kernels/vq_gemv.py`. It must be untracked and not
+#   ignored, so that it travels with the tree. The "before" parts copy those files in and restore the tree's own
+#   afterwards. Without the folder, the "before" parts are skipped.
+# - The tree must stay under 64 MiB. Untrack models/ and tests/golden/official_v41_tiny for the call; the engine
+#   tests then run on the random tiny stack.
+#
+# The parts, in priority order:
+#   tests     DS4_REQUIRE_CUDA=1 pytest on the kernels changed since the last H200 run: the VQ GEMV (pair-word
+#             index unpacking, shift-free E4M3 conversions), the indexer (tensor-core scores, one-launch top-k),
+#             the norm kernels' launch bounds
+#   vq        bench/dev/vq_probe.py at 13 and 12 bits, this tree, then the "before" files (same lease)
+#   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is
+#   flags     the same, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
+#   before    the same decode bench on the "before" files
+#   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative)
+#   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
+# DS4_PARTS=tests,vq limits the run to those parts.
+set -u
+START=$(date +%s)
+BUDGET=${DS4_RUN_BUDGET_S:-560}
+END=$((START + BUDGET))
+OUT=${OUT:-$PWD/out}
+AB=${AB_BEFORE:-ab}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+PARTS=${DS4_PARTS:-tests,vq,decode,flags,before,engine,index}
+
+if [ -d .whl ]; then
+    pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export DS4_KERNEL_CACHE=${DS4_KERNEL_CACHE:-/tmp/kcache}
+export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+unset NUMBA_ENABLE_CUDASIM
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/env.txt" 2>&1
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+want() { case ",$PARTS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# run NAME CAP LOG CMD...: time-boxed by CAP seconds or by what is left of the budget
+run() {
+    local name=$1 cap=$2 log=$3; shift 3
+    local left=$((END - $(date +%s) - 5))
+    [ "$left" -lt "$cap" ] && cap=$left
+    if [ "$cap" -lt 20 ]; then note "SKIP  $name (${left}s left)"; return 0; fi
+    local t0; t0=$(date +%s)
+    echo "=== $name: $*" >> "$OUT/$log"
+    timeout -k 10 "$cap" "$@" >> "$OUT/$log" 2>&1
+    local rc=$? dt=$(( $(date +%s) - t0 ))
+    if [ "$rc" -eq 0 ]; then note "OK    $name ${dt}s"
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note "TIME  $name ${dt}s (cap ${cap}s)"
+    else note "FAIL  $name ${dt}s rc=$rc"; fi
+}
+
+# swap_in / swap_out: the "before" files over the tree's, and back
+BACKUP=/tmp/ab_backup
+swap_in() {
+    rm -rf "$BACKUP"; mkdir -p "$BACKUP"
+    (cd "$AB" && find . -type f) | while read -r f; do
+        mkdir -p "$BACKUP/$(dirname "$f")"; cp "$f" "$BACKUP/$f"; cp "$AB/$f" "$f"; done
+}
+swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/$f" "$f"; done; }
+have_ab() { [ -d "$AB" ] && [ -n "$(find "$AB" -type f | head -1)" ]; }
+
+DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0)
+FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
+sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+if want tests; then
+    run tests 200 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x tests/kernels/test_vq_gemv.py \
+        tests/kernels/test_indexer.py tests/kernels/test_rms_norm.py
+fi
+if want vq; then
+    for b in 13 12; do run "vq_probe bits=$b" 60 vq.jsonl $PY bench/dev/vq_probe.py --bits $b; done
+    if have_ab; then
+        swap_in
+        for b in 13 12; do run "vq_probe bits=$b (before)" 60 vq_before.jsonl $PY bench/dev/vq_probe.py --bits $b; done
+        swap_out
+    fi
+fi
+if want decode; then
+    run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
+fi
+if want flags; then
+    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
+fi
+if want before && have_ab; then
+    swap_in
+    run "decode (before)" 120 before.log $PY "${DECODE[@]}" --out "$OUT/decode_before.jsonl"
+    swap_out
+fi
+if want engine; then
+    run engine 150 pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
+        tests/engine/test_engine_cuda.py tests/engine/test_cuda_session_state.py tests/engine/test_speculative_cuda.py
+fi
+if want index; then
+    run index_probe 60 index.jsonl $PY bench/dev/index_probe.py
+fi
+note "total $(( $(date +%s) - START ))s"
