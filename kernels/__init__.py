@@ -14,6 +14,10 @@ own bytecode, its closure variables and its file's mtime and size, but not by th
 other modules (kernels.bf16, rms_norm's block sums), an intrinsic's PTX text or the ds4lib.formats constants it
 freezes; the source hash in the directory name covers those, so an edit anywhere in kernels/ starts a fresh cache
 rather than loading stale code. Old `kernels-*` directories are never read again and may be deleted.
+
+`bounded_jit(threads, min_blocks)` is that decorator for a kernel launched with at most `threads` threads a block:
+on the GPU it passes the launch bounds to ptxas, which then keeps the kernel's registers within what `min_blocks`
+resident blocks of that size may use (the simulator takes no bounds).
 """
 import hashlib as _hashlib
 import os as _os
@@ -59,3 +63,11 @@ KERNEL_CACHE_DIR = _Env.read().kernel_cache_dir / f"kernels-{source_fingerprint(
 # NUMBA_CACHE_DIR in os.environ: child processes then resolve the same root themselves instead of nesting a second
 # kernels-<hash> level under an inherited one.
 _cuda_config.CACHE_DIR = str(KERNEL_CACHE_DIR)
+
+
+def bounded_jit(threads, min_blocks=1):
+    """`cuda.jit(cache=True)` with launch bounds (threads, min_blocks) on the GPU; without them in the simulator."""
+    from numba import cuda
+    if _cuda_config.ENABLE_CUDASIM:
+        return cuda.jit(cache=True)
+    return cuda.jit(launch_bounds=(threads, min_blocks), cache=True)

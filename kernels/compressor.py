@@ -22,7 +22,7 @@ from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
-from kernels.rms_norm import block_sum_rows_f64_device
+from kernels.warp import block_sum_rows_f64_device
 
 __all__ = ["compress", "compress_pool_kernel", "compress_state_kernel", "SIGNATURES"]
 

@@ -24,18 +24,17 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import bits_f32, exp_f32_device, f32_bits, mul_rn_device, round_bf16_device
+from kernels.fp8 import F32_NAN, e4m3_decode_device
 from kernels.pdl import grid_entry_device
-from kernels.rms_norm import block_sum_rows_f64_device
+from kernels.warp import block_sum_rows_f64_device
 
 __all__ = ["engram_hashes", "engram_gather", "engram_gate", "engram_hash_kernel", "engram_gather_kernel",
-           "engram_gate_kernel", "e4m3_decode_device", "ue8m0_decode_device", "SIGNATURES"]
+           "engram_gate_kernel", "ue8m0_decode_device", "SIGNATURES"]
 
 THREADS = 128
 DEAD = -1
 BEFORE_START = -2
 GATE_FLOOR = np.float32(1e-6)
-F32_NAN = np.float32(np.nan)
-E4M3_SUBNORMAL_STEP = np.float32(2.0 ** -9)
 
 
 @cuda.jit(cache=True)
@@ -62,21 +61,6 @@ def engram_hash_kernel(cids, history, primes, offsets, mults, n_heads, pad, out,
         blocked = blocked or v == BEFORE_START or v == DEAD
         rolling ^= (pad if blocked else v) * mults[l, k]
     out[t, l, c] = rolling % primes[l, c] + offsets[l, c]
-
-
-@cuda.jit(device=True, inline=True)
-def e4m3_decode_device(code):
-    """E4M3FN byte -> float32 (exact; 0x7F/0xFF NaN)."""
-    c = np.uint32(code)
-    e = (c >> np.uint32(3)) & np.uint32(0xF)
-    m = c & np.uint32(7)
-    if e == np.uint32(0xF) and m == np.uint32(7):
-        return F32_NAN
-    if e == np.uint32(0):
-        v = np.float32(m) * E4M3_SUBNORMAL_STEP
-    else:
-        v = bits_f32(((e + np.uint32(120)) << np.uint32(23)) | (m << np.uint32(20)))
-    return -v if c & np.uint32(0x80) else v
 
 
 @cuda.jit(device=True, inline=True)

@@ -9,7 +9,8 @@ Owns:
   linear is one group.
 - `act_quant_fp8` (block 32), `act_quant_fp4_pow2` (block 32), `act_quant_fp4_e4m3` (block 16): bit-exact
   with ds4lib.formats.actquant (docs/architecture.md §11.3, errata E1/N3 in §1).
-Does not own: FP4 / VQ / q4_K weight formats and their GEMVs.
+Does not own: FP4 / VQ / q4_K weight formats and their GEMVs; the FP8 / FP4 rounding and the quantiser's device
+function (kernels.fp8), the warp reductions (kernels.warp).
 
 Numerics: every product of a BF16 weight and a BF16 or quantised activation is exact in FP32; the FP32
 sums differ from the reference's exact (float64) block sums only in rounding order, so outputs agree to
@@ -29,12 +30,15 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels.bf16 import bf16x4_device, bits_f32, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.bf16 import bf16x4_device, f32x2_device, mul_rn_device, round_bf16_device
+from kernels.fp8 import (E2M1_MAX, E4M3_MAX, INV6, act_quant_fp8_lane_device, e2m1_round_device, e4m3_round_device,
+                         pow2_ceil_device)
 from kernels.pdl import grid_entry_device
+from kernels.warp import group_amax_device
 
-__all__ = ["gemv", "act_quant_fp8", "act_quant_fp8_lane_device", "act_quant_fp4_pow2", "act_quant_fp4_e4m3",
-           "gemv_t1_kernel", "gemv_t4_kernel", "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel", "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel",
-           "e4m3_round_device", "e2m1_round_device", "pow2_ceil_device", "SIGNATURES"]
+__all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel", "gemv_t4_kernel",
+           "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel",
+           "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel", "SIGNATURES"]
 
 WARP = 32
 BLOCK_WARPS = 8              # warps per block: 8 // split rows
@@ -43,10 +47,6 @@ UNROLL = 4                   # independent 8-byte weight loads per lane per step
 TOKENS_WIDE = 4              # tokens per pass of the batched kernel
 THREADS_ACT = 128
 
-E4M3_MAX = np.float32(448.0)
-E2M1_MAX = np.float32(6.0)
-_INV448 = np.float32(1.0) / np.float32(448.0)
-_INV6 = np.float32(1.0) / np.float32(6.0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -143,76 +143,6 @@ gemv_f32w_t4_kernel = _make_gemv_kernel(TOKENS_WIDE, _dot_f32_device, 2)
 
 
 # ----------------------------------------------------------------------------------- quantise-dequantise
-@cuda.jit(device=True, inline=True)
-def pow2_ceil_device(x):
-    """2^ceil(log2(x)) for a positive normal float32, from the exponent bits (ds4lib.formats.fp8.pow2_ceil_exponent)."""
-    u = f32_bits(x)
-    e = np.int32((u >> np.uint32(23)) & np.uint32(0xFF))
-    if (u & np.uint32(0x7FFFFF)) != np.uint32(0):
-        e += 1
-    return bits_f32(np.uint32(e) << np.uint32(23))
-
-
-@cuda.jit(device=True, inline=True)
-def _rint_step_device(ax, magic):
-    """Round a float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to even: the FP32 add
-    rounds at exactly that bit (|ax| below 2^22 steps, so that ax + magic stays between 2^23 and 2^24 steps)."""
-    return (ax + magic) - magic
-
-
-@cuda.jit(device=True, inline=True)
-def _with_sign_device(mag, x):
-    return bits_f32(f32_bits(mag) | (f32_bits(x) & np.uint32(0x80000000)))
-
-
-@cuda.jit(device=True, inline=True)
-def e4m3_round_device(x):
-    """Nearest E4M3 value of |x| <= 448 (ties to even), sign kept (ds4lib.formats.fp8.e4m3_round)."""
-    ax = abs(x)
-    if ax < np.float32(0.015625):                                   # subnormal grid: step 2^-9
-        r = _rint_step_device(ax, np.float32(24576.0))
-    else:                                                           # 3 mantissa bits, ties to even
-        u = f32_bits(ax)
-        lsb = (u >> np.uint32(20)) & np.uint32(1)
-        r = bits_f32((u + np.uint32(0x7FFFF) + lsb) & np.uint32(0xFFF00000))
-    return _with_sign_device(r, x)
-
-
-@cuda.jit(device=True, inline=True)
-def e2m1_round_device(x):
-    """Nearest E2M1 value of |x| <= 6 (ties to the even code), sign kept (ds4lib.formats.fp4.e2m1_round)."""
-    ax = abs(x)
-    if ax < np.float32(2.0):
-        r = _rint_step_device(ax, np.float32(6291456.0))            # step 0.5
-    elif ax < np.float32(4.0):
-        r = _rint_step_device(ax, np.float32(12582912.0))           # step 1
-    else:
-        r = _rint_step_device(ax, np.float32(25165824.0))           # step 2
-    return _with_sign_device(min(r, E2M1_MAX), x)
-
-
-@cuda.jit(device=True, inline=True)
-def _group_amax_device(v, width):
-    """max |v| over aligned groups of `width` lanes (16 or 32) of the warp."""
-    a = abs(v)
-    off = width // 2
-    while off > 0:
-        a = max(a, cuda.shfl_xor_sync(0xFFFFFFFF, a, off))
-        off //= 2
-    return a
-
-
-@cuda.jit(device=True, inline=True)
-def act_quant_fp8_lane_device(v):
-    """act_quant_fp8's value of v when the warp's 32 lanes hold one aligned block of 32: amax of the block floored
-    at 1e-4, power-of-two scale, clamp, E4M3 rounding. Every lane of the warp calls it (a lane outside the data
-    passes 0). The one definition: act_quant_fp8_kernel and the fused producers (kernels.rms_norm, kernels.moe)."""
-    amax = max(_group_amax_device(v, 32), np.float32(1e-4))
-    s = pow2_ceil_device(mul_rn_device(amax, _INV448))
-    y = min(max(v / s, -E4M3_MAX), E4M3_MAX)
-    return e4m3_round_device(y) * s
-
-
 @cuda.jit(cache=True)
 def act_quant_fp8_kernel(x, out):
     """x, out [n] float32, n % 32 == 0; one element per thread, one quantisation block per warp."""
@@ -237,8 +167,8 @@ def act_quant_fp4_pow2_kernel(x, out):
     if i - lane >= n:
         return
     v = x[i] if i < n else np.float32(0.0)
-    amax = max(_group_amax_device(v, 32), np.float32(6.0 * 2.0 ** -126))
-    s = pow2_ceil_device(mul_rn_device(amax, _INV6))
+    amax = max(group_amax_device(v, 32), np.float32(6.0 * 2.0 ** -126))
+    s = pow2_ceil_device(mul_rn_device(amax, INV6))
     y = min(max(v / s, -E2M1_MAX), E2M1_MAX)
     if i < n:
         out[i] = e2m1_round_device(y) * s
@@ -254,7 +184,7 @@ def act_quant_fp4_e4m3_kernel(x, out):
     if i - lane >= n:
         return
     v = x[i] if i < n else np.float32(0.0)
-    amax = max(_group_amax_device(v, 16), np.float32(6.0 * 2.0 ** -9))
+    amax = max(group_amax_device(v, 16), np.float32(6.0 * 2.0 ** -9))
     s = e4m3_round_device(min(amax / np.float32(6.0), E4M3_MAX))
     y = min(max(v / s, -E2M1_MAX), E2M1_MAX)
     if i < n:

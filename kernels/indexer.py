@@ -39,6 +39,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import bounded_jit
 from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.mma import MMA_EX_WORDS, mma_bf16_device
 from kernels.pdl import grid_entry_device
@@ -441,9 +442,7 @@ def _write_selected_device(scores, t, lo, hi, theta, need, eq_run, sel_run, lim,
 
 
 def _make_topk_one_kernel():
-    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(ONE_THREADS, 1), cache=True)
-
-    @jit
+    @bounded_jit(ONE_THREADS)
     def topk_one_kernel(scores, k, positions, ratio, use_reach, out):
         """select_topk of a row in one block (blockIdx.x = row): topk_init_kernel, both passes of topk_hist_kernel
         and topk_scan_kernel on a shared histogram, then topk_write_kernel's compaction over the whole row, so the

@@ -1,4 +1,4 @@
-"""Tensor-core matrix multiply-accumulate from Numba kernels, and the exact E4M3 encoder that feeds it.
+"""Tensor-core matrix multiply-accumulate from Numba kernels, and the inline-PTX conversions and loads that feed it.
 
 Owns:
 - `mma_e4m3_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32` (sm_89 and later; inline
@@ -32,28 +32,23 @@ Owns:
   register split into 16-bit parts by one PTX mov, so that each conversion reads its half directly (no shifts).
 - `byte_perm_device`: `prmt.b32` in its default mode (any four of the eight bytes of two words; the simulator's
   twin selects them in Python).
-- `f16_of_e4m3_value_device`: the IEEE half bits of a float32 that E4M3 represents (every such value is a normal or
-  zero half: exact, integer operations only).
 - `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
   one 16-byte load (`ld.v4`; the simulator reads them one by one): a lane's fragment registers staged side by side.
-- `e4m3_encode_device`: float32 -> E4M3 byte for a value that E4M3 represents exactly (|v| <= 448 on the E4M3
-  grid; the callers divide FP8-grid activations by a power of two that makes this hold).
-Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path).
+Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path), the E4M3
+encoder and the exact decoders (kernels.fp8).
 """
 import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.fp8 import E4M3_VALUES
-from kernels.bf16 import f32_bits
-from kernels.engram import e4m3_decode_device
+from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
 __all__ = ["mma_e4m3_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
            "e4m3x2_to_f16x2_device", "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
-           "f16_of_e4m3_value_device",
-           "e4m3_encode_device", "e4m3_encode_kernel", "e4m3_to_f16_kernel", "e4m3x8_to_f16_kernel", "byte_perm_kernel",
+           "e4m3_to_f16_kernel", "e4m3x8_to_f16_kernel", "byte_perm_kernel",
            "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -323,44 +318,6 @@ else:
         return _prmt(np.uint32(a), np.uint32(b), np.uint32(sel))
 
 
-@cuda.jit(device=True, inline=True)
-def f16_of_e4m3_value_device(v):
-    """IEEE half bits of float32 v, exact for every value E4M3 represents: those are 0 or m * 2^e with a 3-bit
-    fraction and -9 <= e <= 8, all normal halves (the half keeps the sign, e + 15 and the top fraction bits)."""
-    bits = f32_bits(v)
-    sign = (bits >> np.uint32(16)) & np.uint32(0x8000)
-    a = bits & np.uint32(0x7FFFFFFF)
-    if a == np.uint32(0):
-        return sign
-    e = np.int32(a >> np.uint32(23)) - 127
-    return sign | (np.uint32(e + 15) << np.uint32(10)) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
-
-
-@cuda.jit(device=True, inline=True)
-def e4m3_encode_device(v):
-    """The E4M3 byte of float32 v, exact for every v that E4M3 represents (|v| <= 448 on its grid): normal values
-    take the biased exponent and the top 3 fraction bits, values below 2^-6 are m * 2^-9 (m = 0..7)."""
-    bits = f32_bits(v)
-    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
-    a = bits & np.uint32(0x7FFFFFFF)
-    e = np.int32(a >> np.uint32(23)) - 127
-    if a == np.uint32(0):
-        return sign
-    if e >= -6:
-        return sign | (np.uint32(e + 7) << np.uint32(3)) | ((a >> np.uint32(20)) & np.uint32(7))
-    mant = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-    return sign | (mant >> np.uint32(14 - e))           # e = -7..-9: m = 1.f * 2^(e+9) = mant >> (23 - (e + 9))
-
-
-@cuda.jit(cache=True)
-def e4m3_encode_kernel(v, out):
-    """out[i] = e4m3_encode_device(v[i]) (tests: the encoder on every code)."""
-    grid_entry_device()
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < v.shape[0]:
-        out[i] = e4m3_encode_device(v[i])
-
-
 @cuda.jit(cache=True)
 def e4m3_to_f16_kernel(codes, out):
     """out[i] = the halves of codes[i]'s two E4M3 bytes (tests: the conversion on every pair of codes)."""
@@ -392,6 +349,6 @@ def byte_perm_kernel(a, b, sel, out):
         out[i] = byte_perm_device(a[i], b[i], sel[i])
 
 
-SIGNATURES = {"e4m3_encode_kernel": "void(float32[:], uint32[:])", "e4m3_to_f16_kernel": "void(uint32[:], uint32[:])",
+SIGNATURES = {"e4m3_to_f16_kernel": "void(uint32[:], uint32[:])",
               "e4m3x8_to_f16_kernel": "void(uint64[:], uint32[:])",
               "byte_perm_kernel": "void(uint32[:], uint32[:], uint32[:], uint32[:])"}

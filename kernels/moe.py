@@ -14,7 +14,7 @@ Owns:
 - `swiglu`: a = silu(min(g, limit)) * clamp(u, -limit, limit) (* routing weight of the row), BF16 — the
   elementwise step between the gate/up GEMVs and the down GEMV of an expert (routed or shared); with `out_q` the
   same kernel also writes act_quant_fp8(a) (block 32: with F % 32 == 0 a warp's 32 elements are one block of a
-  row, so the amax is a shuffle reduction; kernels.gemv.act_quant_fp8_lane_device). g and u may be strided
+  row, so the amax is a shuffle reduction; kernels.fp8.act_quant_fp8_lane_device). g and u may be strided
   views (the two halves of one [n, 2F] GEMV output).
 Does not own: the expert GEMVs (FP4/VQ weights: the quantized-format kernels), the expert-major reduction, the
 plan for several tokens (kernels.vq_gemv.vq_plan).
@@ -28,7 +28,8 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
-from kernels.gemv import act_quant_fp8_lane_device, gemv
+from kernels.fp8 import act_quant_fp8_lane_device
+from kernels.gemv import gemv
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 

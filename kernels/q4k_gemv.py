@@ -12,7 +12,8 @@ Owns:
   linear_q (gemv.act_quant_fp8, block 32) to x. Rows of group g read the g-th K-slice of x (`rows_per_group`:
   attention's grouped wo_a).
 - `q4k_rows`: rows of a q4_K / Q8_0 table decoded to float32 (exactly dequantize_q4k's values): the embedding.
-Does not own: BF16/FP32 weights (kernels.gemv), the activation quantiser itself (kernels.gemv), F16 fallback
+Does not own: BF16/FP32 weights (kernels.gemv), the activation quantiser (kernels.gemv; its device numerics and the
+codeword form the tensor-core path stages with: kernels.fp8), the warp reductions (kernels.warp), F16 fallback
 tensors (the engine uploads those as float32 and uses kernels.gemv).
 
 Numerics: the FP32 sums differ from the reference's exact (float64) 32-block sums only in rounding order
@@ -60,14 +61,16 @@ from numba import cuda
 from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
-from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
-from kernels.gemv import E4M3_MAX, _rint_step_device, act_quant_fp8, e4m3_round_device, pow2_ceil_device
-from kernels.mma import (MMA_EX_WORDS, e4m3_encode_device, load4_device, mma_e4m3_device, mma_u8s8_device,
-                         mma_u8u8_device)
+from kernels import bounded_jit
+from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
+from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
+from kernels.gemv import act_quant_fp8
+from kernels.mma import MMA_EX_WORDS, load4_device, mma_e4m3_device, mma_u8s8_device, mma_u8u8_device
 from kernels.pdl import grid_entry_device
+from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["q4k_gemv", "q4k_rows", "warp_sum_device", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
+__all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
            "im_fits", "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
@@ -90,37 +93,11 @@ MMA_STAGE_SB = 32              # token x super-blocks of activations staged in s
 MMA_STAGE_BLK = MMA_STAGE_SB * QK_K // 32       # their blocks of 32 (a scale and a code sum each),
 MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their code words (32 bytes of padding a token row)
 MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many blocks (a function of its shape)
-INV448 = np.float32(1.0) / np.float32(448.0)     # act_quant_fp8's constant
 MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
 MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
 USE_IMMA = True                # other activations take the integer tensor-core path where im_fits (q4k_probe compares)
-
-
-if SIM:
-    @cuda.jit(device=True)
-    def warp_sum_device(v, red):
-        """Sum of v over the 32 lanes of the warp (valid in lane 0). `red` is the warp's float32 [32] slice of a
-        shared array the kernel allocated. The simulator pays two block barriers per shuffle, so here the lanes
-        meet once in shared memory (two barriers in all) and add in lane order."""
-        lane = cuda.threadIdx.x % WARP
-        red[lane] = v
-        cuda.syncwarp(0xFFFFFFFF)
-        s = red[0]
-        for j in range(1, WARP):
-            s += red[j]
-        cuda.syncwarp(0xFFFFFFFF)
-        return s
-else:
-    @cuda.jit(device=True, inline=True)
-    def warp_sum_device(v, red):
-        """Sum of v over the 32 lanes of the warp (valid in lane 0): shuffle tree, fixed order (`red` unused)."""
-        off = WARP // 2
-        while off > 0:
-            v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
-            off //= 2
-        return v
 
 
 @cuda.jit(device=True, inline=True)
@@ -383,94 +360,6 @@ q4k_gemv_deep_kernel = _make_q4k_deep_kernel(WARPS_PER_BLOCK)
 
 
 # ------------------------------------------------------------------------------ the tensor-core path (FP8 inputs)
-if SIM:
-    @cuda.jit(device=True)
-    def _quad_sum_device(v, red):
-        """((v_0 + v_1) + (v_2 + v_3)) over the four lanes 4g..4g+3 of each quad, in every lane of it; `red` is the
-        warp's float32 [32] slice of a shared array (the simulator: one exchange in shared memory)."""
-        lane = cuda.threadIdx.x % WARP
-        red[lane] = v
-        cuda.syncwarp(0xFFFFFFFF)
-        q = lane - lane % 4
-        s = (red[q] + red[q + 1]) + (red[q + 2] + red[q + 3])
-        cuda.syncwarp(0xFFFFFFFF)
-        return s
-
-    @cuda.jit(device=True)
-    def _quad_max_device(v, red):
-        """max of v over the lanes of each quad (the simulator: shared memory)."""
-        lane = cuda.threadIdx.x % WARP
-        red[lane] = v
-        cuda.syncwarp(0xFFFFFFFF)
-        q = lane - lane % 4
-        s = max(max(red[q], red[q + 1]), max(red[q + 2], red[q + 3]))
-        cuda.syncwarp(0xFFFFFFFF)
-        return s
-else:
-    @cuda.jit(device=True, inline=True)
-    def _quad_sum_device(v, red):
-        """((v_0 + v_1) + (v_2 + v_3)) over the lanes of each quad (two butterfly shuffles; `red` unused). Lane 4g
-        gets exactly that order; the others the same sums with commuted operands, so the same bits."""
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
-        return v
-
-    @cuda.jit(device=True, inline=True)
-    def _quad_max_device(v, red):
-        """max of v over the lanes of each quad (two butterfly shuffles)."""
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
-        return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
-
-
-@cuda.jit(device=True, inline=True)
-def _fp8_block_scale_device(amax):
-    """The least power of two P with amax <= 448 P (1 for amax == 0): FP8-grid values of a block divided by P are
-    E4M3 codes exactly (P never exceeds the block's quantisation scale, so no code loses a bit)."""
-    if amax == np.float32(0.0):
-        return np.float32(1.0)
-    u = f32_bits(amax)
-    e = np.int32(u >> np.uint32(23)) - 127                 # amax = 1.f * 2^e (normal)
-    if (u & np.uint32(0x7FFFFF)) > np.uint32(0x600000):   # 1.f > 1.75: 448 * 2^(e-8) < amax
-        e += 1
-    e = max(e - 8, -126)
-    return bits_f32(np.uint32(e + 127) << np.uint32(23))
-
-
-@cuda.jit(device=True, inline=True)
-def _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, inv):
-    """(8 E4M3 codes of v_i * inv packed low byte first, the exact FP32 sum of the 8 scaled values)."""
-    c0, c1, c2, c3 = v0 * inv, v1 * inv, v2 * inv, v3 * inv
-    c4, c5, c6, c7 = v4 * inv, v5 * inv, v6 * inv, v7 * inv
-    lo = (e4m3_encode_device(c0) | (e4m3_encode_device(c1) << np.uint32(8)) | (e4m3_encode_device(c2) << np.uint32(16))
-          | (e4m3_encode_device(c3) << np.uint32(24)))
-    hi = (e4m3_encode_device(c4) | (e4m3_encode_device(c5) << np.uint32(8)) | (e4m3_encode_device(c6) << np.uint32(16))
-          | (e4m3_encode_device(c7) << np.uint32(24)))
-    return np.uint64(lo) | (np.uint64(hi) << np.uint64(32)), ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
-
-
-@cuda.jit(device=True, inline=True)
-def _aq_device(v, q):
-    """act_quant_fp8_kernel's value: e4m3_round(clamp(v / q, +-448)) * q."""
-    return e4m3_round_device(min(max(v / q, -E4M3_MAX), E4M3_MAX)) * q
-
-
-@cuda.jit(device=True, inline=True)
-def _quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, red):
-    """A thread's 8 activations of a block of 32 (the quad holds the block) and the max |v| over the quad (`red`: the
-    warp's float32 [32] slice of a shared array, for the simulator). `raw`: act_quant_fp8's rule is applied first,
-    with the same operations as its kernel (block scale from the quad's max), and the max is taken again."""
-    am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-    am = _quad_max_device(am, red)
-    if raw:
-        q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
-        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
-        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
-        am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
-                 max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-        am = _quad_max_device(am, red)
-    return v0, v1, v2, v3, v4, v5, v6, v7, am
-
-
 @cuda.jit(device=True, inline=True)
 def _x8_device(x1, base, raw, red):
     """_quant8_device of the 8 activations at flat uint64 word `base` of x (four words)."""
@@ -478,7 +367,7 @@ def _x8_device(x1, base, raw, red):
     w1 = x1[base + np.uint64(1)]
     w2 = x1[base + np.uint64(2)]
     w3 = x1[base + np.uint64(3)]
-    return _quant8_device(f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1),
+    return quant8_device(f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1),
                           f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1),
                           raw, red)
 
@@ -505,9 +394,9 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
         part = jj % 4
         base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
         v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
-        p = _fp8_block_scale_device(am)
-        word, sm = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
-        sm = _quad_sum_device(sm, red)
+        p = fp8_block_scale_device(am)
+        word, sm = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
+        sm = quad_sum_device(sm, red)
         if ok:
             codes[r * stride + 4 * b + part] = word
             if part == 0:
@@ -561,7 +450,7 @@ def _mma_sub_device(la, lb, ha, hb, sh, xw, ex):
 def _make_mma_kernel(decode, min_blocks):
     """q4k_mma_kernel for one-token calls (`decode`: the batched branch compiled out, fewer registers) or any
     token count; `min_blocks` resident blocks per SM bound its registers (launch_bounds)."""
-    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(MMA_WARPS * WARP, min_blocks), cache=True)
+    jit = bounded_jit(MMA_WARPS * WARP, min_blocks)
 
     @jit
     def q4k_mma_kernel(x1, kx, w1, n_words, sps, n_slices, out_bf16, raw, part, counters, out):
@@ -674,8 +563,8 @@ def _make_mma_kernel(decode, min_blocks):
                     (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
                         na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
             if one:
-                sa = _quad_sum_device(p[0], red[warp])
-                sbv = _quad_sum_device(p[2], red[warp])
+                sa = quad_sum_device(p[0], red[warp])
+                sbv = quad_sum_device(p[2], red[warp])
                 if t == 0:
                     _mma_store_device(sa, t0, ra, sl, n_slices, out_bf16, part, out)
                     _mma_store_device(sbv, t0, rb, sl, n_slices, out_bf16, part, out)
@@ -736,7 +625,7 @@ IM_FP8_MIN_SB = 16             # super-blocks a row; the others keep q4k_mma (on
                                # alone, so a token's bits are the same in decode and batched calls
 IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
 IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
-INT_MAGIC = np.float32(12582912.0)                # 1.5 * 2^23: _rint_step_device's magic for a step of 1
+INT_MAGIC = np.float32(12582912.0)                # 1.5 * 2^23: rint_step_device's magic for a step of 1
 FLT_MAX = np.float32(3.4028234663852886e38)
 
 if SIM:
@@ -764,7 +653,7 @@ def _im_int_device(v, inv):
     s = v * inv
     if not abs(s) <= FLT_MAX:
         return np.int32(0)
-    return np.int32(_rint_step_device(s, INT_MAGIC))
+    return np.int32(rint_step_device(s, INT_MAGIC))
 
 
 @cuda.jit(device=True, inline=True)
@@ -798,14 +687,14 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, np.uint64(jj * 4), raw, red[w])
     fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
            and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
-    bad = _quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
+    bad = quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
     e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
     e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
     p = bits_f32(np.uint32(e + 127) << np.uint32(23))
     inv = bits_f32(np.uint32(127 - e) << np.uint32(23))
     i0, i1, i2, i3 = _im_int_device(v0, inv), _im_int_device(v1, inv), _im_int_device(v2, inv), _im_int_device(v3, inv)
     i4, i5, i6, i7 = _im_int_device(v4, inv), _im_int_device(v5, inv), _im_int_device(v6, inv), _im_int_device(v7, inv)
-    sm = _quad_sum_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])   # exact integers
+    sm = quad_sum_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])   # exact integers
     if ok:
         o = 8 * jj
         xd[o] = _im_bytes4_device(i0, i1, i2, i3, 0)
@@ -960,7 +849,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
     """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
     `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
     registers (bench/dev/q4k_probe.py compares variants)."""
-    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(IM_WARPS * WARP, min_blocks), cache=True)
+    jit = bounded_jit(IM_WARPS * WARP, min_blocks)
     four = batch == 4
 
     @jit
@@ -1062,8 +951,8 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
                                     _im_sb_device(e3, qa30, qa31, qa32, qa33, qb30, qb31, qb32, qb33, xd, xi, ps, b0,
                                                   b1, xch[warp], ex[warp], p)
             if decode:
-                sa = _quad_sum_device(pa, red[warp])
-                sbv = _quad_sum_device(pb, red[warp])
+                sa = quad_sum_device(pa, red[warp])
+                sbv = quad_sum_device(pb, red[warp])
                 if t == 0:
                     qsum[warp, 0, g] = sa
                     qsum[warp, 0, g + 8] = sbv

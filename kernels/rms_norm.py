@@ -7,8 +7,8 @@ Owns:
   written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three.
 - `rms_norm_rope_q`: rms_norm, then kernels.rope's forward rotation of the tail (rope_pair_value_device, the pair's
   other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were.
-- `block_sum_rows_f64_device`, the shared-memory float64 block sum other kernels use.
-Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantisers (kernels.gemv).
+Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantiser's device function
+(kernels.fp8), the block sums (kernels.warp).
 
 One block per row, n threads (a multiple of 32, chosen from D by the launcher so that one pass of ELEMS elements
 per thread covers the row: n = 32 * ceil(D / (32 * ELEMS)), at most THREADS_MAX). Thread t owns elements
@@ -37,54 +37,29 @@ import math
 
 import numpy as np
 from numba import cuda
-from numba.cuda.core import config as _cuda_config
 
+from kernels import bounded_jit
 from kernels.bf16 import round_bf16_device
-from kernels.gemv import act_quant_fp8_lane_device
+from kernels.fp8 import act_quant_fp8_lane_device
 from kernels.hc import HC
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
+from kernels.warp import block_sum_f64_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
-           "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel", "block_sum_rows_f64_device", "SIGNATURES"]
+           "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
-SIM = bool(_cuda_config.ENABLE_CUDASIM)
 
 
 def _row_jit():
     """cuda.jit for a row kernel: launch bounds (THREADS_MAX, 1) on the GPU, so that ptxas keeps it within the
     65,536 registers of a block of THREADS_MAX threads (64 a thread). Unbounded, rms_norm_kernel took 80 (ptxas,
     sm_90): no block over 800 threads could launch, i.e. no row over 6,400 elements (docs/toolchain.md)."""
-    return cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(THREADS_MAX, 1), cache=True)
+    return bounded_jit(THREADS_MAX)
 QUANT_BLOCK = 32                # act_quant_fp8's block: one warp's elements of a pass
-
-
-@cuda.jit(device=True, inline=True)
-def _warp_tree_f64_device(v):
-    """Sum of v over the warp's lanes, valid in lane 0: shuffle tree, fixed order."""
-    off = WARP // 2
-    while off > 0:
-        v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
-        off //= 2
-    return v
-
-
-@cuda.jit(device=True, inline=True)
-def _block_sum_f64_device(v, sh):
-    """Sum of v over the block, returned to every thread (blockDim.x a multiple of 32, every thread calls it).
-    sh: float64 [WARP] shared. Each warp sums its lanes, then each warp sums the warps' sums with the same tree,
-    so all threads get the same bits without a second barrier."""
-    lane = cuda.threadIdx.x % WARP
-    v = _warp_tree_f64_device(v)
-    if lane == 0:
-        sh[cuda.threadIdx.x // WARP] = v
-    cuda.syncthreads()
-    s = sh[lane] if lane < cuda.blockDim.x // WARP else 0.0
-    s = _warp_tree_f64_device(s)
-    return cuda.shfl_sync(0xFFFFFFFF, s, 0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -122,7 +97,7 @@ def _add_squares_device(xs, base, d, acc):
 @cuda.jit(device=True, inline=True)
 def _row_scale_device(acc, sh, d, eps):
     """1 / f32(sqrt(f32(total / D) + eps)) from the thread's float64 sum of squares (every thread calls it)."""
-    total = _block_sum_f64_device(acc, sh)
+    total = block_sum_f64_device(acc, sh)
     var = np.float32(total / d)
     return np.float32(1.0) / np.float32(math.sqrt(var + eps))
 
@@ -329,20 +304,3 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, stream=0):
         kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
         kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out
-
-
-@cuda.jit(device=True, inline=True)
-def block_sum_rows_f64_device(sh, n_rows):
-    """Sum sh[r, :blockDim.x] into sh[r, 0] for r < n_rows with a shared-memory tree (blockDim.x a power of
-    two). Deterministic: the order depends only on the block size. Every thread of the block must call it;
-    it ends with a barrier, so sh[r, 0] is then readable by all threads."""
-    tid = cuda.threadIdx.x
-    n = cuda.blockDim.x
-    cuda.syncthreads()
-    s = n // 2
-    while s > 0:
-        if tid < s:
-            for r in range(n_rows):
-                sh[r, tid] += sh[r, tid + s]
-        cuda.syncthreads()
-        s //= 2

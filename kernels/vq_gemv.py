@@ -68,11 +68,12 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
+from kernels import bounded_jit
 from kernels.bf16 import f16_bits_device, round_bf16_device
+from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
-from kernels.q4k_gemv import _code_word_device, _fp8_block_scale_device, _quant8_device
 from kernels.scratch import scratch_array as _scratch
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "moe_combine", "VQPlan",
@@ -96,6 +97,7 @@ THREADS = 32 if SIM else 512                    # GEMV: 16 warps, one block an S
 WIDE_THREADS = THREADS
 STAGE_THREADS = 32 if SIM else 128
 COMBINE_THREADS = 128
+COMBINE_COLS = 4                                # columns a combine thread takes: its four accumulators, one order
 STAGE_WARPS = STAGE_THREADS // WARP
 PLAN_THREADS = 64 if SIM else 512               # plan kernel: one expert per thread up to E_MAX
 PLAN_WARPS = PLAN_THREADS // WARP
@@ -338,10 +340,10 @@ def _stage_slot_device(n_x, n_cwp):
 def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red):
     """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
     lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
-    v0, v1, v2, v3, v4, v5, v6, v7, am = _quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw,
+    v0, v1, v2, v3, v4, v5, v6, v7, am = quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw,
                                                         red[cuda.threadIdx.x // WARP])
-    p = _fp8_block_scale_device(am)
-    word, _ = _code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
+    p = fp8_block_scale_device(am)
+    word, _ = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
     if ok:
         o = 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
         h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
@@ -539,7 +541,7 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
     its own row of A and column of B, and every output is summed step by step in the same order."""
     warps = threads // WARP
     exw = warps if SIM else 1                      # the simulator's MMA exchange (unused on the GPU)
-    jit = cuda.jit(cache=True) if SIM else cuda.jit(launch_bounds=(threads, 1), cache=True)
+    jit = bounded_jit(threads)
     two_rg = rg_per_unit == 2
 
     @jit
@@ -630,16 +632,22 @@ vq_gemv_wide_kernel = _make_vq_kernel(WIDE_THREADS, True)
 
 @cuda.jit(cache=True)
 def moe_combine_kernel(ye, ids, shared, out):
-    """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d])."""
+    """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d]). A thread takes
+    COMBINE_COLS consecutive columns of one token: the expert order is found once for them (a selection over the
+    token's K ids per step), and each column adds its terms in that order."""
     grid_entry_device()
     n_tok, d_len = out.shape
     k_act = ids.shape[1]
+    n_grp = (d_len + COMBINE_COLS - 1) // COMBINE_COLS
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= n_tok * d_len:
+    if i >= n_tok * n_grp:
         return
-    t = i // d_len
-    d = i % d_len
-    y = np.float32(0.0)
+    t = i // n_grp
+    d0 = COMBINE_COLS * (i % n_grp)
+    live1 = d0 + 1 < d_len
+    live2 = d0 + 2 < d_len
+    live3 = d0 + 3 < d_len
+    y0 = y1 = y2 = y3 = np.float32(0.0)
     prev = -1
     for _ in range(k_act):                           # selection by ascending expert id (ids are distinct)
         best = 0x7FFFFFFF
@@ -649,9 +657,22 @@ def moe_combine_kernel(ye, ids, shared, out):
             if v > prev and v < best:
                 best = v
                 kb = k
-        y += ye[t * k_act + kb, d]
+        r = t * k_act + kb
+        y0 += ye[r, d0]
+        if live1:
+            y1 += ye[r, d0 + 1]
+        if live2:
+            y2 += ye[r, d0 + 2]
+        if live3:
+            y3 += ye[r, d0 + 3]
         prev = best
-    out[t, d] = round_bf16_device(y + shared[t, d])
+    out[t, d0] = round_bf16_device(y0 + shared[t, d0])
+    if live1:
+        out[t, d0 + 1] = round_bf16_device(y1 + shared[t, d0 + 1])
+    if live2:
+        out[t, d0 + 2] = round_bf16_device(y2 + shared[t, d0 + 2])
+    if live3:
+        out[t, d0 + 3] = round_bf16_device(y3 + shared[t, d0 + 3])
 
 
 _VQ_SIG = ("void(uint32[::1], float32[::1], int64, int64, int32[::1], int32[:, ::1], int32[::1], uint64[::1], "
@@ -875,7 +896,7 @@ def moe_combine(ye, ids, shared, out=None, stream=0):
         raise ValueError(f"moe_combine: ye {ye.shape}, ids {ids.shape}, shared {shared.shape} do not fit")
     if out is None:
         out = cuda.device_array((n_tok, d_len), np.float32, stream=stream)
-    n = n_tok * d_len
+    n = n_tok * math.ceil(d_len / COMBINE_COLS)
     if n:
         moe_combine_kernel[math.ceil(n / COMBINE_THREADS), COMBINE_THREADS, stream](ye, ids, shared, out)
     return out

@@ -124,7 +124,7 @@ def _mma_taken(scratch):
 def test_e4m3_encoder_is_exact_on_every_code(cuda_ready):
     """e4m3_encode_device gives back the code of every finite E4M3 value (normals, subnormals, both zeros)."""
     from ds4lib.formats.fp8 import e4m3_decode
-    from kernels.mma import e4m3_encode_kernel
+    from kernels.fp8 import e4m3_encode_kernel
 
     codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint32)     # NaN codes left out
     vals = e4m3_decode(codes.astype(np.uint8)).astype(np.float32)

@@ -277,16 +277,19 @@ def test_swiglu_folded_into_the_staging_equals_swiglu_then_gemv(cuda_ready):
         vq_gemv(d_gu[0], plan, *dl, mats=(1,), shape=(rows, cols), quantize=False, swiglu=(d_gu[1], None, 1.0))
 
 
-def test_moe_combine_ascending_expert_order(cuda_ready):
+@pytest.mark.parametrize("d", [64, 66, 3])
+def test_moe_combine_ascending_expert_order(cuda_ready, d):
+    """Each output adds its token's expert terms in ascending id, then the shared expert; widths that are not a
+    multiple of the columns a thread takes (COMBINE_COLS) end in a partial group."""
     from kernels.vq_gemv import moe_combine
     rng = np.random.default_rng(2)
     ids = np.array([[5, 1, 3], [0, 7, 2]], np.int32)
-    ye = round_bf16(rng.standard_normal((6, 64)) * np.exp2(rng.integers(-8, 8, (6, 64))))
-    ysh = round_bf16(rng.standard_normal((2, 64)))
+    ye = round_bf16(rng.standard_normal((6, d)) * np.exp2(rng.integers(-8, 8, (6, d))))
+    ysh = round_bf16(rng.standard_normal((2, d)))
     got = moe_combine(cuda_ready.to_device(ye), cuda_ready.to_device(ids), cuda_ready.to_device(ysh)).copy_to_host()
-    want = np.zeros((2, 64), np.float32)
+    want = np.zeros((2, d), np.float32)
     for t in range(2):
-        y = np.zeros(64, np.float32)
+        y = np.zeros(d, np.float32)
         for k in np.argsort(ids[t]):
             y += ye[t * 3 + k]
         want[t] = round_bf16(y + ysh[t])
