@@ -6,10 +6,12 @@
 #
 # What to send with the call:
 # - carry [".whl"]. Build it first with `pip download --no-deps -d .whl gguf llguidance` (the device has no index).
-# - AB_BEFORE (default ab/): a folder of "before" files. Each sits at its path relative to the repository root,
-#   e.g. ab/kernels/vq_gemv.py made by `git show <commit>:kernels/vq_gemv.py`. It must be untracked and not
+# - AB_BEFORE (default ab/): a folder of "before" files. Each sits at its path relative to the repository root.
+#   Take a whole package, because the modules import one another: `mkdir -p ab && git archive 9e36682 kernels |
+#   tar -x -C ab` gives the kernels before the twentieth session's changes. The folder must be untracked and not
 #   ignored, so that it travels with the tree. The "before" parts copy those files in and restore the tree's own
-#   afterwards. Without the folder, the "before" parts are skipped.
+#   afterwards. Files that exist only in the tree (kernels/fp8.py) stay but go unused. Without the folder, the
+#   "before" parts are skipped.
 # - The tree must stay under 64 MiB. Untrack models/ and tests/golden/official_v41_tiny for the call; the engine
 #   tests then run on the random tiny stack.
 #
@@ -21,6 +23,8 @@
 #   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is
 #   flags     the same, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
 #   before    the same decode bench on the "before" files
+#   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2): with programmatic edges a kernel's traced
+#             time includes its wait for the one before, so only this table gives each kernel's own time
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts.
@@ -33,7 +37,7 @@ AB=${AB_BEFORE:-ab}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,vq,decode,flags,before,engine,index}
+PARTS=${DS4_PARTS:-tests,vq,decode,flags,before,trace,engine,index}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -99,6 +103,10 @@ if want before && have_ab; then
     swap_in
     run "decode (before)" 120 before.log $PY "${DECODE[@]}" --out "$OUT/decode_before.jsonl"
     swap_out
+fi
+if want trace; then
+    run "trace (DS4_CUDA_PDL=0)" 90 trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py --contexts 1024 \
+        --rounds 1 --trace-steps 2 --out "$OUT/trace_pdl0.jsonl"
 fi
 if want engine; then
     run engine 150 pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
