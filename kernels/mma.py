@@ -33,7 +33,8 @@ Owns:
 - `byte_perm_device`: `prmt.b32` in its default mode (any four of the eight bytes of two words; the simulator's
   twin selects them in Python).
 - `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
-  one 16-byte load (`ld.v4`; the simulator reads them one by one): a lane's fragment registers staged side by side.
+  one 16-byte load (an LLVM vector load, so LDS.128 from shared memory and LDG.E.128 from global memory; the
+  simulator reads them one by one): a lane's fragment registers staged side by side.
 Does not own: what the fragments hold (the callers' layouts, e.g. kernels.q4k_gemv's tensor-core path), the E4M3
 encoder and the exact decoders (kernels.fp8).
 """
@@ -275,7 +276,10 @@ else:
 
     @_intrinsic
     def _ld_v4(typingctx, ary, i):
-        """ld.v4 of the 16 bytes at element i of a 1-D array of 32-bit elements (generic address: any space)."""
+        """The 16 bytes at element i of a 1-D array of 32-bit elements as one LLVM vector load (align 16), not inline
+        assembly: the compiler infers the array's address space, so a shared-memory array gives LDS.128 and a
+        global one LDG.E.128 (the inline `ld.v4` this replaced was generic: LD.E.128, two R2UR a load for the
+        descriptor, and the generic path's latency on shared memory)."""
         if ary.ndim != 1 or ary.dtype not in (_types.uint32, _types.int32, _types.float32):
             return None
         sig = _types.UniTuple(ary.dtype, 4)(ary, _types.int64)
@@ -285,12 +289,8 @@ else:
             ptr = builder.gep(arr.data, [args[1]])
             is_f = signature.args[0].dtype == _types.float32
             el = _ir.FloatType() if is_f else _ir.IntType(32)
-            c = "f" if is_f else "r"
-            fnty = _ir.FunctionType(_ir.LiteralStructType([el] * 4), [_ir.IntType(64)])
-            asm = _ir.InlineAsm(fnty, "ld.v4." + ("f32" if is_f else "u32") + " {$0, $1, $2, $3}, [$4];",
-                                ",".join([f"={c}"] * 4) + ",l")
-            res = builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64))])
-            vals = [builder.extract_value(res, j) for j in range(4)]
+            vec = builder.load(builder.bitcast(ptr, _ir.VectorType(el, 4).as_pointer()), align=16)
+            vals = [builder.extract_element(vec, _ir.Constant(_ir.IntType(32), j)) for j in range(4)]
             return context.make_tuple(builder, signature.return_type, vals)
         return sig, codegen
 
