@@ -476,26 +476,27 @@ def _mma_step_device(a, b, p0, p1, acc, ex):
 
 
 @cuda.jit(device=True, inline=True)
-def _load4_live_device(ary, i, live, z):
-    """load4_device(ary, i) for a live column, else (z, z, z, z) and no load: a dead column's lanes take no share
-    of the L1's data path (which a warp's 16-byte load occupies for 4 cycles even when its lanes share addresses)."""
+def _load4_live_device(ary, i, live, old):
+    """load4_device(ary, i) for a live column, else `old` (the registers' last values) and no load: a dead column's
+    lanes take no share of the L1's data path (which a warp's 16-byte load occupies for 4 cycles even when its lanes
+    share addresses), and need no zeroing either, since a dead column's MMA outputs are never stored (an output
+    depends only on its own row of A and column of B)."""
     if live:
         return load4_device(ary, i)
-    return z, z, z, z
+    return old
 
 
 @cuda.jit(device=True, inline=True)
-def _x_block_device(xh, scl1, o, sa, sb, s, live_b, live_a, live_c):
+def _x_block_device(xh, scl1, o, sa, sb, s, live_b, live_a, live_c, old):
     """What a lane of one column block reads of the activations for block s: its column's staged halves of the 4
     steps (B fragments; live_b: the column is in the tile) and the 4 steps' block scales of its output columns 2t
-    and 2t + 1 (live_a, live_c). A decode tile of one pair: 4 lanes load B and 8 the scales."""
+    and 2t + 1 (live_a, live_c); `old` (the previous block's) where a column is dead. A decode tile of one pair: 4
+    lanes load B and 8 the scales."""
     f = 4 * (o + SEG_CW * s)
     q = STEPS * s
-    zu = np.uint32(0)
-    zf = np.float32(0.0)
-    return (_load4_live_device(xh, f, live_b, zu), _load4_live_device(xh, f + 4, live_b, zu),
-            _load4_live_device(xh, f + 8, live_b, zu), _load4_live_device(xh, f + 12, live_b, zu),
-            _load4_live_device(scl1, sa + q, live_a, zf), _load4_live_device(scl1, sb + q, live_c, zf))
+    return (_load4_live_device(xh, f, live_b, old[0]), _load4_live_device(xh, f + 4, live_b, old[1]),
+            _load4_live_device(xh, f + 8, live_b, old[2]), _load4_live_device(xh, f + 12, live_b, old[3]),
+            _load4_live_device(scl1, sa + q, live_a, old[4]), _load4_live_device(scl1, sb + q, live_c, old[5]))
 
 
 @cuda.jit(device=True, inline=True)
@@ -584,6 +585,8 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
             s3 = _pair_row_device(pairs, first, MMA_N + 2 * t + 1, count, x_div) * n_q if wide else np.int64(0)
             z = np.float32(0.0)
             acc00 = acc01 = acc10 = acc11 = (z, z, z, z)
+            zu = np.uint32(0)
+            xc = xw = ((zu, zu, zu, zu), (zu, zu, zu, zu), (zu, zu, zu, zu), (zu, zu, zu, zu), (z, z, z, z), (z, z, z, z))
             na0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 0, n_seg, lane)
             nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 1, n_seg, lane)
             na1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 0, n_seg1, lane)
@@ -595,9 +598,9 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
                 na1 = nb1
                 nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + PREFETCH, n_seg, lane)
                 nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, s + PREFETCH, n_seg1, lane)
-                xc = _x_block_device(xh, scl1, o0, s0, s1, s, g < count, 2 * t < count, 2 * t + 1 < count)
+                xc = _x_block_device(xh, scl1, o0, s0, s1, s, g < count, 2 * t < count, 2 * t + 1 < count, xc)
                 xw = _x_block_device(xh, scl1, o1, s2, s3, s, g + MMA_N < count, MMA_N + 2 * t < count,
-                                     MMA_N + 2 * t + 1 < count) if wide else xc
+                                     MMA_N + 2 * t + 1 < count, xw) if wide else xc
                 pa = xc[4]
                 pb = xc[5]
                 pc = xw[4]
