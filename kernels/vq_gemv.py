@@ -415,9 +415,13 @@ else:
 @cuda.jit(device=True, inline=True)
 def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
     """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b of the run of blocks that
-    starts at word ib of the flat index words and byte pb of the flat plane bytes; zeros from block n_blocks on."""
-    if b >= n_blocks:
+    starts at word ib of the flat index words and byte pb of the flat plane bytes. Past the run's end (b >=
+    n_blocks) it loads the run's last block again: the GEMV's loads ahead of its last blocks are never used, and a
+    load with no branch around it and no zeros costs fewer instructions. An empty run (n_blocks == 0: a unit's
+    missing second row group) gives zeros."""
+    if n_blocks <= 0:
         return np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0)
+    b = min(b, n_blocks - 1)
     w = ib + np.uint64(WORDS_PER_BLOCK * b + lane)
     pl = np.uint32(pl1[pb + np.uint64(PLANE_BLOCK_BYTES * b + lane)]) if has_plane else np.uint32(0)
     return idx1[w], idx1[w + np.uint64(32)], idx1[w + np.uint64(64)], pl
