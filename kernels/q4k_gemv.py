@@ -617,6 +617,7 @@ IM_BATCH = 2                   # super-blocks whose weight words a lane loads be
 IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
+LOAD4_ALIGN = None if SIM else 16                 # a shared array read by load4_device (LDS.128) starts 16-aligned
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
 IM_E_TOP = 21                  # a block of 32 is scaled so that its largest |x| / p lies in [2^21, 2^22)
 IM_FP8_MIN_ROWS = 4096         # FP8-grid activations take this path for matrices of at least this many rows and
@@ -889,7 +890,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         nblk = kx // 32
         p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
         if decode:                                       # the tile's hi / lo words and (p, X) pairs -> shared memory
-            xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32)
+            xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)   # read by 16-byte loads
             xp = cuda.shared.array(IM_SMEM_PS, np.float32)
             _im_copy_device(xd, xk0, nb * QK_K // 4, xs)
             _im_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp)
