@@ -14,6 +14,7 @@ Owns:
   (kernels.q4k_gemv, kernels.vq_gemv): `quant8_device` (the quad's block max, act_quant_fp8's rule applied first
   when `raw`), `fp8_block_scale_device` (the power of two that turns the block's FP8-grid values into E4M3 codes
   exactly) and `code_word_device` (8 codes packed into a uint64, and their exact sum).
+- `e4m3_encode_kernel`: the encoder over an array (the tests run it on every code).
 Does not own: the quantiser kernels and launchers (kernels.gemv), the conversions that feed the MMAs (kernels.mma),
 the warp reductions (kernels.warp).
 """

@@ -368,8 +368,8 @@ def _x8_device(x1, base, raw, red):
     w2 = x1[base + np.uint64(2)]
     w3 = x1[base + np.uint64(3)]
     return quant8_device(f32x2_device(w0, 0), f32x2_device(w0, 1), f32x2_device(w1, 0), f32x2_device(w1, 1),
-                          f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1),
-                          raw, red)
+                         f32x2_device(w2, 0), f32x2_device(w2, 1), f32x2_device(w3, 0), f32x2_device(w3, 1),
+                         raw, red)
 
 
 @cuda.jit(device=True)

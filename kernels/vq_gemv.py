@@ -341,7 +341,7 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
     """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
     lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
     v0, v1, v2, v3, v4, v5, v6, v7, am = quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw,
-                                                        red[cuda.threadIdx.x // WARP])
+                                                       red[cuda.threadIdx.x // WARP])
     p = fp8_block_scale_device(am)
     word, _ = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
     if ok:
