@@ -28,7 +28,9 @@
 #             time includes its wait for the one before, so only this table gives each kernel's own time
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
-# DS4_PARTS=tests,vq limits the run to those parts.
+# DS4_PARTS=tests,vq limits the run to those parts. The caps add up to more than one call's 560 s, and a fresh
+# machine compiles every kernel first (~130 s), so a first call will likely stop after "before": run the rest as a
+# second call with DS4_PARTS=trace,engine,index (the kernel cache in /tmp does not survive a new machine).
 set -u
 START=$(date +%s)
 BUDGET=${DS4_RUN_BUDGET_S:-560}
