@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Stage this checkout for a device call of bench/dev/h200_pending.sh, and undo it afterwards. A device call copies
+# the tracked files plus the untracked files that git does not ignore, at most 64 MiB with what `carry` names. The
+# tracked tree is larger than that because of the ds4-tiny checkpoint, its ① base and the official golden
+# checkpoints.
+#
+#   bash bench/dev/h200_stage.sh [REV]   # before the call. REV is the commit whose kernels/ the "before" parts
+#                                        # time (default 9e36682).
+#   bash bench/dev/h200_stage.sh --undo  # after the call: the index and .git/info/exclude as they were
+#
+# Staging does four things:
+# - downloads the wheels the device lacks into .whl/ (ignored; pass carry [".whl"]);
+# - writes REV's kernels/ into ab/ (untracked, not ignored, so it travels);
+# - untracks the three large paths with `git rm --cached`, keeping the files here;
+# - lists them in .git/info/exclude, between marker lines.
+# It then prints the size of what the device will get. The engine tests fall back to the random tiny stack there.
+# Nothing is committed: commit only with explicit paths (`git commit -- paths`) while staged.
+set -eu
+cd "$(git rev-parse --show-toplevel)"
+BIG=(models/ds4-tiny models/ds4-tiny-base.gguf tests/golden/official_v41_tiny)
+EXCLUDE=.git/info/exclude
+BEGIN="# h200_stage begin"
+END="# h200_stage end"
+PY=${PYTHON:-.venv/bin/python}
+
+if [ "${1:-}" = "--undo" ]; then
+    git reset -q -- "${BIG[@]}"
+    if [ -f "$EXCLUDE" ]; then
+        sed -i "/^$BEGIN\$/,/^$END\$/d" "$EXCLUDE"
+    fi
+    rm -rf ab
+    echo "unstaged: ${BIG[*]} tracked again, ab/ removed (.whl/ kept; it is ignored)"
+    git status --short | head -5
+    exit 0
+fi
+
+REV=${1:-9e36682}
+git rev-parse -q --verify "$REV^{commit}" > /dev/null || { echo "h200_stage: unknown commit $REV" >&2; exit 2; }
+if grep -qx "$BEGIN" "$EXCLUDE" 2>/dev/null; then
+    echo "h200_stage: already staged (run --undo first)" >&2
+    exit 2
+fi
+mkdir -p .whl
+"$PY" -m pip download -q --no-deps -d .whl gguf llguidance
+rm -rf ab && mkdir -p ab
+git archive "$REV" kernels | tar -x -C ab
+git rm -r -q --cached "${BIG[@]}"
+printf '%s\n' "$BEGIN" "${BIG[@]/#//}" "$END" >> "$EXCLUDE"
+bytes=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+whl=$(du -cb .whl | tail -1 | cut -f1)
+echo "staged: the tree the device gets is $((bytes / 1048576)) MiB, .whl $((whl / 1048576)) MiB (limit 64 MiB together)"
+echo "before-files of $REV in ab/; after the call: bash bench/dev/h200_stage.sh --undo"
