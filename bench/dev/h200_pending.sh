@@ -4,7 +4,7 @@
 #
 #   bash bench/dev/h200_pending.sh            # on the device, from the repository root
 #
-# What to send with the call:
+# What to send with the call (bench/dev/h200_stage.sh prepares all of it, and undoes it afterwards with --undo):
 # - carry [".whl"]. Build it first with `pip download --no-deps -d .whl gguf llguidance` (the device has no index).
 # - AB_BEFORE (default ab/): a folder of "before" files. Each sits at its path relative to the repository root.
 #   Take a whole package, because the modules import one another: `mkdir -p ab && git archive 9e36682 kernels |
