@@ -514,8 +514,10 @@ def _make_mma_kernel(decode, min_blocks):
                 _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
                 cuda.syncthreads()
                 for sb in range(cb, ce):
+                    # the next super-block's words; past the chunk, the chunk's last again (never used: the next
+                    # chunk loads its own first words), a load with no branch or zeros around it
                     (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
-                        w1, wa, wb, sb + 1, lw, sb + 1 < ce)
+                        w1, wa, wb, min(sb + 1, ce - 1), lw, True)
                     kb = 8 * (sb - cb)                         # the super-block's first block of 32 in the stage
                     if one:
                         dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
