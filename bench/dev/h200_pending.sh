@@ -20,7 +20,8 @@
 #             GEMV's pair-word indices and shift-free E4M3 conversions, load4_device as a vector load, the indexer's
 #             tensor-core scores and one-launch top-k, the norm kernels' launch bounds, kernels/fp8.py and
 #             kernels/warp.py taking the shared numerics)
-#   vq        bench/dev/vq_probe.py at 13 and 12 bits, this tree, then the "before" files (same lease)
+#   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
+#             (imma: head, wo_a) paths, this tree, then the "before" files (same lease)
 #   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is
 #   flags     the same, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
 #   before    the same decode bench on the "before" files
@@ -88,11 +89,16 @@ if want tests; then
     run tests 240 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q tests/kernels \
         --ignore=tests/kernels/test_compile_sm90.py --ignore=tests/kernels/test_kernel_cache.py   # CPU-only checks
 fi
+probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$SUFFIX.jsonl and q4k$SUFFIX.jsonl
+    for b in 13 12; do run "vq_probe bits=$b$2" 60 "vq$1.jsonl" $PY bench/dev/vq_probe.py --bits $b; done
+    run "q4k_probe mma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode mma
+    run "q4k_probe imma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a
+}
 if want vq; then
-    for b in 13 12; do run "vq_probe bits=$b" 60 vq.jsonl $PY bench/dev/vq_probe.py --bits $b; done
+    probes "" ""
     if have_ab; then
         swap_in
-        for b in 13 12; do run "vq_probe bits=$b (before)" 60 vq_before.jsonl $PY bench/dev/vq_probe.py --bits $b; done
+        probes "_before" " (before)"
         swap_out
     fi
 fi
