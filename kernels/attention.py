@@ -42,6 +42,7 @@ from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
 from kernels.scratch import scratch_array as _scratch
+from kernels.warp import warp_tree_sum_device
 
 __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", "window_write_kernel",
            "window_index_kernel", "cache_write_kernel", "attn_score_kernel", "attn_softmax_kernel",
@@ -237,10 +238,7 @@ def attn_softmax_kernel(z, sink, den):
         e = exp_f32_device(z[t, h, r] - m)
         s += np.float64(e)
         z[t, h, r] = round_bf16_device(e)
-    off = WARP // 2
-    while off > 0:
-        s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-        off //= 2
+    s = warp_tree_sum_device(s)                      # valid in lane 0, the lane that writes
     if lane == 0:
         den[t, h] = np.float32(s) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 

@@ -34,7 +34,7 @@ from kernels.bf16 import bf16x4_device, f32x2_device, mul_rn_device, round_bf16_
 from kernels.fp8 import (E2M1_MAX, E4M3_MAX, INV6, act_quant_fp8_lane_device, e2m1_round_device, e4m3_round_device,
                          pow2_ceil_device)
 from kernels.pdl import grid_entry_device
-from kernels.warp import group_amax_device
+from kernels.warp import group_amax_device, warp_tree_sum_device
 
 __all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel", "gemv_t4_kernel",
            "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel",
@@ -105,11 +105,7 @@ def _make_gemv_kernel(tt, dot, per_word):
                 j += WARP
             for i in range(tt):
                 if t0 + i < n_tok:                       # block-uniform: every warp has the same tokens
-                    v = acc[i]
-                    off = WARP // 2
-                    while off > 0:
-                        v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
-                        off //= 2
+                    v = warp_tree_sum_device(acc[i])
                     if lane == 0:
                         red[wib, i] = v
             if split > 1:
