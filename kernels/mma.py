@@ -26,10 +26,10 @@ Owns:
   D [16, 8] = A [16, 32] x B [32, 8] + C with A unsigned bytes, B unsigned / signed bytes, C and D int32, in the
   E4M3 MMA's fragment layout (a register holds four consecutive k of a row of A or a column of B). Integer products
   and sums are exact, so the simulator's twin (the exact dot products) gives the hardware's bits.
-- `e4m3x2_to_f16x2_device`: two E4M3 codes (the low 16 bits, low byte first) -> two halves packed in a uint32,
-  exact (the hardware `cvt.rn.f16x2.e4m3x2`; the simulator decodes in software, same bits).
-- `e4m3x8_to_f16x2_device`: the eight codes of a uint64 -> four such uint32 (codes 0-1, 2-3, 4-5, 6-7): the
-  register split into 16-bit parts by one PTX mov, so that each conversion reads its half directly (no shifts).
+- `e4m3x8_to_f16x2_device`: the eight E4M3 codes of a uint64 (element 0 in the low byte) -> four uint32 of two
+  halves each (codes 0-1, 2-3, 4-5, 6-7; the lower code in the low half), exact: four hardware
+  `cvt.rn.f16x2.e4m3x2`, the register split into 16-bit parts by one PTX mov so that each conversion reads its half
+  directly (no shifts); the simulator decodes in software, same bits.
 - `byte_perm_device`: `prmt.b32` in its default mode (any four of the eight bytes of two words; the simulator's
   twin selects them in Python).
 - `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
@@ -47,9 +47,9 @@ from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
 __all__ = ["mma_e4m3_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
-           "e4m3x2_to_f16x2_device", "e4m3x8_to_f16x2_device", "byte_perm_device",
+           "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
-           "e4m3_to_f16_kernel", "e4m3x8_to_f16_kernel", "byte_perm_kernel",
+           "e4m3x8_to_f16_kernel", "byte_perm_kernel",
            "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -148,21 +148,19 @@ if SIM:
         return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
 
     @cuda.jit(device=True)
-    def e4m3x2_to_f16x2_device(pair):
-        """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (the simulator: software decode)."""
-        lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32(pair) & np.uint32(0xFF)))
-        hi = f16_of_e4m3_value_device(e4m3_decode_device((np.uint32(pair) >> np.uint32(8)) & np.uint32(0xFF)))
+    def _pair_to_f16x2_device(w, shift):
+        """Codes at bits shift .. shift + 15 of w (uint64) -> their two halves in a uint32 (software decode)."""
+        lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32((w >> np.uint64(shift)) & np.uint64(0xFF))))
+        hi = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32((w >> np.uint64(shift + 8)) & np.uint64(0xFF))))
         return np.uint32(lo | (hi << np.uint32(16)))
 
     @cuda.jit(device=True)
     def e4m3x8_to_f16x2_device(word):
         """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
-        4-5, 6-7 (the simulator: e4m3x2_to_f16x2_device on each pair)."""
+        4-5, 6-7 (the simulator: software decode of each pair)."""
         w = np.uint64(word)
-        return (e4m3x2_to_f16x2_device(np.uint32(w & np.uint64(0xFFFF))),
-                e4m3x2_to_f16x2_device(np.uint32((w >> np.uint64(16)) & np.uint64(0xFFFF))),
-                e4m3x2_to_f16x2_device(np.uint32((w >> np.uint64(32)) & np.uint64(0xFFFF))),
-                e4m3x2_to_f16x2_device(np.uint32(w >> np.uint64(48))))
+        return (_pair_to_f16x2_device(w, 0), _pair_to_f16x2_device(w, 16), _pair_to_f16x2_device(w, 32),
+                _pair_to_f16x2_device(w, 48))
 
     @cuda.jit(device=True)
     def byte_perm_device(a, b, sel):
@@ -236,17 +234,6 @@ else:
                              np.uint32(b1), np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))
 
     @_intrinsic
-    def _cvt_e4m3x2_f16x2(typingctx, pair):
-        """cvt.rn.f16x2.e4m3x2: bits 15..8 of the operand -> the half in bits 31..16, bits 7..0 -> bits 15..0."""
-        sig = _types.uint32(_types.uint16)
-
-        def codegen(context, builder, signature, args):
-            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(16)])
-            asm = _ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h")
-            return builder.call(asm, args)
-        return sig, codegen
-
-    @_intrinsic
     def _cvt_e4m3x8_f16x2x4(typingctx, word):
         """Eight E4M3 codes of a b64 -> four f16x2 words: the register split into four 16-bit parts by one mov (no
         shifts: each conversion reads its half of a 32-bit register directly, .H0 / .H1 in the SASS)."""
@@ -301,11 +288,6 @@ else:
         return _ld_v4(ary, np.int64(i))
 
     @cuda.jit(device=True, inline=True)
-    def e4m3x2_to_f16x2_device(pair):
-        """Two E4M3 codes (low byte first) -> two halves packed in a uint32 (one hardware conversion)."""
-        return _cvt_e4m3x2_f16x2(np.uint16(pair & np.uint32(0xFFFF)))
-
-    @cuda.jit(device=True, inline=True)
     def e4m3x8_to_f16x2_device(word):
         """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
         4-5, 6-7 (four hardware conversions, no shifts)."""
@@ -316,15 +298,6 @@ else:
         """prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of the pair (b, a), a's bytes 0-3,
         b's 4-7 (one PRMT; a constant sel is folded into it)."""
         return _prmt(np.uint32(a), np.uint32(b), np.uint32(sel))
-
-
-@cuda.jit(cache=True)
-def e4m3_to_f16_kernel(codes, out):
-    """out[i] = the halves of codes[i]'s two E4M3 bytes (tests: the conversion on every pair of codes)."""
-    grid_entry_device()
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < codes.shape[0]:
-        out[i] = e4m3x2_to_f16x2_device(codes[i])
 
 
 @cuda.jit(cache=True)
@@ -349,6 +322,5 @@ def byte_perm_kernel(a, b, sel, out):
         out[i] = byte_perm_device(a[i], b[i], sel[i])
 
 
-SIGNATURES = {"e4m3_to_f16_kernel": "void(uint32[:], uint32[:])",
-              "e4m3x8_to_f16_kernel": "void(uint64[:], uint32[:])",
+SIGNATURES = {"e4m3x8_to_f16_kernel": "void(uint64[:], uint32[:])",
               "byte_perm_kernel": "void(uint32[:], uint32[:], uint32[:], uint32[:])"}
