@@ -38,10 +38,11 @@ BUDGET=${DS4_RUN_BUDGET_S:-560}
 END=$((START + BUDGET))
 OUT=${OUT:-$PWD/out}
 AB=${AB_BEFORE:-ab}
+AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,vq,decode,flags,before,trace,engine,index}
+PARTS=${DS4_PARTS:-tests,decode,noprefetch,before,flags,vq,trace,engine,index}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -71,22 +72,23 @@ run() {
     else note "FAIL  $name ${dt}s rc=$rc"; fi
 }
 
-# swap_in / swap_out: the "before" files over the tree's, and back
+# swap_in [DIR] / swap_out: the "before" files (of $AB, or DIR) over the tree's, and back
 BACKUP=/tmp/ab_backup
 swap_in() {
+    local dir=${1:-$AB}
     rm -rf "$BACKUP"; mkdir -p "$BACKUP"
-    (cd "$AB" && find . -type f) | while read -r f; do
-        mkdir -p "$BACKUP/$(dirname "$f")"; cp "$f" "$BACKUP/$f"; cp "$AB/$f" "$f"; done
+    (cd "$dir" && find . -type f) | while read -r f; do
+        mkdir -p "$BACKUP/$(dirname "$f")"; cp "$f" "$BACKUP/$f"; cp "$dir/$f" "$f"; done
 }
 swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/$f" "$f"; done; }
-have_ab() { [ -d "$AB" ] && [ -n "$(find "$AB" -type f | head -1)" ]; }
+have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | head -1)" ]; }
 
 DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0)
 FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
 sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 if want tests; then
-    run tests 240 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q tests/kernels \
+    run tests 180 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q tests/kernels \
         --ignore=tests/kernels/test_compile_sm90.py --ignore=tests/kernels/test_kernel_cache.py   # CPU-only checks
 fi
 probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$SUFFIX.jsonl and q4k$SUFFIX.jsonl
@@ -94,6 +96,22 @@ probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$
     run "q4k_probe mma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode mma
     run "q4k_probe imma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a
 }
+if want decode; then
+    run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
+fi
+if want noprefetch && have_ab "$AB_HEAD"; then
+    swap_in "$AB_HEAD"
+    run "decode (no L2 prefetch)" 110 noprefetch.log $PY "${DECODE[@]}" --out "$OUT/decode_noprefetch.jsonl"
+    swap_out
+fi
+if want before && have_ab; then
+    swap_in
+    run "decode (before)" 110 before.log $PY "${DECODE[@]}" --out "$OUT/decode_before.jsonl"
+    swap_out
+fi
+if want flags; then
+    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
+fi
 if want vq; then
     probes "" ""
     if have_ab; then
@@ -101,17 +119,6 @@ if want vq; then
         probes "_before" " (before)"
         swap_out
     fi
-fi
-if want decode; then
-    run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
-fi
-if want flags; then
-    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
-fi
-if want before && have_ab; then
-    swap_in
-    run "decode (before)" 120 before.log $PY "${DECODE[@]}" --out "$OUT/decode_before.jsonl"
-    swap_out
 fi
 if want trace; then
     run "trace (DS4_CUDA_PDL=0)" 90 trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py --contexts 1024 \

@@ -8,9 +8,11 @@
 #                                        # time (default 9e36682).
 #   bash bench/dev/h200_stage.sh --undo  # after the call: the index and .git/info/exclude as they were
 #
-# Staging does four things:
+# Staging does five things:
 # - downloads the wheels the device lacks into .whl/ (ignored; pass carry [".whl"]);
 # - writes REV's kernels/ into ab/ (untracked, not ignored, so it travels);
+# - writes HEAD's copy of every kernels/ file changed in the working tree into ab_head/ (the "noprefetch" part of
+#   h200_pending.sh times the tree with them: the uncommitted kernel change against its base);
 # - untracks the three large paths with `git rm --cached`, keeping the files here;
 # - lists them in .git/info/exclude, between marker lines.
 # It then prints the size of what the device will get. The engine tests fall back to the random tiny stack there.
@@ -28,8 +30,8 @@ if [ "${1:-}" = "--undo" ]; then
     if [ -f "$EXCLUDE" ]; then
         sed -i "/^$BEGIN\$/,/^$END\$/d" "$EXCLUDE"
     fi
-    rm -rf ab
-    echo "unstaged: ${BIG[*]} tracked again, ab/ removed (.whl/ kept; it is ignored)"
+    rm -rf ab ab_head
+    echo "unstaged: ${BIG[*]} tracked again, ab/ and ab_head/ removed (.whl/ kept; it is ignored)"
     git status --short | head -5
     exit 0
 fi
@@ -44,6 +46,11 @@ mkdir -p .whl
 "$PY" -m pip download -q --no-deps -d .whl gguf llguidance
 rm -rf ab && mkdir -p ab
 git archive "$REV" kernels | tar -x -C ab
+rm -rf ab_head
+for f in $(git diff --name-only HEAD -- kernels); do
+    mkdir -p "ab_head/$(dirname "$f")"
+    git show "HEAD:$f" > "ab_head/$f"
+done
 git rm -r -q --cached "${BIG[@]}"
 printf '%s\n' "$BEGIN" "${BIG[@]/#//}" "$END" >> "$EXCLUDE"
 bytes=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
