@@ -4,15 +4,16 @@
 # tracked tree is larger than that because of the ds4-tiny checkpoint, its ① base and the official golden
 # checkpoints.
 #
-#   bash bench/dev/h200_stage.sh [REV]   # before the call. REV is the commit whose kernels/ the "before" parts
-#                                        # time (default 9e36682).
+#   bash bench/dev/h200_stage.sh [REV [BASE]]   # before the call. REV is the commit whose kernels/ the "before"
+#                                               # parts time (default 9e36682); BASE (default HEAD) the one the
+#                                               # "noprefetch" part compares the working tree's kernels/ with.
 #   bash bench/dev/h200_stage.sh --undo  # after the call: the index and .git/info/exclude as they were
 #
 # Staging does five things:
 # - downloads the wheels the device lacks into .whl/ (ignored; pass carry [".whl"]);
 # - writes REV's kernels/ into ab/ (untracked, not ignored, so it travels);
-# - writes HEAD's copy of every kernels/ file changed in the working tree into ab_head/ (the "noprefetch" part of
-#   h200_pending.sh times the tree with them: the uncommitted kernel change against its base);
+# - writes BASE's copy of every kernels/ file that differs between BASE and the working tree into ab_head/ (the
+#   "noprefetch" part of h200_pending.sh times the tree with them: the newest kernel change against its base);
 # - untracks the three large paths with `git rm --cached`, keeping the files here;
 # - lists them in .git/info/exclude, between marker lines.
 # It then prints the size of what the device will get. The engine tests fall back to the random tiny stack there.
@@ -37,7 +38,10 @@ if [ "${1:-}" = "--undo" ]; then
 fi
 
 REV=${1:-9e36682}
-git rev-parse -q --verify "$REV^{commit}" > /dev/null || { echo "h200_stage: unknown commit $REV" >&2; exit 2; }
+BASE=${2:-HEAD}
+for c in "$REV" "$BASE"; do
+    git rev-parse -q --verify "$c^{commit}" > /dev/null || { echo "h200_stage: unknown commit $c" >&2; exit 2; }
+done
 if grep -qx "$BEGIN" "$EXCLUDE" 2>/dev/null; then
     echo "h200_stage: already staged (run --undo first)" >&2
     exit 2
@@ -47,9 +51,9 @@ mkdir -p .whl
 rm -rf ab && mkdir -p ab
 git archive "$REV" kernels | tar -x -C ab
 rm -rf ab_head
-for f in $(git diff --name-only HEAD -- kernels); do
+for f in $(git diff --name-only "$BASE" -- kernels); do
     mkdir -p "ab_head/$(dirname "$f")"
-    git show "HEAD:$f" > "ab_head/$f"
+    git show "$BASE:$f" > "ab_head/$f"
 done
 git rm -r -q --cached "${BIG[@]}"
 printf '%s\n' "$BEGIN" "${BIG[@]/#//}" "$END" >> "$EXCLUDE"
