@@ -52,6 +52,7 @@ rm -rf ab && mkdir -p ab
 git archive "$REV" kernels | tar -x -C ab
 rm -rf ab_head
 for f in $(git diff --name-only "$BASE" -- kernels); do
+    git cat-file -e "$BASE:$f" 2>/dev/null || continue          # new in the tree: nothing to swap back
     mkdir -p "ab_head/$(dirname "$f")"
     git show "$BASE:$f" > "ab_head/$f"
 done
