@@ -66,7 +66,7 @@ from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, roun
 from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
 from kernels.gemv import act_quant_fp8
 from kernels.mma import MMA_EX_WORDS, load4_device, mma_e4m3_device, mma_u8s8_device, mma_u8u8_device
-from kernels.pdl import grid_entry_device, prefetch_l2_device
+from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
 
@@ -434,18 +434,6 @@ def _mma_words_device(w1, wa, wb, sb, lw, live):
 
 
 @cuda.jit(device=True, inline=True)
-def _prefetch_rows_device(w1, r0, rows, n_rows, n_words, sb0, n_sb):
-    """Thread i < rows asks L2 for super-blocks sb0 .. sb0 + n_sb - 1 (clipped to the row) of row r0 + i, if that row
-    exists: 144 bytes a super-block, so every row's slice starts and ends on 16 bytes."""
-    i = cuda.threadIdx.x
-    nb = n_words // Q4K_WORDS
-    n = min(nb, sb0 + n_sb) - sb0
-    if i < rows and r0 + i < n_rows and n > 0:
-        prefetch_l2_device(w1, np.int64(r0 + i) * np.int64(n_words) + np.int64(Q4K_WORDS * sb0),
-                           np.uint32(8 * Q4K_WORDS * n))
-
-
-@cuda.jit(device=True, inline=True)
 def _pick4(c, v0, v1, v2, v3):
     return v0 if c == 0 else (v1 if c == 1 else (v2 if c == 2 else v3))
 
@@ -483,10 +471,7 @@ def _make_mma_kernel(decode, min_blocks):
         factors dd, dm computed once per super-block, the MMA results of group c == t kept); a wider pass has each lane
         form all four for its two columns. The same operations in the same order, so a token's result does not depend
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
-        (counters, reset to 0 by it); a single slice writes directly. Before its grid entry, thread i < 64 asks L2
-        for row bx*64 + i's bytes of the slice (kernels.pdl: weights only)."""
-        _prefetch_rows_device(w1, cuda.blockIdx.x * (MMA_WARPS * MMA_ROWS), MMA_WARPS * MMA_ROWS, out.shape[1],
-                              n_words, cuda.blockIdx.y * sps, sps)
+        (counters, reset to 0 by it); a single slice writes directly."""
         grid_entry_device()
         codes = cuda.shared.array(MMA_CODES_WORDS, nb_uint64)
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -884,9 +869,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         token the terms go into p_c over sub-blocks 2c, 2c+1 in super-block order, the quarter's value is (p_0 + p_1)
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
-        operations in the same order, so a token's result does not depend on the tokens beside it. Before its grid
-        entry, thread i < 16 asks L2 for row 16b + i's words (kernels.pdl: weights only)."""
-        _prefetch_rows_device(w1, cuda.blockIdx.x * IM_ROWS, IM_ROWS, out.shape[1], n_words, 0, n_words // Q4K_WORDS)
+        operations in the same order, so a token's result does not depend on the tokens beside it."""
         grid_entry_device()
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
@@ -1141,14 +1124,6 @@ def _contiguous(x):
     return x.shape[1] % 2 == 0 and bool(x.is_c_contiguous())
 
 
-def _check_aligned16(w, name):
-    """The tensor-core kernels ask L2 for their rows' bytes by 16-byte units (kernels.pdl.prefetch_l2_device): their
-    weights must start on 16 bytes, as every device allocation does (a view at a row offset keeps it: a q4_K row is
-    a multiple of 144 bytes)."""
-    if not SIM and w.device_ctypes_pointer.value % 16:
-        raise ValueError(f"{name}: q4_K weights must start on a 16-byte boundary for the tensor-core kernels")
-
-
 def _row_length(w, kind, name):
     if kind not in KINDS:
         raise ValueError(f"{name}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -1199,7 +1174,6 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         part = _scratch(scratch, "mma_part", (n_slices, mma_part_rows(n_tok), n_rows) if n_slices > 1 else (1, 1, 1),
                         np.float32, stream)
         counters = _scratch(scratch, "mma_counters", (row_blocks,), np.int32, stream, zero=True)
-        _check_aligned16(w, "q4k_gemv")
         w64 = w.view(np.uint64)
         kernel = q4k_mma_t1_kernel if n_tok == 1 else q4k_mma_kernel
         step = n_tok if n_slices == 1 else max(1, part.shape[1])          # tokens per launch
@@ -1209,7 +1183,6 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
                 xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
                 w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
     elif imma:
-        _check_aligned16(w, "q4k_gemv")
         kx = x.shape[1]
         xd = _scratch(scratch, "im_xd", (n_tok * kx,), np.uint32, stream)
         ps = _scratch(scratch, "im_ps", (n_tok * kx // 16,), np.float32, stream)

@@ -144,14 +144,13 @@ def ptxas_resources(ptx, timeout=300):
     return {"registers": int(used[0]), "spill_bytes": sum(int(a) + int(b) for a, b in spill)}
 
 
-_MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local|bulk\.prefetch\.L2)", re.M)
+_MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local)", re.M)
 
 
 def entry_first(ptx):
     """Whether the kernel's PTX runs kernels.pdl's entry (the grid-dependency wait, then the trigger) before its
     first load, store or atomic (the entry block comes first in the text), parameter loads and a thread's own local
-    memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it), and so are the L2
-    prefetches of weights that kernels.pdl allows above it (a hint: it returns nothing)."""
+    memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it)."""
     body = ptx[ptx.find(".entry"):]
     wait = body.find("griddepcontrol.wait;")
     trigger = body.find("griddepcontrol.launch_dependents;")

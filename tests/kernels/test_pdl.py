@@ -28,22 +28,10 @@ def _kernels(path):
             if isinstance(n, ast.FunctionDef) and any(_is_kernel_decorator(d) for d in n.decorator_list)]
 
 
-def _is_prefetch(stmt):
-    """A call of kernels.pdl.prefetch_l2_device or of a module's `_prefetch...` helper around it: the L2 hints for
-    weights that kernels.pdl allows above the entry (the PTX check holds the helpers to that)."""
-    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
-        return False
-    name = ast.unparse(stmt.value.func)
-    return name == "prefetch_l2_device" or name.startswith("_prefetch")
-
-
 def _first_statement(fn):
-    """The kernel's first statement after its docstring and its weight prefetches."""
     body = fn.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
                                                                                                    str):
-        body = body[1:]
-    while body and _is_prefetch(body[0]):
         body = body[1:]
     return body[0] if body else None
 
@@ -77,17 +65,6 @@ def test_a_kernel_without_the_entry_is_caught(tmp_path):
     ks = _kernels(src)
     assert [k.name for k in ks] == ["k"]                  # device functions are not kernels
     assert ast.unparse(_first_statement(ks[0])) == "a[0] = 1"
-
-
-def test_only_prefetches_may_come_before_the_entry(tmp_path):
-    src = tmp_path / "k.py"
-    src.write_text('from numba import cuda\n\n\n@cuda.jit(cache=True)\ndef k(a, w):\n    """doc."""\n'
-                   '    _prefetch_rows_device(w, 0, 1)\n    prefetch_l2_device(w, 0, 16)\n    grid_entry_device()\n'
-                   '\n\n@cuda.jit(cache=True)\ndef j(a, w):\n    prefetch_l2_device(w, 0, 16)\n    a[0] = 1\n'
-                   '    grid_entry_device()\n')
-    k, j = _kernels(src)
-    assert ast.unparse(_first_statement(k)) == "grid_entry_device()"
-    assert ast.unparse(_first_statement(j)) == "a[0] = 1"
 
 
 def test_only_default_kernel_to_kernel_edges_become_programmatic():
