@@ -73,6 +73,8 @@ def _args(argv=None):
                    help="where the MoE's shared expert runs (CudaBackend.shared_expert_at): side (default) on the "
                         "side stream beside the routed experts, early forked before the routing, main on the main "
                         "stream before the routed experts; the same bits")
+    p.add_argument("--graph-only", action="store_true",
+                   help="time graph replay only, not eager launches (A/B runs of the served path; GPU only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -510,7 +512,8 @@ def build(cfg, bits):
     tables = SyntheticEngramTables(cfg, rows=ARGS.engram_rows, seed=ARGS.seed) if cfg.engram_layer_ids else None
     ctx = BackendContext(cfg, None, synthetic_token_map(cfg) if tables else None, tables, prefill_block=16,
                          context_length=max(ARGS.contexts) + ARGS.warm + ARGS.steps + ARGS.trace_steps + 16)
-    modes = ("eager",) if SIM else ("eager", "graph")      # the simulator has no graphs: both would be eager
+    # the simulator has no graphs (both modes would be eager); --graph-only leaves out the eager timing
+    modes = ("eager",) if SIM else (("graph",) if ARGS.graph_only else ("eager", "graph"))
     backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in modes}
     if ARGS.one_stream:
         for b in backends.values():
@@ -637,7 +640,7 @@ def main():
                 emit({"kind": "verify", "context": ctx, "mode": mode, "calls": vr, "fit": fit,
                       "decode_graph_ms": rec.get("graph", {}).get("ms_per_token")}, lines)
     if ARGS.batch_rows:
-        backend = backends.get("graph", backends["eager"])
+        backend = backends["graph"] if "graph" in backends else backends["eager"]
         ctx = ARGS.contexts[0]
         print(f"context {ctx}: batched decode of {ARGS.batch_rows} sessions", file=sys.stderr, flush=True)
         br = batch_cost(backend, ctx, [int(v) for v in ARGS.batch_rows.split(",")], ARGS.steps, ARGS.warm)

@@ -15,23 +15,29 @@
 # - The tree must stay under 64 MiB. Untrack models/ and tests/golden/official_v41_tiny for the call; the engine
 #   tests then run on the random tiny stack.
 #
-# The parts, in priority order:
-#   tests     DS4_REQUIRE_CUDA=1 pytest tests/kernels: every kernel module changed since the last H200 run (the VQ
-#             GEMV's pair-word indices and shift-free E4M3 conversions, load4_device as a vector load, the indexer's
-#             tensor-core scores and one-launch top-k, the norm kernels' launch bounds, kernels/fp8.py and
-#             kernels/warp.py taking the shared numerics)
+# - AB_HEAD (default ab_head/): a second folder of files, BASE's copies of the kernel files the tree changed since
+#   BASE (h200_stage.sh's second argument, default HEAD): the "base" part times the tree with them.
+#
+# The parts, in the order they run (the order of priority):
+#   tests     DS4_REQUIRE_CUDA=1 pytest tests/kernels (the CPU-only modules left out). The twenty-first session's
+#             call ran the first 142 of 190 tests, all passing, before its cap: test_vq_gemv, test_vq_assign,
+#             test_step, test_window_snapshot and the last of test_spec_accept have not run on the H200 since the
+#             twentieth session's kernel changes.
+#   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is (eager and graph)
+#   base      the same, graph replay only (--graph-only), with ab_head/'s files: the newest kernel change's A/B
+#   before    the same, graph only, on the "before" files of ab/
+#   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease)
-#   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is
-#   flags     the same, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
-#   before    the same decode bench on the "before" files
 #   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2): with programmatic edges a kernel's traced
 #             time includes its wait for the one before, so only this table gives each kernel's own time
-#   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative)
+#   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
+#             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts. The caps add up to more than one call's 560 s, and a fresh
-# machine compiles every kernel first (~130 s), so a first call will likely stop after "before": run the rest as a
-# second call with DS4_PARTS=trace,engine,index (the kernel cache in /tmp does not survive a new machine).
+# machine compiles every kernel first (~130 s; a swapped-in file recompiles its module), so a first call stops
+# around "flags": run the rest as later calls, e.g. DS4_PARTS=engine, then DS4_PARTS=vq,trace,index (the kernel
+# cache in /tmp survives while the machine stays warm, not on a new one).
 set -u
 START=$(date +%s)
 BUDGET=${DS4_RUN_BUDGET_S:-560}
@@ -42,7 +48,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,decode,noprefetch,before,flags,vq,trace,engine,index}
+PARTS=${DS4_PARTS:-tests,decode,base,before,flags,vq,trace,engine,index}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -84,12 +90,14 @@ swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/
 have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | head -1)" ]; }
 
 DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0)
+AB_DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only)   # variants
 FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
 sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 if want tests; then
     run tests 180 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q tests/kernels \
-        --ignore=tests/kernels/test_compile_sm90.py --ignore=tests/kernels/test_kernel_cache.py   # CPU-only checks
+        --ignore=tests/kernels/test_compile_sm90.py --ignore=tests/kernels/test_kernel_cache.py \
+        --ignore=tests/kernels/test_cudasim_shim.py   # CPU-only checks
 fi
 probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$SUFFIX.jsonl and q4k$SUFFIX.jsonl
     for b in 13 12; do run "vq_probe bits=$b$2" 60 "vq$1.jsonl" $PY bench/dev/vq_probe.py --bits $b; done
@@ -99,18 +107,18 @@ probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$
 if want decode; then
     run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
 fi
-if want noprefetch && have_ab "$AB_HEAD"; then
+if want base && have_ab "$AB_HEAD"; then
     swap_in "$AB_HEAD"
-    run "decode (no L2 prefetch)" 110 noprefetch.log $PY "${DECODE[@]}" --out "$OUT/decode_noprefetch.jsonl"
+    run "decode (base)" 110 base.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_base.jsonl"
     swap_out
 fi
 if want before && have_ab; then
     swap_in
-    run "decode (before)" 110 before.log $PY "${DECODE[@]}" --out "$OUT/decode_before.jsonl"
+    run "decode (before)" 110 before.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_before.jsonl"
     swap_out
 fi
 if want flags; then
-    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
+    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
 fi
 if want vq; then
     probes "" ""

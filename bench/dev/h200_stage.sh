@@ -6,14 +6,14 @@
 #
 #   bash bench/dev/h200_stage.sh [REV [BASE]]   # before the call. REV is the commit whose kernels/ the "before"
 #                                               # parts time (default 9e36682); BASE (default HEAD) the one the
-#                                               # "noprefetch" part compares the working tree's kernels/ with.
+#                                               # "base" part compares the working tree's kernels/ with.
 #   bash bench/dev/h200_stage.sh --undo  # after the call: the index and .git/info/exclude as they were
 #
 # Staging does five things:
 # - downloads the wheels the device lacks into .whl/ (ignored; pass carry [".whl"]);
 # - writes REV's kernels/ into ab/ (untracked, not ignored, so it travels);
 # - writes BASE's copy of every kernels/ file that differs between BASE and the working tree into ab_head/ (the
-#   "noprefetch" part of h200_pending.sh times the tree with them: the newest kernel change against its base);
+#   "base" part of h200_pending.sh times the tree with them: the newest kernel change against its base);
 # - untracks the three large paths with `git rm --cached`, keeping the files here;
 # - lists them in .git/info/exclude, between marker lines.
 # It then prints the size of what the device will get. The engine tests fall back to the random tiny stack there.
