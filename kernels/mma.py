@@ -20,6 +20,12 @@ Owns:
   On sm_90 this is the tensor cores' own instruction (HMMA.16816.F32), whereas the E4M3 MMA above is emulated by
   ptxas: its six operand registers are unpacked by twelve F2FP.F16.E4M3 conversions into two HMMA.16816 (seen in
   the SASS on the H200), so a kernel that can hold its operands as halves should feed them to this one.
+- `mma_e4m3_f16_device`: the E4M3 MMA above with C = 0, issued as ptxas's sm_90 emulation of it (read in the SASS
+  of `kernels.q4k_gemv`'s decode kernel): each operand register's two low codes converted to halves feed a first
+  f16 MMA (C = 0) over the k of those codes, its two high codes a second f16 MMA chained on the first's D. The
+  emulation then adds the caller's C in a separate FADD (`FADD d, RZ, d` for a zero C); this leaves that add out,
+  which changes nothing but the sign of a zero D (-0 becomes +0 there). On the GPU the same HMMAs on the same
+  halves in the same order: the emulation's bits. In the simulator: two ideal f16 MMAs, rounded after each.
 - `mma_bf16_device`: one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, the f16 MMA's fragments
   with BF16 halves (the tensor cores' own instruction on sm_90, like the f16 one; the simulator's is the ideal one).
 - `mma_u8u8_device`, `mma_u8s8_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.s32.u8.{u8,s8}.s32`:
@@ -46,10 +52,10 @@ from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
-__all__ = ["mma_e4m3_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
+__all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
            "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
-           "e4m3x8_to_f16_kernel", "byte_perm_kernel",
+           "e4m3x8_to_f16_kernel", "byte_perm_kernel", "mma_e4m3_pair_kernel",
            "MMA_EX_WORDS", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -300,6 +306,40 @@ else:
         return _prmt(np.uint32(a), np.uint32(b), np.uint32(sel))
 
 
+@cuda.jit(device=True, inline=True)
+def mma_e4m3_f16_device(a0, a1, a2, a3, b0, b1, ex):
+    """The m16n8k32 E4M3 MMA of mma_e4m3_device's fragments with C = 0, as two chained f16 MMAs (module docstring):
+    the low code pair of every register first, then the high pair."""
+    a0l, a0h, a1l, a1h = e4m3x8_to_f16x2_device(np.uint64(a0) | (np.uint64(a1) << np.uint64(32)))
+    a2l, a2h, a3l, a3h = e4m3x8_to_f16x2_device(np.uint64(a2) | (np.uint64(a3) << np.uint64(32)))
+    b0l, b0h, b1l, b1h = e4m3x8_to_f16x2_device(np.uint64(b0) | (np.uint64(b1) << np.uint64(32)))
+    d0, d1, d2, d3 = mma_f16_device(a0l, a1l, a2l, a3l, b0l, b1l, 0.0, 0.0, 0.0, 0.0, ex)
+    return mma_f16_device(a0h, a1h, a2h, a3h, b0h, b1h, d0, d1, d2, d3, ex)
+
+
+@cuda.jit(cache=True)
+def mma_e4m3_pair_kernel(regs, out):
+    """Warp w: its lanes' six fragment registers regs[w, lane] (uint32) -> out[w, 0, lane] = mma_e4m3_device (C = 0)
+    and out[w, 1, lane] = mma_e4m3_f16_device, four FP32 each (tests: the chain against the instruction)."""
+    grid_entry_device()
+    ex = cuda.shared.array((4, WARP, MMA_EX_WORDS), np.uint32)
+    lane = cuda.threadIdx.x % WARP
+    w = cuda.threadIdx.x // WARP
+    b = cuda.blockIdx.x * 4 + w                        # block-uniform guard: every lane of a warp takes the MMAs
+    if b < regs.shape[0]:
+        r = regs[b, lane]
+        d0, d1, d2, d3 = mma_e4m3_device(r[0], r[1], r[2], r[3], r[4], r[5], 0.0, 0.0, 0.0, 0.0, ex[w])
+        e0, e1, e2, e3 = mma_e4m3_f16_device(r[0], r[1], r[2], r[3], r[4], r[5], ex[w])
+        out[b, 0, lane, 0] = d0
+        out[b, 0, lane, 1] = d1
+        out[b, 0, lane, 2] = d2
+        out[b, 0, lane, 3] = d3
+        out[b, 1, lane, 0] = e0
+        out[b, 1, lane, 1] = e1
+        out[b, 1, lane, 2] = e2
+        out[b, 1, lane, 3] = e3
+
+
 @cuda.jit(cache=True)
 def e4m3x8_to_f16_kernel(words, out):
     """out[4i .. 4i + 3] = e4m3x8_to_f16x2_device(words[i]) (tests: the eight-code conversion)."""
@@ -323,4 +363,5 @@ def byte_perm_kernel(a, b, sel, out):
 
 
 SIGNATURES = {"e4m3x8_to_f16_kernel": "void(uint64[:], uint32[:])",
+              "mma_e4m3_pair_kernel": "void(uint32[:, :, :], float32[:, :, :, :])",
               "byte_perm_kernel": "void(uint32[:], uint32[:], uint32[:], uint32[:])"}

@@ -34,8 +34,9 @@ and selects the two scale layouts instead of branching on the lane's sub-block.
 The tensor-core path (`q4k_mma_kernel`): when x holds act_quant_fp8 values (quantize=True, or fp8_input=True from a
 caller that quantised it), q4_K rows are multiplied on the tensor cores with FP8 MMAs: each block of 32 activations
 becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the E4M3 code of q * 2^-9, and a
-sub-block's 32 products are one MMA; the sub-block's factors dd and dm and the block's scale are applied in FP32
-afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
+sub-block's 32 products are one E4M3 MMA, issued as the two chained f16 MMAs that ptxas's sm_90 emulation of it
+runs (kernels.mma.mma_e4m3_f16_device: the same bits without the emulation's add of a zero C); the sub-block's factors
+dd and dm and the block's scale are applied in FP32 afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
 against the reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched
 call give the same bits.
 
@@ -65,7 +66,7 @@ from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
 from kernels.gemv import act_quant_fp8
-from kernels.mma import MMA_EX_WORDS, load4_device, mma_e4m3_device, mma_u8s8_device, mma_u8u8_device
+from kernels.mma import MMA_EX_WORDS, load4_device, mma_e4m3_f16_device, mma_u8s8_device, mma_u8u8_device
 from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
@@ -442,9 +443,8 @@ def _pick4(c, v0, v1, v2, v3):
 def _mma_sub_device(la, lb, ha, hb, sh, xw, ex):
     """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the codes word xw."""
     m = np.uint32(0x0F0F0F0F)
-    return mma_e4m3_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m,
-                           np.uint32(xw & np.uint64(0xFFFFFFFF)), np.uint32(xw >> np.uint64(32)), 0.0, 0.0, 0.0, 0.0,
-                           ex)
+    return mma_e4m3_f16_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m,
+                               np.uint32(xw & np.uint64(0xFFFFFFFF)), np.uint32(xw >> np.uint64(32)), ex)
 
 
 def _make_mma_kernel(decode, min_blocks):
