@@ -26,6 +26,7 @@ Owns:
   emulation then adds the caller's C in a separate FADD (`FADD d, RZ, d` for a zero C); this leaves that add out,
   which changes nothing but the sign of a zero D (-0 becomes +0 there). On the GPU the same HMMAs on the same
   halves in the same order: the emulation's bits. In the simulator: two ideal f16 MMAs, rounded after each.
+  `mma_e4m3_f16h_device` takes B already converted (a caller that stages its activations as halves once).
 - `mma_bf16_device`: one warp-wide `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, the f16 MMA's fragments
   with BF16 halves (the tensor cores' own instruction on sm_90, like the f16 one; the simulator's is the ideal one).
 - `mma_u8u8_device`, `mma_u8s8_device`: one warp-wide `mma.sync.aligned.m16n8k32.row.col.s32.u8.{u8,s8}.s32`:
@@ -52,7 +53,7 @@ from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
-__all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
+__all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_e4m3_f16h_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
            "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
            "e4m3x8_to_f16_kernel", "byte_perm_kernel", "mma_e4m3_pair_kernel",
@@ -307,14 +308,21 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
+def mma_e4m3_f16h_device(a0, a1, a2, a3, b0l, b0h, b1l, b1h, ex):
+    """mma_e4m3_f16_device with B given as halves: the codes of b0 and b1 as e4m3x8_to_f16x2_device gives them for
+    the word b0 | b1 << 32 (b0's low pair, its high pair, then b1's), e.g. staged so by the caller."""
+    a0l, a0h, a1l, a1h = e4m3x8_to_f16x2_device(np.uint64(a0) | (np.uint64(a1) << np.uint64(32)))
+    a2l, a2h, a3l, a3h = e4m3x8_to_f16x2_device(np.uint64(a2) | (np.uint64(a3) << np.uint64(32)))
+    d0, d1, d2, d3 = mma_f16_device(a0l, a1l, a2l, a3l, b0l, b1l, 0.0, 0.0, 0.0, 0.0, ex)
+    return mma_f16_device(a0h, a1h, a2h, a3h, b0h, b1h, d0, d1, d2, d3, ex)
+
+
+@cuda.jit(device=True, inline=True)
 def mma_e4m3_f16_device(a0, a1, a2, a3, b0, b1, ex):
     """The m16n8k32 E4M3 MMA of mma_e4m3_device's fragments with C = 0, as two chained f16 MMAs (module docstring):
     the low code pair of every register first, then the high pair."""
-    a0l, a0h, a1l, a1h = e4m3x8_to_f16x2_device(np.uint64(a0) | (np.uint64(a1) << np.uint64(32)))
-    a2l, a2h, a3l, a3h = e4m3x8_to_f16x2_device(np.uint64(a2) | (np.uint64(a3) << np.uint64(32)))
     b0l, b0h, b1l, b1h = e4m3x8_to_f16x2_device(np.uint64(b0) | (np.uint64(b1) << np.uint64(32)))
-    d0, d1, d2, d3 = mma_f16_device(a0l, a1l, a2l, a3l, b0l, b1l, 0.0, 0.0, 0.0, 0.0, ex)
-    return mma_f16_device(a0h, a1h, a2h, a3h, b0h, b1h, d0, d1, d2, d3, ex)
+    return mma_e4m3_f16h_device(a0, a1, a2, a3, b0l, b0h, b1l, b1h, ex)
 
 
 @cuda.jit(cache=True)

@@ -66,7 +66,8 @@ from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
 from kernels.gemv import act_quant_fp8
-from kernels.mma import MMA_EX_WORDS, load4_device, mma_e4m3_f16_device, mma_u8s8_device, mma_u8u8_device
+from kernels.mma import (MMA_EX_WORDS, e4m3x8_to_f16x2_device, load4_device, mma_e4m3_f16h_device, mma_u8s8_device,
+                         mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
@@ -77,6 +78,7 @@ __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
+LOAD4_ALIGN = None if SIM else 16                 # a shared array read by load4_device (LDS.128) starts 16-aligned
 WARP = 32
 WARPS_PER_BLOCK = 4
 THREADS_ROWS = 128
@@ -92,7 +94,9 @@ MMA_ROWS = 16                  # rows per warp (the MMA's M),
 MMA_TOK = 8                    # tokens per pass (its N),
 MMA_STAGE_SB = 32              # token x super-blocks of activations staged in shared memory at a time,
 MMA_STAGE_BLK = MMA_STAGE_SB * QK_K // 32       # their blocks of 32 (a scale and a code sum each),
-MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their code words (32 bytes of padding a token row)
+MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their groups of 8 codes (16 bytes of halves each; 4
+#                                                          groups of padding a token row)
+MMA_CODES_U32 = 4 * MMA_CODES_WORDS                        # their halves as uint32 (two a word)
 MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many blocks (a function of its shape)
 MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
 MMA_MIN_BLOCKS = 2             # the batched kernel's
@@ -376,7 +380,8 @@ def _x8_device(x1, base, raw, red):
 @cuda.jit(device=True)
 def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw):
     """Tokens t0..t0+nt-1, inputs k0 .. k0 + 256*n_sb - 1 of x (FP8-grid float32; x1 its flat uint64 words, kx
-    floats a row) -> E4M3 codes in shared memory (8 per word, token row r at word r*stride, inputs in order) and
+    floats a row) -> E4M3 codes in shared memory as the halves of their values (`codes`, uint32: 8 codes a 16-byte
+    group, the four f16x2 words of e4m3x8_to_f16x2_device, token row r at group r*stride, inputs in order) and
     per token and block of 32 (index r*pitch + b) the power-of-two scale P (scl) and the exact FP32 sum of the
     block's codes (xsum: at most 32 * 448 in steps of 2^-9, so every partial sum is exact, in any order). `raw`:
     x holds unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel,
@@ -398,8 +403,13 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
         p = fp8_block_scale_device(am)
         word, sm = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
         sm = quad_sum_device(sm, red)
+        h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
         if ok:
-            codes[r * stride + 4 * b + part] = word
+            o = 4 * (r * stride + 4 * b + part)
+            codes[o] = h0
+            codes[o + 1] = h1
+            codes[o + 2] = h2
+            codes[o + 3] = h3
             if part == 0:
                 scl[r * pitch + b] = p
                 xsum[r * pitch + b] = sm
@@ -440,11 +450,13 @@ def _pick4(c, v0, v1, v2, v3):
 
 
 @cuda.jit(device=True, inline=True)
-def _mma_sub_device(la, lb, ha, hb, sh, xw, ex):
-    """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the codes word xw."""
+def _mma_sub_device(la, lb, ha, hb, sh, codes, i, ex):
+    """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the staged halves of
+    8 codes at codes[i .. i + 3] (one 16-byte load)."""
     m = np.uint32(0x0F0F0F0F)
-    return mma_e4m3_f16_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m,
-                               np.uint32(xw & np.uint64(0xFFFFFFFF)), np.uint32(xw >> np.uint64(32)), ex)
+    b0l, b0h, b1l, b1h = load4_device(codes, i)
+    return mma_e4m3_f16h_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m, b0l, b0h, b1l, b1h,
+                                ex)
 
 
 def _make_mma_kernel(decode, min_blocks):
@@ -459,8 +471,9 @@ def _make_mma_kernel(decode, min_blocks):
 
         Block (bx, slice): rows bx*64 .. +63 (16 per warp: the MMA's M), super-blocks slice*sps .. +sps-1 of K, tokens
         in passes of up to 8 (the MMA's N; a pass's missing columns repeat its last token and are dropped). The
-        activations of a pass are staged in shared memory as E4M3 codes (_stage_fp8_device; a one-token pass stages up
-        to 32 super-blocks at once, 8 tokens 4). Lane (g, t) loads 8 nibble bytes of rows g and g+8 per 32-byte group
+        activations of a pass are staged in shared memory as the halves of their E4M3 codes, converted once there
+        instead of in every warp's MMAs (_stage_fp8_device; a one-token pass stages up to 32 super-blocks at once, 8
+        tokens 4). Lane (g, t) loads 8 nibble bytes of rows g and g+8 per 32-byte group
         c of a super-block (the next super-block's loads go out before this one's MMAs): bytes 32c+8t .. +7 hold
         inputs 8t..8t+7 of sub-blocks 2c (low nibbles) and 2c+1 (high nibbles); a nibble byte masked to 0x0F is the
         E4M3 code of q * 2^-9 exactly (a subnormal for q < 8), so the MMA over a sub-block's 32 inputs gives d = sum of
@@ -473,7 +486,7 @@ def _make_mma_kernel(decode, min_blocks):
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
         (counters, reset to 0 by it); a single slice writes directly."""
         grid_entry_device()
-        codes = cuda.shared.array(MMA_CODES_WORDS, nb_uint64)
+        codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         ex = cuda.shared.array((MMA_WARPS, WARP, MMA_EX_WORDS), np.uint32)
@@ -499,7 +512,7 @@ def _make_mma_kernel(decode, min_blocks):
         for t0 in range(0, n_tok, MMA_TOK):
             nt = min(MMA_TOK, n_tok - t0)
             csb = MMA_STAGE_SB // nt                           # super-blocks staged at a time
-            stride = 32 * csb + 4                              # words per staged token row (32 bytes of padding)
+            stride = 32 * csb + 4                              # groups per staged token row (64 bytes of padding)
             nblk = 8 * csb
             tr = min(g, nt - 1)                                # the token of this lane's B column
             n0 = min(2 * t, nt - 1)                            # the tokens of its two D columns
@@ -533,10 +546,9 @@ def _make_mma_kernel(decode, min_blocks):
                             qb = _pick4(c, qb0, qb1, qb2, qb3)
                             la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
                             lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
-                            xw0 = codes[4 * kb + 8 * c + t]
-                            xw1 = codes[4 * kb + 8 * c + 4 + t]
-                            d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(0), xw0, ex[warp])
-                            e0, e1, e2, e3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4), xw1, ex[warp])
+                            i0 = 4 * (4 * kb + 8 * c + t)
+                            d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(0), codes, i0, ex[warp])
+                            e0, e1, e2, e3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4), codes, i0 + 16, ex[warp])
                             if c == t:
                                 ka0, kb0, ka1, kb1 = d0, d2, e0, e2
                         bt = kb + 2 * t
@@ -551,8 +563,8 @@ def _make_mma_kernel(decode, min_blocks):
                             la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
                             lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
                             for h in range(2):
-                                xw = codes[tr * stride + 4 * kb + 8 * c + 4 * h + t]
-                                d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4 * h), xw, ex[warp])
+                                i = 4 * (tr * stride + 4 * kb + 8 * c + 4 * h + t)
+                                d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4 * h), codes, i, ex[warp])
                                 dda, dma = _q4k_factors_hw_device(ha0, ha1, 2 * c + h)
                                 ddb, dmb = _q4k_factors_hw_device(hb0, hb1, 2 * c + h)
                                 blk = kb + 2 * c + h
@@ -619,7 +631,6 @@ IM_BATCH = 2                   # super-blocks whose weight words a lane loads be
 IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
-LOAD4_ALIGN = None if SIM else 16                 # a shared array read by load4_device (LDS.128) starts 16-aligned
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
 IM_E_TOP = 21                  # a block of 32 is scaled so that its largest |x| / p lies in [2^21, 2^22)
 IM_FP8_MIN_ROWS = 4096         # FP8-grid activations take this path for matrices of at least this many rows and
