@@ -381,7 +381,8 @@ def _x8_device(x1, base, raw, red):
 def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw):
     """Tokens t0..t0+nt-1, inputs k0 .. k0 + 256*n_sb - 1 of x (FP8-grid float32; x1 its flat uint64 words, kx
     floats a row) -> E4M3 codes in shared memory as the halves of their values (`codes`, uint32: 8 codes a 16-byte
-    group, the four f16x2 words of e4m3x8_to_f16x2_device, token row r at group r*stride, inputs in order) and
+    group, as f16x2 words of codes 0-1, 4-5, 2-3, 6-7: the B registers of the first f16 MMA, then the second's, so a
+    16-byte load lands them in place; token row r at group r*stride, groups in input order) and
     per token and block of 32 (index r*pitch + b) the power-of-two scale P (scl) and the exact FP32 sum of the
     block's codes (xsum: at most 32 * 448 in steps of 2^-9, so every partial sum is exact, in any order). `raw`:
     x holds unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel,
@@ -405,10 +406,10 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
         sm = quad_sum_device(sm, red)
         h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
         if ok:
-            o = 4 * (r * stride + 4 * b + part)
+            o = 4 * (r * stride + 4 * b + part)       # in the order the two MMAs take them: codes 0-1, 4-5, 2-3, 6-7
             codes[o] = h0
-            codes[o + 1] = h1
-            codes[o + 2] = h2
+            codes[o + 1] = h2
+            codes[o + 2] = h1
             codes[o + 3] = h3
             if part == 0:
                 scl[r * pitch + b] = p
@@ -454,9 +455,63 @@ def _mma_sub_device(la, lb, ha, hb, sh, codes, i, ex):
     """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the staged halves of
     8 codes at codes[i .. i + 3] (one 16-byte load)."""
     m = np.uint32(0x0F0F0F0F)
-    b0l, b0h, b1l, b1h = load4_device(codes, i)
+    b0l, b1l, b0h, b1h = load4_device(codes, i)
     return mma_e4m3_f16h_device((la >> sh) & m, (lb >> sh) & m, (ha >> sh) & m, (hb >> sh) & m, b0l, b0h, b1l, b1h,
                                 ex)
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, kb, t, codes, xsum, scl, ex, p):
+    """One super-block of a one-token pass (its first block of 32 at kb in the stage; the lane's header and nibble
+    words): the MMAs of its four groups, of which the lane keeps group t's, and its two sub-blocks' terms added to
+    p[0] (row g) and p[2] (row g + 8)."""
+    dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
+    dda1, dma1 = _q4k_factors_hw_device(ha0, ha1, 2 * t + 1)
+    ddb0, dmb0 = _q4k_factors_hw_device(hb0, hb1, 2 * t)
+    ddb1, dmb1 = _q4k_factors_hw_device(hb0, hb1, 2 * t + 1)
+    ka0 = np.float32(0.0)
+    ka1 = np.float32(0.0)
+    kb0 = np.float32(0.0)
+    kb1 = np.float32(0.0)
+    for c in range(4):
+        qa = _pick4(c, qa0, qa1, qa2, qa3)
+        qb = _pick4(c, qb0, qb1, qb2, qb3)
+        la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
+        lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
+        i0 = 4 * (4 * kb + 8 * c + t)
+        d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(0), codes, i0, ex)
+        e0, e1, e2, e3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4), codes, i0 + 16, ex)
+        if c == t:
+            ka0, kb0, ka1, kb1 = d0, d2, e0, e2
+    bt = kb + 2 * t
+    p[0] = _sub_block_term_device(dda0, dma0, ka0, xsum[bt], scl[bt], p[0])
+    p[0] = _sub_block_term_device(dda1, dma1, ka1, xsum[bt + 1], scl[bt + 1], p[0])
+    p[2] = _sub_block_term_device(ddb0, dmb0, kb0, xsum[bt], scl[bt], p[2])
+    p[2] = _sub_block_term_device(ddb1, dmb1, kb1, xsum[bt + 1], scl[bt + 1], p[2])
+
+
+@cuda.jit(device=True, inline=True)
+def _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, kb, t, tr, n0, n1, nblk, stride,
+                     codes, xsum, scl, ex, p):
+    """One super-block of a pass of several tokens: the lane's B column is token row tr of the stage, its D columns
+    tokens n0 and n1; every term goes to p[4c + j] (group c; j: row g / g + 8, column 2t / 2t + 1)."""
+    for c in range(4):
+        qa = _pick4(c, qa0, qa1, qa2, qa3)
+        qb = _pick4(c, qb0, qb1, qb2, qb3)
+        la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
+        lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
+        for h in range(2):
+            i = 4 * (tr * stride + 4 * kb + 8 * c + 4 * h + t)
+            d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4 * h), codes, i, ex)
+            dda, dma = _q4k_factors_hw_device(ha0, ha1, 2 * c + h)
+            ddb, dmb = _q4k_factors_hw_device(hb0, hb1, 2 * c + h)
+            blk = kb + 2 * c + h
+            b0 = n0 * nblk + blk
+            b1 = n1 * nblk + blk
+            p[4 * c] = _sub_block_term_device(dda, dma, d0, xsum[b0], scl[b0], p[4 * c])
+            p[4 * c + 1] = _sub_block_term_device(dda, dma, d1, xsum[b1], scl[b1], p[4 * c + 1])
+            p[4 * c + 2] = _sub_block_term_device(ddb, dmb, d2, xsum[b0], scl[b0], p[4 * c + 2])
+            p[4 * c + 3] = _sub_block_term_device(ddb, dmb, d3, xsum[b1], scl[b1], p[4 * c + 3])
 
 
 def _make_mma_kernel(decode, min_blocks):
@@ -526,56 +581,29 @@ def _make_mma_kernel(decode, min_blocks):
                 cuda.syncthreads()
                 _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
                 cuda.syncthreads()
-                for sb in range(cb, ce):
-                    # the next super-block's words; past the chunk, the chunk's last again (never used: the next
-                    # chunk loads its own first words), a load with no branch or zeros around it
+                for sb in range(cb, ce, 2):
+                    # two super-blocks a turn, so that the words loaded ahead alternate between two sets of registers
+                    # (no copies from one to the other): the second's words, then the first's MMAs; the next turn's
+                    # first words (the chunk's last again past its end, a load with no branch around it: the next
+                    # chunk loads its own), then the second's MMAs if the chunk has a second
+                    s1 = min(sb + 1, ce - 1)
                     (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
-                        w1, wa, wb, min(sb + 1, ce - 1), lw, True)
-                    kb = 8 * (sb - cb)                         # the super-block's first block of 32 in the stage
+                        w1, wa, wb, s1, lw, True)
                     if one:
-                        dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
-                        dda1, dma1 = _q4k_factors_hw_device(ha0, ha1, 2 * t + 1)
-                        ddb0, dmb0 = _q4k_factors_hw_device(hb0, hb1, 2 * t)
-                        ddb1, dmb1 = _q4k_factors_hw_device(hb0, hb1, 2 * t + 1)
-                        ka0 = np.float32(0.0)
-                        ka1 = np.float32(0.0)
-                        kb0 = np.float32(0.0)
-                        kb1 = np.float32(0.0)
-                        for c in range(4):
-                            qa = _pick4(c, qa0, qa1, qa2, qa3)
-                            qb = _pick4(c, qb0, qb1, qb2, qb3)
-                            la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
-                            lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
-                            i0 = 4 * (4 * kb + 8 * c + t)
-                            d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(0), codes, i0, ex[warp])
-                            e0, e1, e2, e3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4), codes, i0 + 16, ex[warp])
-                            if c == t:
-                                ka0, kb0, ka1, kb1 = d0, d2, e0, e2
-                        bt = kb + 2 * t
-                        p[0] = _sub_block_term_device(dda0, dma0, ka0, xsum[bt], scl[bt], p[0])
-                        p[0] = _sub_block_term_device(dda1, dma1, ka1, xsum[bt + 1], scl[bt + 1], p[0])
-                        p[2] = _sub_block_term_device(ddb0, dmb0, kb0, xsum[bt], scl[bt], p[2])
-                        p[2] = _sub_block_term_device(ddb1, dmb1, kb1, xsum[bt + 1], scl[bt + 1], p[2])
+                        _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb), t,
+                                            codes, xsum, scl, ex[warp], p)
                     else:
-                        for c in range(4):
-                            qa = _pick4(c, qa0, qa1, qa2, qa3)
-                            qb = _pick4(c, qb0, qb1, qb2, qb3)
-                            la, ha = np.uint32(qa & np.uint64(0xFFFFFFFF)), np.uint32(qa >> np.uint64(32))
-                            lb, hb = np.uint32(qb & np.uint64(0xFFFFFFFF)), np.uint32(qb >> np.uint64(32))
-                            for h in range(2):
-                                i = 4 * (tr * stride + 4 * kb + 8 * c + 4 * h + t)
-                                d0, d1, d2, d3 = _mma_sub_device(la, lb, ha, hb, np.uint32(4 * h), codes, i, ex[warp])
-                                dda, dma = _q4k_factors_hw_device(ha0, ha1, 2 * c + h)
-                                ddb, dmb = _q4k_factors_hw_device(hb0, hb1, 2 * c + h)
-                                blk = kb + 2 * c + h
-                                b0 = n0 * nblk + blk
-                                b1 = n1 * nblk + blk
-                                p[4 * c] = _sub_block_term_device(dda, dma, d0, xsum[b0], scl[b0], p[4 * c])
-                                p[4 * c + 1] = _sub_block_term_device(dda, dma, d1, xsum[b1], scl[b1], p[4 * c + 1])
-                                p[4 * c + 2] = _sub_block_term_device(ddb, dmb, d2, xsum[b0], scl[b0], p[4 * c + 2])
-                                p[4 * c + 3] = _sub_block_term_device(ddb, dmb, d3, xsum[b1], scl[b1], p[4 * c + 3])
-                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
-                        na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
+                        _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb), t,
+                                         tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
+                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(
+                        w1, wa, wb, min(sb + 2, ce - 1), lw, True)
+                    if sb + 1 < ce:                            # block-uniform
+                        if one:
+                            _mma_step_t1_device(na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3,
+                                                8 * (s1 - cb), t, codes, xsum, scl, ex[warp], p)
+                        else:
+                            _mma_step_device(na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3,
+                                             8 * (s1 - cb), t, tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
             if one:
                 sa = quad_sum_device(p[0], red[warp])
                 sbv = quad_sum_device(p[2], red[warp])
