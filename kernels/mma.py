@@ -53,7 +53,8 @@ from ds4lib.formats.fp8 import E4M3_VALUES
 from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
-__all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_e4m3_f16h_device", "mma_f16_device", "mma_bf16_device", "mma_u8u8_device", "mma_u8s8_device",
+__all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_e4m3_f16h_device", "mma_f16_device", "mma_bf16_device",
+           "mma_u8u8_device", "mma_u8s8_device",
            "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device",
            "e4m3x8_to_f16_kernel", "byte_perm_kernel", "mma_e4m3_pair_kernel",

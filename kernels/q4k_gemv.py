@@ -35,10 +35,11 @@ The tensor-core path (`q4k_mma_kernel`): when x holds act_quant_fp8 values (quan
 caller that quantised it), q4_K rows are multiplied on the tensor cores with FP8 MMAs: each block of 32 activations
 becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the E4M3 code of q * 2^-9, and a
 sub-block's 32 products are one E4M3 MMA, issued as the two chained f16 MMAs that ptxas's sm_90 emulation of it
-runs (kernels.mma.mma_e4m3_f16_device: the same bits without the emulation's add of a zero C); the sub-block's factors
-dd and dm and the block's scale are applied in FP32 afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
-against the reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched
-call give the same bits.
+runs (kernels.mma.mma_e4m3_f16h_device: the same bits without the emulation's add of a zero C; the activations are
+staged as halves once); the sub-block's factors dd and dm and the block's scale are applied in FP32 afterwards
+(q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test against the
+reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched call give the
+same bits.
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
@@ -66,8 +67,8 @@ from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
 from kernels.gemv import act_quant_fp8
-from kernels.mma import (MMA_EX_WORDS, e4m3x8_to_f16x2_device, load4_device, mma_e4m3_f16h_device, mma_u8s8_device,
-                         mma_u8u8_device)
+from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_e4m3_f16h_device,
+                         mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
@@ -277,6 +278,36 @@ def _q4k_factors_hw_device(h0, h1, j):
 
 
 @cuda.jit(device=True, inline=True)
+def _q4k_factor_pair_hw_device(h0, h1, t):
+    """_q4k_factors_hw_device of sub-blocks 2t and 2t + 1 together -> (dd, dm of 2t, dd, dm of 2t + 1), the same
+    values. Their scale bytes are neighbours (bytes j = 2(t % 2) and j + 1 of each third), so one shift a third
+    brings both down, and the two 6-bit fields are formed side by side in 16 bits (the masks keep each byte's bits to
+    itself). Sub-blocks 0-3 take the low 6 bits of bytes j (scale) and 4 + j (min); 4-7 a nibble of byte 8 + j with
+    the top 2 bits of byte j or 4 + j above it. One formula serves both, with shifts and masks that depend on t alone
+    (lanes of a warp hold different t: no branch, no select). Each field becomes a float by a byte permutation into
+    2^23's bits and a subtraction."""
+    hi = np.uint32(t >> 1)                                    # sub-blocks 4-7
+    sh = np.uint32(16) * np.uint32(t & 1)
+    s2 = np.uint32(2) * hi                                    # top bits of byte j / 4 + j: 6-7 -> 4-5
+    keep = np.uint32(0x3F3F) - np.uint32(0x0F0F) * hi         # 0x3F3F, or 0x3030
+    nib = np.uint32(0x0F0F) * hi                              # 0, or the nibble of byte 8 + j
+    b0 = np.uint32(h0 >> np.uint64(32)) >> sh                 # scale bytes j, j + 1 in bits 0-15
+    b1 = np.uint32(h1 & np.uint64(0xFFFFFFFF)) >> sh          # bytes 4 + j, 5 + j
+    b2 = np.uint32(h1 >> np.uint64(32)) >> sh                 # bytes 8 + j, 9 + j
+    sc = ((b0 >> s2) & keep) | (b2 & nib)
+    m = ((b1 >> s2) & keep) | ((b2 >> np.uint32(4)) & nib)
+    one = np.uint32(0x4B000000)
+    sc0 = bits_f32(byte_perm_device(sc, one, 0x7540)) - MAGIC
+    sc1 = bits_f32(byte_perm_device(sc, one, 0x7541)) - MAGIC
+    m0 = bits_f32(byte_perm_device(m, one, 0x7540)) - MAGIC
+    m1 = bits_f32(byte_perm_device(m, one, 0x7541)) - MAGIC
+    lo = np.uint32(h0 & np.uint64(0xFFFFFFFF))
+    d = _f16_header_device(lo)
+    dmin = _f16_header_device(lo >> np.uint32(16))
+    return d * sc0, dmin * m0, d * sc1, dmin * m1
+
+
+@cuda.jit(device=True, inline=True)
 def _q4k_dot8u_device(q, shift, dd, dm, x1, k2, acc):
     """acc + sum over the 8 bytes b of q of w_b * x_b, w_b = fl(dd * nibble_b - dm), FMAs in byte order (as
     _q4k_dot8_device), with the 8 activations read as four 8-byte words of x as a flat uint64 array (k2 = k0 / 2)
@@ -465,10 +496,8 @@ def _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, q
     """One super-block of a one-token pass (its first block of 32 at kb in the stage; the lane's header and nibble
     words): the MMAs of its four groups, of which the lane keeps group t's, and its two sub-blocks' terms added to
     p[0] (row g) and p[2] (row g + 8)."""
-    dda0, dma0 = _q4k_factors_hw_device(ha0, ha1, 2 * t)
-    dda1, dma1 = _q4k_factors_hw_device(ha0, ha1, 2 * t + 1)
-    ddb0, dmb0 = _q4k_factors_hw_device(hb0, hb1, 2 * t)
-    ddb1, dmb1 = _q4k_factors_hw_device(hb0, hb1, 2 * t + 1)
+    dda0, dma0, dda1, dma1 = _q4k_factor_pair_hw_device(ha0, ha1, t)
+    ddb0, dmb0, ddb1, dmb1 = _q4k_factor_pair_hw_device(hb0, hb1, t)
     ka0 = np.float32(0.0)
     ka1 = np.float32(0.0)
     kb0 = np.float32(0.0)
@@ -581,29 +610,19 @@ def _make_mma_kernel(decode, min_blocks):
                 cuda.syncthreads()
                 _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
                 cuda.syncthreads()
-                for sb in range(cb, ce, 2):
-                    # two super-blocks a turn, so that the words loaded ahead alternate between two sets of registers
-                    # (no copies from one to the other): the second's words, then the first's MMAs; the next turn's
-                    # first words (the chunk's last again past its end, a load with no branch around it: the next
-                    # chunk loads its own), then the second's MMAs if the chunk has a second
-                    s1 = min(sb + 1, ce - 1)
+                for sb in range(cb, ce):
+                    # the next super-block's words; past the chunk, the chunk's last again (never used: the next
+                    # chunk loads its own first words), a load with no branch or zeros around it
                     (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
-                        w1, wa, wb, s1, lw, True)
+                        w1, wa, wb, min(sb + 1, ce - 1), lw, True)
                     if one:
-                        _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb), t,
-                                            codes, xsum, scl, ex[warp], p)
+                        _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb),
+                                            t, codes, xsum, scl, ex[warp], p)
                     else:
                         _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb), t,
                                          tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
-                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(
-                        w1, wa, wb, min(sb + 2, ce - 1), lw, True)
-                    if sb + 1 < ce:                            # block-uniform
-                        if one:
-                            _mma_step_t1_device(na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3,
-                                                8 * (s1 - cb), t, codes, xsum, scl, ex[warp], p)
-                        else:
-                            _mma_step_device(na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3,
-                                             8 * (s1 - cb), t, tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
+                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
+                        na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
             if one:
                 sa = quad_sum_device(p[0], red[warp])
                 sbv = quad_sum_device(p[2], red[warp])

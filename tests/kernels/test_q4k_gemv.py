@@ -1,10 +1,12 @@
 """kernels/q4k_gemv.py against ds4lib.formats.q4k (the decode) and ds4lib.ref.linear (the products)."""
 import numpy as np
 import pytest
+from numba import cuda                  # the simulator swaps this global inside kernels (conftest chose the mode)
 
 from ds4lib.formats.floats import round_bf16
 from ds4lib.formats.q4k import dequantize_q4k, dequantize_q8_0, quantize_q4k, quantize_q8_0
 from ds4lib.ref.linear import einsum_f32, linear_f32, linear_q
+from kernels.q4k_gemv import _q4k_factor_pair_hw_device, _q4k_factors_hw_device
 from tests.kernels.tolerances import assert_matches
 
 
@@ -283,3 +285,34 @@ def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
         np.testing.assert_array_equal(one[0], raw[t])
     assert_matches("gemv_bf16", raw, linear_q(x, w, True))
     assert_matches("gemv_bf16", short, linear_q(x, w, True))
+
+
+@cuda.jit
+def _factor_pair_kernel(h, out):
+    """Thread i: header words h[i] with t = i % 4 -> the pair's four factors, then the two sub-blocks' own."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < h.shape[0]:
+        t = i % 4
+        a, b, c, d = _q4k_factor_pair_hw_device(h[i, 0], h[i, 1], t)
+        e, f = _q4k_factors_hw_device(h[i, 0], h[i, 1], 2 * t)
+        g, k = _q4k_factors_hw_device(h[i, 0], h[i, 1], 2 * t + 1)
+        out[i, 0], out[i, 1], out[i, 2], out[i, 3] = a, b, c, d
+        out[i, 4], out[i, 5], out[i, 6], out[i, 7] = e, f, g, k
+
+
+def test_factor_pair_equals_the_factors_of_each_sub_block(cuda_ready):
+    """_q4k_factor_pair_hw_device (the decode kernel's scales and mins of sub-blocks 2t and 2t + 1 at once) gives
+    _q4k_factors_hw_device's values for both, on random header words (every scale byte value, both halves of each
+    third, t = 0..3), bit for bit."""
+    rng = np.random.default_rng(31)
+    n = 1024
+    h = rng.integers(0, 2**63, (n, 2), dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, (n, 2), dtype=np.uint64)
+    h[:, 0] = (h[:, 0] & np.uint64(0xFFFFFFFF00000000)) | np.uint64(0x2C003C00)   # d = 1, dmin = 1/16: finite
+    every = np.arange(256, dtype=np.uint64)
+    h[:256, 0] = (h[:256, 0] & np.uint64(0xFFFFFFFF)) | (every * np.uint64(0x0101010100000000))
+    h[256:512, 1] = every * np.uint64(0x0101010101010101)                    # every byte value in each third
+    out = cuda_ready.device_array((n, 8), np.float32)
+    _factor_pair_kernel[n // 128, 128](cuda_ready.to_device(h), out)
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got[:, :4], got[:, 4:])
+    assert np.count_nonzero(got[:, :4]) > n                 # the factors are not all zero
