@@ -39,6 +39,8 @@ Owns:
   directly (no shifts); the simulator decodes in software, same bits.
 - `byte_perm_device`: `prmt.b32` in its default mode (any four of the eight bytes of two words; the simulator's
   twin selects them in Python).
+- `load_at_device`: ary[i + k] with a constant k folded into the load's offset (an in-bounds address of element i,
+  then k elements on): loads of neighbouring words share one address computation.
 - `load4_device`: four consecutive 32-bit elements of a 1-D array (uint32, int32 or float32) at a multiple of 4 in
   one 16-byte load (an LLVM vector load, so LDS.128 from shared memory and LDG.E.128 from global memory; the
   simulator reads them one by one): a lane's fragment registers staged side by side.
@@ -56,7 +58,7 @@ from kernels.pdl import grid_entry_device
 __all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_e4m3_f16h_device", "mma_f16_device", "mma_bf16_device",
            "mma_u8u8_device", "mma_u8s8_device",
            "e4m3x8_to_f16x2_device", "byte_perm_device",
-           "load4_device",
+           "load4_device", "load_at_device",
            "e4m3x8_to_f16_kernel", "byte_perm_kernel", "mma_e4m3_pair_kernel",
            "MMA_EX_WORDS", "SIGNATURES"]
 
@@ -154,6 +156,11 @@ if SIM:
     def load4_device(ary, i):
         """ary[i], ary[i + 1], ary[i + 2], ary[i + 3] (the GPU's is one 16-byte load)."""
         return ary[i], ary[i + 1], ary[i + 2], ary[i + 3]
+
+    @cuda.jit(device=True)
+    def load_at_device(ary, i, k):
+        """ary[i + k] (the GPU's folds a constant k into the load's offset)."""
+        return ary[i + k]
 
     @cuda.jit(device=True)
     def _pair_to_f16x2_device(w, shift):
@@ -294,6 +301,27 @@ else:
         """ary[i .. i + 3] in one 16-byte load; i a multiple of 4 (and the array 16-byte aligned, as device arrays
         are), in range: nothing is checked."""
         return _ld_v4(ary, np.int64(i))
+
+    @_intrinsic
+    def _ld_at(typingctx, ary, i, k):
+        """ary[i + k] through two in-bounds element offsets, i then k: with k a constant the compiler keeps the
+        address of element i and folds k into the load's immediate offset (numba's own indexing adds i + k first, in
+        64 bits, and gives each load its own address arithmetic)."""
+        if ary.ndim != 1:
+            return None
+        sig = ary.dtype(ary, _types.uint64, _types.uint64)
+
+        def codegen(context, builder, signature, args):
+            arr = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = builder.gep(builder.gep(arr.data, [args[1]], inbounds=True), [args[2]], inbounds=True)
+            return builder.load(ptr)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def load_at_device(ary, i, k):
+        """ary[i + k] for a 1-D array, i and k unsigned, i + k in range (nothing is checked); k a constant folds into
+        the load instruction."""
+        return _ld_at(ary, np.uint64(i), np.uint64(k))
 
     @cuda.jit(device=True, inline=True)
     def e4m3x8_to_f16x2_device(word):

@@ -67,8 +67,8 @@ from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
 from kernels.gemv import act_quant_fp8
-from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_e4m3_f16h_device,
-                         mma_u8s8_device, mma_u8u8_device)
+from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
+                         mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
@@ -471,9 +471,11 @@ def _mma_words_device(w1, wa, wb, sb, lw, live):
         return z, z, z, z, z, z, z, z, z, z, z, z
     ba = wa + np.uint64(Q4K_WORDS * sb)
     bb = wb + np.uint64(Q4K_WORDS * sb)
-    return (w1[ba], w1[ba + np.uint64(1)], w1[bb], w1[bb + np.uint64(1)],
-            w1[ba + lw], w1[ba + lw + np.uint64(4)], w1[ba + lw + np.uint64(8)], w1[ba + lw + np.uint64(12)],
-            w1[bb + lw], w1[bb + lw + np.uint64(4)], w1[bb + lw + np.uint64(8)], w1[bb + lw + np.uint64(12)])
+    la = ba + lw
+    lb = bb + lw
+    return (load_at_device(w1, ba, 0), load_at_device(w1, ba, 1), load_at_device(w1, bb, 0), load_at_device(w1, bb, 1),
+            load_at_device(w1, la, 0), load_at_device(w1, la, 4), load_at_device(w1, la, 8), load_at_device(w1, la, 12),
+            load_at_device(w1, lb, 0), load_at_device(w1, lb, 4), load_at_device(w1, lb, 8), load_at_device(w1, lb, 12))
 
 
 @cuda.jit(device=True, inline=True)
