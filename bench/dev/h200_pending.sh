@@ -22,7 +22,9 @@
 #   tests     DS4_REQUIRE_CUDA=1 pytest tests/kernels (the CPU-only modules left out). The twenty-first session's
 #             call ran the first 142 of 190 tests, all passing, before its cap: test_vq_gemv, test_vq_assign,
 #             test_step, test_window_snapshot and the last of test_spec_accept have not run on the H200 since the
-#             twentieth session's kernel changes.
+#             twentieth session's kernel changes; test_mma (the E4M3 MMA as two chained f16 MMAs against the
+#             instruction) and the q4_K tests of the twenty-first session's kernel changes never have. Stage with
+#             `h200_stage.sh a201213`: ab/ then holds the kernels this session timed.
 #   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is (eager and graph)
 #   base      the same, graph replay only (--graph-only), with ab_head/'s files: the newest kernel change's A/B
 #   before    the same, graph only, on the "before" files of ab/
