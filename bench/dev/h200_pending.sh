@@ -30,7 +30,9 @@
 #   before    the same, graph only, on the "before" files of ab/
 #   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
-#             (imma: head, wo_a) paths, this tree, then the "before" files (same lease)
+#             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
+#             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
+#             are meant to keep the bits)
 #   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2): with programmatic edges a kernel's traced
 #             time includes its wait for the one before, so only this table gives each kernel's own time
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
@@ -105,6 +107,10 @@ probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$
     for b in 13 12; do run "vq_probe bits=$b$2" 60 "vq$1.jsonl" $PY bench/dev/vq_probe.py --bits $b; done
     run "q4k_probe mma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode mma
     run "q4k_probe imma$2" 60 "q4k$1.jsonl" $PY bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a
+    for m in mma imma; do      # the tensor-core outputs at V4.1 shapes, kept to compare the two trees' bits
+        run "q4k_probe check $m$2" 60 "q4k_check$1.jsonl" $PY bench/dev/q4k_probe.py --check --mode $m \
+            --save "$OUT/bits$1"
+    done
 }
 if want decode; then
     run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
@@ -128,6 +134,11 @@ if want vq; then
         swap_in
         probes "_before" " (before)"
         swap_out
+        run "q4k bits: tree == before" 20 q4k_check.jsonl $PY -c "import glob, os, sys, numpy as np
+fs = sorted(glob.glob(sys.argv[1] + '/*.npy'))
+bad = [os.path.basename(f) for f in fs
+       if not np.array_equal(np.load(f), np.load(os.path.join(sys.argv[2], os.path.basename(f))))]
+print({'compared': len(fs), 'differ': bad}); sys.exit(1 if bad or not fs else 0)" "$OUT/bits" "$OUT/bits_before"
     fi
 fi
 if want trace; then

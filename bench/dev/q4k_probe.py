@@ -10,6 +10,7 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
         tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
         times the FMA kernel the same calls took before it
     python bench/dev/q4k_probe.py --check --mode imma   # integer tensor-core path vs FMA kernel vs float64, FP32 inputs
+    python bench/dev/q4k_probe.py --check --mode mma --save DIR   # also keep the outputs, to compare two trees' bits
     python bench/dev/q4k_probe.py --time --mode imma8   # FP8-grid inputs (fp8_input) on the integer path, every shape;
         --mode mma times them on q4k_mma (IM_FP8_MIN_ROWS decides between the two in the engine)
 """
@@ -36,6 +37,9 @@ ap.add_argument("--shapes", default=None, help="comma list of shapes for --time 
 ap.add_argument("--im", default=None,
                 help="'/'-separated BATCH,MIN_BLOCKS variants of q4k_imma_t1_kernel (--mode imma)")
 ap.add_argument("--check", action="store_true")
+ap.add_argument("--save", default=None,
+                help="with --check: also write each shape's tensor-core outputs to SAVE/MODE_SHAPE.npy (to compare the "
+                     "bits of two kernel trees)")
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
 a = ap.parse_args()
 if a.shapes:
@@ -69,6 +73,10 @@ if a.check:
             qk.USE_IMMA = a.mode == "imma8"
             mma = q4k_gemv(xq, w, quantize=False, fp8_input=True, out_bf16=False, stream=s).copy_to_host()
             qk.USE_IMMA = False
+        if a.save:
+            import os
+            os.makedirs(a.save, exist_ok=True)
+            np.save(os.path.join(a.save, f"{a.mode}_{name}.npy"), mma[0])
         fma = q4k_gemv(xq, w, quantize=False, out_bf16=False, stream=s).copy_to_host()
         ref = dequantize_q4k(w.copy_to_host()).astype(np.float64) @ xq.copy_to_host()[0].astype(np.float64)
         scale = np.sqrt(np.mean(ref ** 2))
