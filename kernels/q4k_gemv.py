@@ -463,12 +463,8 @@ def _tile_rows_device(r0, g, n_rows, n_words):
 
 
 @cuda.jit(device=True, inline=True)
-def _mma_words_device(w1, wa, wb, sb, lw, live):
-    """(header words of rows a and b, their nibble words of groups c = 0..3 for the lane) of super-block sb, zeros
-    when not `live`."""
-    z = np.uint64(0)
-    if not live:
-        return z, z, z, z, z, z, z, z, z, z, z, z
+def _mma_words_device(w1, wa, wb, sb, lw):
+    """(header words of rows a and b, their nibble words of groups c = 0..3 for the lane) of super-block sb."""
     ba = wa + np.uint64(Q4K_WORDS * sb)
     bb = wb + np.uint64(Q4K_WORDS * sb)
     la = ba + lw
@@ -607,8 +603,7 @@ def _make_mma_kernel(decode, min_blocks):
                 p[i] = np.float32(0.0)
             for cb in range(sb0, sb1, csb):
                 ce = min(sb1, cb + csb)
-                (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw,
-                                                                                                  True)
+                (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw)
                 cuda.syncthreads()
                 _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
                 cuda.syncthreads()
@@ -616,7 +611,7 @@ def _make_mma_kernel(decode, min_blocks):
                     # the next super-block's words; past the chunk, the chunk's last again (never used: the next
                     # chunk loads its own first words), a load with no branch or zeros around it
                     (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
-                        w1, wa, wb, min(sb + 1, ce - 1), lw, True)
+                        w1, wa, wb, min(sb + 1, ce - 1), lw)
                     if one:
                         _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb),
                                             t, codes, xsum, scl, ex[warp], p)
