@@ -52,6 +52,7 @@ WARP = 32
 COLS_PER_BLOCK = 128          # S*D columns per partial block (V4.1: 160 blocks, one column per thread)
 FIN_PARTS = 8                 # threads summing one mix's partials in the finishing kernel
 FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
+PART_LOADS = 10               # loads in flight per thread summing a part (_part_sum_device; V4.1: 20 a part)
 FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
 
 
@@ -116,10 +117,18 @@ def _gather_sum_device(c, src0, stride):
 
 @cuda.jit(device=True, inline=True)
 def _part_sum_device(partial, t, m_, p, n_blk):
-    """Part p of mix m_ of token t: partial[t, b, m_] for b = p, p + FIN_PARTS, ... added in that order, four
-    loads in flight."""
+    """Part p of mix m_ of token t: partial[t, b, m_] for b = p, p + FIN_PARTS, ... added in that order, PART_LOADS
+    loads in flight, then four, then one: V4.1's 20 partials a part take two rounds of dependent L2 loads, where
+    four at a time took five."""
     s = 0.0
+    v = cuda.local.array(PART_LOADS, np.float64)
     b = p
+    while b + (PART_LOADS - 1) * FIN_PARTS < n_blk:
+        for i in range(PART_LOADS):
+            v[i] = partial[t, b + i * FIN_PARTS, m_]
+        for i in range(PART_LOADS):
+            s += v[i]
+        b += PART_LOADS * FIN_PARTS
     while b + 3 * FIN_PARTS < n_blk:
         v0 = partial[t, b, m_]
         v1 = partial[t, b + FIN_PARTS, m_]

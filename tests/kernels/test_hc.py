@@ -1,6 +1,7 @@
 """kernels/hc.py against ds4lib.ref.hc (mixes within tolerance; collapse and expand bit-exact)."""
 import numpy as np
 import pytest
+from numba import cuda
 
 from ds4lib.config import ModelConfig
 from ds4lib.formats.floats import round_bf16
@@ -84,6 +85,32 @@ def test_hc_mixes_fused_equals_two_kernels(cuda_ready, D):
         for got in (first, again):
             for g, w in zip(got, want):
                 assert np.array_equal(g, w)
+
+
+@cuda.jit
+def _part_sums_kernel(partial, n_blk, out):
+    from kernels.hc import FIN_PARTS, _part_sum_device
+    i = cuda.threadIdx.x
+    out[i] = _part_sum_device(partial, 0, i // FIN_PARTS, i % FIN_PARTS, n_blk)
+
+
+@pytest.mark.parametrize("n_blk", [160, 82, 37, 7])   # V4.1's 160 blocks (two rounds of PART_LOADS a part), ragged
+def test_part_sums_in_block_order(cuda_ready, n_blk):
+    """The finishing sums add part p's partials b = p, p + FIN_PARTS, ... one by one in that order, whatever loads
+    are in flight: bit for bit against that sequence in float64, on values whose sum depends on the order."""
+    from kernels.hc import FIN_PARTS, N_ACC
+    rng = np.random.default_rng(n_blk)
+    partial = rng.standard_normal((1, n_blk, N_ACC)) * 10.0 ** rng.uniform(-8, 8, (1, n_blk, N_ACC))
+    out = cuda_ready.device_array(N_ACC * FIN_PARTS, np.float64)
+    _part_sums_kernel[1, N_ACC * FIN_PARTS](cuda_ready.to_device(partial), n_blk, out)
+    want = np.zeros(N_ACC * FIN_PARTS)
+    for i in range(N_ACC * FIN_PARTS):
+        s = 0.0
+        for b in range(i % FIN_PARTS, n_blk, FIN_PARTS):
+            s += float(partial[0, b, i // FIN_PARTS])
+        want[i] = s
+    got = out.copy_to_host()
+    assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
 
 
 def test_hc_empty(cuda_ready):
