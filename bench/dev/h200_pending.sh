@@ -38,7 +38,8 @@
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
-# DS4_PARTS=tests,vq limits the run to those parts. The caps add up to more than one call's 560 s, and a fresh
+# DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
+# DS4_GRAPH_ONLY=1 drops the decode part's eager runs. The caps add up to more than one call's 560 s, and a fresh
 # machine compiles every kernel first (~130 s; a swapped-in file recompiles its module), so a first call stops
 # around "flags": run the rest as later calls, e.g. DS4_PARTS=engine, then DS4_PARTS=vq,trace,index (the kernel
 # cache in /tmp survives while the machine stays warm, not on a new one).
@@ -94,12 +95,16 @@ swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/
 have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | head -1)" ]; }
 
 DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0)
+[ "${DS4_GRAPH_ONLY:-0}" = 1 ] && DECODE+=(--graph-only)   # the tree's decode without its eager runs (~60 s less)
 AB_DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only)   # variants
 FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
 sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 if want tests; then
-    run tests 180 pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q tests/kernels \
+    # DS4_TEST_FILES runs those files alone, in that order, instead of all of tests/kernels (pytest merges a file
+    # named beside its folder back into the folder's order); DS4_TESTS_CAP changes the part's cap
+    run tests "${DS4_TESTS_CAP:-180}" pytest.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q \
+        ${DS4_TEST_FILES:-tests/kernels} \
         --ignore=tests/kernels/test_compile_sm90.py --ignore=tests/kernels/test_kernel_cache.py \
         --ignore=tests/kernels/test_cudasim_shim.py   # CPU-only checks
 fi
