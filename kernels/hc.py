@@ -38,6 +38,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
+from kernels import bounded_jit
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
@@ -196,7 +197,7 @@ def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, 
     _mix_finish_device(parts, 0, t, tid, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
 
 
-@cuda.jit(cache=True)
+@bounded_jit(THREADS)
 def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post,
                         comb):
     """hc_mix_partial_kernel and hc_mix_finish_kernel in one launch (T <= FUSED_T_MAX, THREADS threads a block):
