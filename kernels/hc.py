@@ -95,7 +95,7 @@ def _mix_partial_device(h2, fn, cols, partial):
         # the next token's first barrier orders these reads of `quarter` before its overwrites
 
 
-@cuda.jit(cache=True)
+@bounded_jit(THREADS)
 def hc_mix_partial_kernel(h2, fn, cols, partial):
     """The partials of every token, one block per COLS_PER_BLOCK columns (_mix_partial_device)."""
     grid_entry_device()
@@ -180,7 +180,7 @@ def _mix_finish_device(parts, pt, t, lane, base, scale, n_cols, norm_eps, hc_eps
         comb[t, i, j] = c
 
 
-@cuda.jit(cache=True)
+@bounded_jit(FIN_THREADS)
 def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
     """One block per token. The partials are summed by FIN_PARTS threads per mix (_part_sum_device), then the
     first warp finishes (_mix_finish_device)."""
@@ -232,7 +232,7 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
         _mix_finish_device(parts, t, t, tid % WARP, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
 
 
-@cuda.jit(cache=True)
+@bounded_jit(THREADS)
 def hc_pre_kernel(h, pre, out):
     """out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]); one thread per (t, d)."""
     grid_entry_device()
@@ -248,7 +248,7 @@ def hc_pre_kernel(h, pre, out):
     out[t, k] = round_bf16_device(np.float32(acc))
 
 
-@cuda.jit(cache=True)
+@bounded_jit(THREADS)
 def hc_post_kernel(y, h, post, comb, out):
     """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d)."""
     grid_entry_device()

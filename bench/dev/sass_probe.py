@@ -4,7 +4,8 @@
 
 Each kernel is compiled to PTX the way tests/kernels/compile_sm90.py does (its own launch bounds), assembled by
 ptxas for sm_90 and disassembled by nvdisasm. The script then prints one JSON line per kernel: registers, spill
-bytes, the instruction count, and for every loop that holds a load, a shared-memory load or an MMA its first and
+bytes, the instruction count, how many global loads are issued together before the first use of each
+(`loads`: a batch of 1 waits a whole memory round trip alone), and for every loop that holds a load, a shared-memory load or an MMA its first and
 last address, its length and its opcode counts, innermost first. A loop here is a backward branch and the
 instructions it jumps over. `--dump DIR` keeps the PTX and the SASS.
 
@@ -88,6 +89,49 @@ def loops(insns, labels):
     return sorted(out, key=lambda r: r["instructions"])
 
 
+_REG = re.compile(r"\bR(\d+)\b")
+_WIDTH = {"64": 2, "128": 4}
+
+
+def _dest_regs(text):
+    """The registers a load writes: its first operand and, for .64 / .128, the ones after it."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, rest = body.partition(" ")
+    m = _REG.match(rest.strip())
+    if not m:
+        return set()
+    width = next((w for suf, w in _WIDTH.items() if f".{suf}" in op), 1)
+    return {int(m.group(1)) + i for i in range(width)}
+
+
+def _src_regs(text):
+    """The registers an instruction reads (every register operand after its first; a store's or a branch's all)."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, rest = body.partition(" ")
+    ops = [o.strip() for o in rest.split(",")]
+    reads = ops if op.split(".")[0] in ("ST", "STG", "STS", "RED", "ATOM", "ATOMG") else ops[1:]
+    return {int(r) for o in reads for r in _REG.findall(o)}
+
+
+def load_batches(insns):
+    """Memory-level parallelism in straight-line order: for each global load (LDG, or LD: a generic one), the number
+    of global loads issued from it up to the first instruction that reads what it loaded. A thread's independent
+    loads issued one right before each use (batch 1) wait one memory round trip each (control flow is ignored)."""
+    out = []
+    for i, (_, text) in enumerate(insns):
+        if opcode(text) not in ("LDG", "LD"):
+            continue
+        dest, n = _dest_regs(text), 1
+        for _, later in insns[i + 1:]:
+            if dest & _src_regs(later) or opcode(later) in ("BRA", "EXIT", "BAR", "RET"):
+                break
+            if opcode(later) in ("LDG", "LD"):
+                n += 1
+        out.append(n)
+    return {"global_loads": len(out), "issued_alone": sum(1 for n in out if n == 1),
+            "mean_batch": round(sum(out) / len(out), 2) if out else 0}
+
+
 def probe(target, nvdisasm, dump=None):
     cu = compile_sm90._compiler()
     mod_name, kname = target.split(":")
@@ -106,7 +150,8 @@ def probe(target, nvdisasm, dump=None):
         (Path(dump) / f"{kname}.ptx").write_text(ptx)
         (Path(dump) / f"{kname}.sass").write_text(sass)
     insns, labels = parse_sass(sass)
-    return {"kernel": target, **res, "instructions": len(insns), "loops": loops(insns, labels)}
+    return {"kernel": target, **res, "instructions": len(insns), "loads": load_batches(insns),
+            "loops": loops(insns, labels)}
 
 
 def main(argv=None):
