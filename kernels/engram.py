@@ -23,6 +23,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import bounded_jit
 from kernels.bf16 import bits_f32, exp_f32_device, f32_bits, mul_rn_device, round_bf16_device
 from kernels.fp8 import F32_NAN, e4m3_decode_device
 from kernels.pdl import grid_entry_device
@@ -94,9 +95,18 @@ def engram_gather_kernel(hashes, codes32, scales, out):
         out[t, c, 4 * w + i] = round_bf16_device(e4m3_decode_device(code) * s)
 
 
-@cuda.jit(cache=True)
+@cuda.jit(device=True, inline=True)
+def _gate_sums_device(hv, key, qw, kw, hh, kk, dd):
+    """One element's terms added to the running sums (hh, kk, dd) of engram_gate_kernel."""
+    p = mul_rn_device(mul_rn_device(hv, mul_rn_device(qw, kw)), key)
+    return (hh + np.float64(hv) * np.float64(hv), kk + np.float64(key) * np.float64(key), dd + np.float64(p))
+
+
+@bounded_jit(THREADS)
 def engram_gate_kernel(h, kv, q_weight, k_weight, dead, eps, out):
-    """Block (stream s, token t): out[t, s] = bf16(h[t, s] + gate * value)."""
+    """Block (stream s, token t): out[t, s] = bf16(h[t, s] + gate * value). A thread takes elements tid, tid +
+    THREADS, ... in that order, four of them loaded before any is used (out may be h: each element is read before
+    its own store only, and a decode call has just 4 blocks, so nothing else hides the loads' latency)."""
     grid_entry_device()
     s = cuda.blockIdx.x
     t = cuda.blockIdx.y
@@ -106,13 +116,23 @@ def engram_gate_kernel(h, kv, q_weight, k_weight, dead, eps, out):
     hh = 0.0
     kk = 0.0
     dd = 0.0
-    for i in range(tid, d, THREADS):
-        hv = h[t, s, i]
-        key = kv[t, s * d + i]
-        p = mul_rn_device(mul_rn_device(hv, mul_rn_device(q_weight[s, i], k_weight[s, i])), key)
-        hh += np.float64(hv) * np.float64(hv)
-        kk += np.float64(key) * np.float64(key)
-        dd += np.float64(p)
+    i = tid
+    while i + 3 * THREADS < d:
+        h0, h1, h2, h3 = h[t, s, i], h[t, s, i + THREADS], h[t, s, i + 2 * THREADS], h[t, s, i + 3 * THREADS]
+        o = s * d + i
+        k0, k1, k2, k3 = kv[t, o], kv[t, o + THREADS], kv[t, o + 2 * THREADS], kv[t, o + 3 * THREADS]
+        q0, q1 = q_weight[s, i], q_weight[s, i + THREADS]
+        q2, q3 = q_weight[s, i + 2 * THREADS], q_weight[s, i + 3 * THREADS]
+        w0, w1 = k_weight[s, i], k_weight[s, i + THREADS]
+        w2, w3 = k_weight[s, i + 2 * THREADS], k_weight[s, i + 3 * THREADS]
+        hh, kk, dd = _gate_sums_device(h0, k0, q0, w0, hh, kk, dd)
+        hh, kk, dd = _gate_sums_device(h1, k1, q1, w1, hh, kk, dd)
+        hh, kk, dd = _gate_sums_device(h2, k2, q2, w2, hh, kk, dd)
+        hh, kk, dd = _gate_sums_device(h3, k3, q3, w3, hh, kk, dd)
+        i += 4 * THREADS
+    while i < d:
+        hh, kk, dd = _gate_sums_device(h[t, s, i], kv[t, s * d + i], q_weight[s, i], k_weight[s, i], hh, kk, dd)
+        i += THREADS
     sh[0, tid] = hh
     sh[1, tid] = kk
     sh[2, tid] = dd
@@ -126,8 +146,19 @@ def engram_gate_kernel(h, kv, q_weight, k_weight, dead, eps, out):
     gate = np.float32(1.0) / (np.float32(1.0) + exp_f32_device(-r))
     if dead[t]:
         gate = np.float32(0.0)
-    for i in range(tid, d, THREADS):
+    i = tid
+    while i + 3 * THREADS < d:
+        h0, h1, h2, h3 = h[t, s, i], h[t, s, i + THREADS], h[t, s, i + 2 * THREADS], h[t, s, i + 3 * THREADS]
+        o = n_s * d + i
+        v0, v1, v2, v3 = kv[t, o], kv[t, o + THREADS], kv[t, o + 2 * THREADS], kv[t, o + 3 * THREADS]
+        out[t, s, i] = round_bf16_device(h0 + mul_rn_device(gate, v0))
+        out[t, s, i + THREADS] = round_bf16_device(h1 + mul_rn_device(gate, v1))
+        out[t, s, i + 2 * THREADS] = round_bf16_device(h2 + mul_rn_device(gate, v2))
+        out[t, s, i + 3 * THREADS] = round_bf16_device(h3 + mul_rn_device(gate, v3))
+        i += 4 * THREADS
+    while i < d:
         out[t, s, i] = round_bf16_device(h[t, s, i] + mul_rn_device(gate, kv[t, n_s * d + i]))
+        i += THREADS
 
 
 SIGNATURES = {

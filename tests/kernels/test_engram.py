@@ -1,5 +1,6 @@
 """kernels/engram.py against ds4lib.ref.engram and the checkpoint's FP8 row decoding."""
 import numpy as np
+import pytest
 
 from ds4lib.config import ModelConfig
 from ds4lib.engram_geometry import engram_geometry
@@ -42,11 +43,12 @@ def test_gather_decodes_fp8_rows(cuda_ready):
     assert_matches("engram_gather", got.copy_to_host(), want)
 
 
-def test_gate_matches_engram_apply(cuda_ready):
+@pytest.mark.parametrize("D", [CFG.dim, 1152])   # 1152: two batches of four a thread, then one element
+def test_gate_matches_engram_apply(cuda_ready, D):
     """h [T, 4, D] plus the gated value; the second token is DEAD (gate closed), one stream has a zero dot."""
     from kernels.engram import engram_gate
     rng = np.random.default_rng(2)
-    T, S, D, C, hd = 2, CFG.hc_mult, CFG.dim, 4, 32
+    T, S, C, hd = 2, CFG.hc_mult, 4, 32
     h = round_bf16(rng.standard_normal((T, S, D)))
     rows = round_bf16(rng.standard_normal((T, C, hd)))
     w = {"engram.wkv.weight": round_bf16(rng.standard_normal(((S + 1) * D, C * hd)) * 0.05),
