@@ -30,6 +30,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import bounded_jit
 from kernels.bf16 import bf16x4_device, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.fp8 import (E2M1_MAX, E4M3_MAX, INV6, act_quant_fp8_lane_device, e2m1_round_device, e4m3_round_device,
                          pow2_ceil_device)
@@ -68,8 +69,9 @@ def _dot_f32_device(w, x64, t, j, xw0):
 def _make_gemv_kernel(tt, dot, per_word):
     """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`. `split`
     warps share a row: warp s of the row takes the steps s, s + split, ... (a step = UNROLL words per lane), the
-    warps' shuffle-tree sums meet in shared memory and are added in warp order."""
-    @cuda.jit(cache=True)
+    warps' shuffle-tree sums meet in shared memory and are added in warp order. Launch bounds: without them ptxas
+    issued each load nearer its use (sm_90 SASS: bench/dev/sass_probe.py's load batches)."""
+    @bounded_jit(WARP * BLOCK_WARPS)
     def gemv_kernel(x64, w64, rows_per_group, split, out_bf16, out):
         grid_entry_device()
         red = cuda.shared.array((BLOCK_WARPS, TOKENS_WIDE), np.float32)
