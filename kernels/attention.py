@@ -38,6 +38,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import bounded_jit
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
@@ -318,7 +319,7 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
                 part[t, s, h0 + hh, 4 * tid + i] = tot[hh, i]
 
 
-@cuda.jit(cache=True)
+@bounded_jit(THREADS)
 def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
     """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row); with `has_rope`
     the tail's adjacent pairs then rotate back to positions[t] exactly as kernels.rope's inverse rotation does
@@ -332,8 +333,21 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
     h = (gc // dh) % n_heads
     t = gc // (dh * n_heads)
     num = part[t, 0, h, d]
-    for s in range(1, n_split):
+    s = 1
+    while s + 7 < n_split:                           # the splits added in order, eight loads in flight
+        v = cuda.local.array(8, np.float32)
+        for i in range(8):
+            v[i] = part[t, s + i, h, d]
+        for i in range(8):
+            num += v[i]
+        s += 8
+    while s + 3 < n_split:
+        v0, v1, v2, v3 = part[t, s, h, d], part[t, s + 1, h, d], part[t, s + 2, h, d], part[t, s + 3, h, d]
+        num = (((num + v0) + v1) + v2) + v3
+        s += 4
+    while s < n_split:
         num += part[t, s, h, d]
+        s += 1
     dv = den[t, h]
     v = round_bf16_device(num / dv) if dv > np.float32(0.0) else np.float32(0.0)
     if has_rope:

@@ -146,3 +146,28 @@ def test_window_write_ring(cuda_ready):
     rows = bf16_bits_to_f32(ring.copy_to_host())
     allkv = np.concatenate([kv, nxt])
     assert_matches("window", rows, allkv[pos])
+
+
+@pytest.mark.parametrize("n_split", [20, 13, 6])   # V4.1's decode at 64k (640 rows: 20 chunks), and ragged counts
+def test_combine_adds_the_splits_in_order(cuda_ready, n_split):
+    """The combine adds a head's split sums s = 0, 1, ... one by one, whatever loads it keeps in flight: bit for bit
+    against that sequence in float32, then / den and BF16 rounding (no RoPE here; den == 0 gives 0)."""
+    from kernels.attention import THREADS, attn_combine_kernel
+    rng = np.random.default_rng(n_split)
+    heads = 4
+    part = rng.standard_normal((1, n_split, heads, DH)).astype(np.float32)
+    for e in np.ndindex(heads, DH):     # +2^30 and -2^30 at two splits: the small terms added between them vanish
+        a, b = rng.choice(n_split, 2, replace=False)
+        part[0, a][e], part[0, b][e] = 2.0 ** 30, -2.0 ** 30
+    den = rng.uniform(0.5, 4.0, (1, heads)).astype(np.float32)
+    den[0, 1] = 0.0
+    out = cuda_ready.device_array((1, heads, DH), np.float32)
+    none = cuda_ready.to_device(np.zeros((1, 1), np.float32))
+    attn_combine_kernel[-(-heads * DH // THREADS), THREADS](cuda_ready.to_device(part), cuda_ready.to_device(den),
+                                                          cuda_ready.to_device(np.zeros(1, np.int64)), none, none,
+                                                          False, out)
+    num = part[:, 0].copy()
+    for s in range(1, n_split):
+        num = num + part[:, s]                                       # float32 adds, one split at a time
+    want = np.where(den[:, :, None] > 0, round_bf16(num / np.where(den > 0, den, 1)[:, :, None]), 0).astype(np.float32)
+    np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), want.view(np.uint32))
