@@ -98,6 +98,7 @@ WIDE_THREADS = THREADS
 STAGE_THREADS = 32 if SIM else 128
 COMBINE_THREADS = 128
 COMBINE_COLS = 4                                # columns a combine thread takes: its four accumulators, one order
+COMBINE_K_FAST = 8                              # experts a token up to which the combine loads them all at once
 STAGE_WARPS = STAGE_THREADS // WARP
 PLAN_THREADS = 64 if SIM else 512               # plan kernel: one expert per thread up to E_MAX
 PLAN_WARPS = PLAN_THREADS // WARP
@@ -637,11 +638,19 @@ vq_gemv_kernel = _make_vq_kernel(THREADS, False)
 vq_gemv_wide_kernel = _make_vq_kernel(WIDE_THREADS, True)
 
 
-@cuda.jit(cache=True)
+@cuda.jit(device=True, inline=True)
+def _combine_group_device(ye, r, d0, d_len):
+    """ye[r, d0 .. d0 + 3], the columns past d_len read as column d_len - 1 (their sums are never stored)."""
+    return (ye[r, d0], ye[r, min(d0 + 1, d_len - 1)], ye[r, min(d0 + 2, d_len - 1)], ye[r, min(d0 + 3, d_len - 1)])
+
+
+@bounded_jit(COMBINE_THREADS)
 def moe_combine_kernel(ye, ids, shared, out):
     """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d]). A thread takes
     COMBINE_COLS consecutive columns of one token: the expert order is found once for them (a selection over the
-    token's K ids per step), and each column adds its terms in that order."""
+    token's K ids per step), and each column adds its terms in that order. Up to COMBINE_K_FAST experts the ids
+    and the order live in registers and every expert's columns are loaded before the first add (one memory round
+    trip, not one per expert); more take the order one expert at a time."""
     grid_entry_device()
     n_tok, d_len = out.shape
     k_act = ids.shape[1]
@@ -651,34 +660,54 @@ def moe_combine_kernel(ye, ids, shared, out):
         return
     t = i // n_grp
     d0 = COMBINE_COLS * (i % n_grp)
-    live1 = d0 + 1 < d_len
-    live2 = d0 + 2 < d_len
-    live3 = d0 + 3 < d_len
     y0 = y1 = y2 = y3 = np.float32(0.0)
-    prev = -1
-    for _ in range(k_act):                           # selection by ascending expert id (ids are distinct)
-        best = 0x7FFFFFFF
-        kb = 0
-        for k in range(k_act):
-            v = ids[t, k]
-            if v > prev and v < best:
-                best = v
-                kb = k
-        r = t * k_act + kb
-        y0 += ye[r, d0]
-        if live1:
-            y1 += ye[r, d0 + 1]
-        if live2:
-            y2 += ye[r, d0 + 2]
-        if live3:
-            y3 += ye[r, d0 + 3]
-        prev = best
+    if k_act <= COMBINE_K_FAST:
+        idv = cuda.local.array(COMBINE_K_FAST, np.int32)       # constant indices only: registers
+        rows = cuda.local.array(COMBINE_K_FAST, np.int64)
+        vals = cuda.local.array((COMBINE_K_FAST, COMBINE_COLS), np.float32)
+        for k in range(COMBINE_K_FAST):
+            idv[k] = ids[t, min(k, k_act - 1)]
+        prev = -1
+        for j in range(COMBINE_K_FAST):                   # selection by ascending expert id (ids are distinct)
+            best = 0x7FFFFFFF
+            kb = 0
+            for k in range(COMBINE_K_FAST):
+                v = idv[k]
+                if k < k_act and v > prev and v < best:
+                    best = v
+                    kb = k
+            rows[j] = t * k_act + kb                       # past k_act: a live row, loaded and not added
+            prev = best
+        for j in range(COMBINE_K_FAST):
+            vals[j, 0], vals[j, 1], vals[j, 2], vals[j, 3] = _combine_group_device(ye, rows[j], d0, d_len)
+        for j in range(COMBINE_K_FAST):
+            if j < k_act:
+                y0 += vals[j, 0]
+                y1 += vals[j, 1]
+                y2 += vals[j, 2]
+                y3 += vals[j, 3]
+    else:
+        prev = -1
+        for _ in range(k_act):
+            best = 0x7FFFFFFF
+            kb = 0
+            for k in range(k_act):
+                v = ids[t, k]
+                if v > prev and v < best:
+                    best = v
+                    kb = k
+            a0, a1, a2, a3 = _combine_group_device(ye, t * k_act + kb, d0, d_len)
+            y0 += a0
+            y1 += a1
+            y2 += a2
+            y3 += a3
+            prev = best
     out[t, d0] = round_bf16_device(y0 + shared[t, d0])
-    if live1:
+    if d0 + 1 < d_len:
         out[t, d0 + 1] = round_bf16_device(y1 + shared[t, d0 + 1])
-    if live2:
+    if d0 + 2 < d_len:
         out[t, d0 + 2] = round_bf16_device(y2 + shared[t, d0 + 2])
-    if live3:
+    if d0 + 3 < d_len:
         out[t, d0 + 3] = round_bf16_device(y3 + shared[t, d0 + 3])
 
 

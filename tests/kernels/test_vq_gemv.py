@@ -264,23 +264,28 @@ def test_swiglu_folded_into_the_staging_equals_swiglu_then_gemv(cuda_ready):
         vq_gemv(d_gu[0], plan, *dl, mats=(1,), shape=(rows, cols), quantize=False, swiglu=(d_gu[1], None, 1.0))
 
 
-@pytest.mark.parametrize("d", [64, 66, 3])
-def test_moe_combine_ascending_expert_order(cuda_ready, d):
+@pytest.mark.parametrize("d,k_act", [(64, 3), (66, 3), (3, 3), (66, 6), (10, 10)])
+def test_moe_combine_ascending_expert_order(cuda_ready, d, k_act):
     """Each output adds its token's expert terms in ascending id, then the shared expert; widths that are not a
-    multiple of the columns a thread takes (COMBINE_COLS) end in a partial group."""
-    from kernels.vq_gemv import moe_combine
-    rng = np.random.default_rng(2)
-    ids = np.array([[5, 1, 3], [0, 7, 2]], np.int32)
-    ye = round_bf16(rng.standard_normal((6, d)) * np.exp2(rng.integers(-8, 8, (6, d))))
+    multiple of the columns a thread takes (COMBINE_COLS) end in a partial group; V4.1's 6 experts and more than
+    COMBINE_K_FAST (the one-at-a-time path) give the same order."""
+    from kernels.vq_gemv import COMBINE_K_FAST, moe_combine
+    rng = np.random.default_rng(2 + k_act)
+    ids = np.stack([rng.choice(4 * k_act, k_act, replace=False) for _ in range(2)]).astype(np.int32)
+    ye = round_bf16(rng.standard_normal((2 * k_act, d)) * np.exp2(rng.integers(-8, 8, (2 * k_act, d))))
+    for t, c in np.ndindex(2, d):       # +2^30 and -2^30 at two experts: the terms added between them vanish
+        a, b = rng.choice(k_act, 2, replace=False)
+        ye[t * k_act + a, c], ye[t * k_act + b, c] = 2.0 ** 30, -2.0 ** 30
     ysh = round_bf16(rng.standard_normal((2, d)))
     got = moe_combine(cuda_ready.to_device(ye), cuda_ready.to_device(ids), cuda_ready.to_device(ysh)).copy_to_host()
     want = np.zeros((2, d), np.float32)
     for t in range(2):
         y = np.zeros(d, np.float32)
         for k in np.argsort(ids[t]):
-            y += ye[t * 3 + k]
+            y += ye[t * k_act + k]
         want[t] = round_bf16(y + ysh[t])
     np.testing.assert_array_equal(got, want)
+    assert k_act != 10 or k_act > COMBINE_K_FAST
 
 
 def test_bad_arguments(cuda_ready):
