@@ -87,11 +87,15 @@ def test_hc_mixes_fused_equals_two_kernels(cuda_ready, D):
                 assert np.array_equal(g, w)
 
 
-@cuda.jit
-def _part_sums_kernel(partial, n_blk, out):
+def _part_sums_kernel():
+    """A kernel whose thread i returns part i % FIN_PARTS of mix i // FIN_PARTS (_part_sum_device) of token 0."""
     from kernels.hc import FIN_PARTS, _part_sum_device
-    i = cuda.threadIdx.x
-    out[i] = _part_sum_device(partial, 0, i // FIN_PARTS, i % FIN_PARTS, n_blk)
+
+    @cuda.jit
+    def part_sums(partial, n_blk, out):
+        i = cuda.threadIdx.x
+        out[i] = _part_sum_device(partial, 0, i // FIN_PARTS, i % FIN_PARTS, n_blk)
+    return part_sums
 
 
 @pytest.mark.parametrize("n_blk", [160, 82, 37, 7])   # V4.1's 160 blocks (two rounds of PART_LOADS a part), ragged
@@ -102,7 +106,7 @@ def test_part_sums_in_block_order(cuda_ready, n_blk):
     rng = np.random.default_rng(n_blk)
     partial = rng.standard_normal((1, n_blk, N_ACC)) * 10.0 ** rng.uniform(-8, 8, (1, n_blk, N_ACC))
     out = cuda_ready.device_array(N_ACC * FIN_PARTS, np.float64)
-    _part_sums_kernel[1, N_ACC * FIN_PARTS](cuda_ready.to_device(partial), n_blk, out)
+    _part_sums_kernel()[1, N_ACC * FIN_PARTS](cuda_ready.to_device(partial), n_blk, out)
     want = np.zeros(N_ACC * FIN_PARTS)
     for i in range(N_ACC * FIN_PARTS):
         s = 0.0
