@@ -4,6 +4,10 @@
 #
 #   bash bench/dev/h200_pending.sh            # on the device, from the repository root
 #
+# The V4.1 decode parts (decode, base, before, flags, trace) hold 110 GB of synthetic weights: they need the H200
+# (pass needs_h200 to the run); on an H100 (78 GiB) they stop at once on CUDA_ERROR_OUT_OF_MEMORY, and only the test
+# parts mean anything there.
+#
 # What to send with the call (bench/dev/h200_stage.sh prepares all of it, and undoes it afterwards with --undo):
 # - carry [".whl"]. Build it first with `pip download --no-deps -d .whl gguf llguidance` (the device has no index).
 # - AB_BEFORE (default ab/): a folder of "before" files. Each sits at its path relative to the repository root.
