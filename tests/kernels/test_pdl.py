@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _is_kernel_decorator(d):
-    """@cuda.jit(...) without device=True, bare @cuda.jit, or @jit (a factory's local cuda.jit(...))."""
+    """@cuda.jit(...) without device=True, @bounded_jit(...), bare @cuda.jit, or @jit (a factory's local
+    cuda.jit(...) or bounded_jit(...))."""
     if isinstance(d, ast.Call):
+        if ast.unparse(d.func) == "bounded_jit":
+            return True
         if ast.unparse(d.func) != "cuda.jit":
             return False
         return not any(kw.arg == "device" and isinstance(kw.value, ast.Constant) and kw.value.value
