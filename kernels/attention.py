@@ -333,9 +333,9 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
     h = (gc // dh) % n_heads
     t = gc // (dh * n_heads)
     num = part[t, 0, h, d]
+    v = cuda.local.array(8, np.float32)
     s = 1
     while s + 7 < n_split:                           # the splits added in order, eight loads in flight
-        v = cuda.local.array(8, np.float32)
         for i in range(8):
             v[i] = part[t, s + i, h, d]
         for i in range(8):

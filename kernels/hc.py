@@ -37,8 +37,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels import bounded_jit
+from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 

@@ -4,10 +4,10 @@
 
 Each kernel is compiled to PTX the way tests/kernels/compile_sm90.py does (its own launch bounds), assembled by
 ptxas for sm_90 and disassembled by nvdisasm. The script then prints one JSON line per kernel: registers, spill
-bytes, the instruction count, how many global loads are issued together before the first use of each
-(`loads`: a batch of 1 waits a whole memory round trip alone), and for every loop that holds a load, a shared-memory load or an MMA its first and
-last address, its length and its opcode counts, innermost first. A loop here is a backward branch and the
-instructions it jumps over. `--dump DIR` keeps the PTX and the SASS.
+bytes, the instruction count, how many global loads are issued together before the first use of each (`loads`: a
+batch of 1 waits a whole memory round trip alone), and for every loop that holds a load, a shared-memory load or an
+MMA its first and last address, its length and its opcode counts, innermost first. A loop here is a backward branch
+and the instructions it jumps over. `--dump DIR` keeps the PTX and the SASS.
 
 Needs ptxas (the CUDA toolkit, as the sm_90 compile test does) and nvdisasm, which is not a dependency of the
 project. nvdisasm is found from `--nvdisasm`, then $NVDISASM, then PATH. The NVIDIA wheel `nvidia-cuda-nvdisasm`
