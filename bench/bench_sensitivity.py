@@ -21,31 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-import ds4lib.ref.model as ref_model  # noqa: E402
 from ds4lib.corpus.slices import load_slice  # noqa: E402
 from ds4lib.engine import Engine  # noqa: E402
-from ds4lib.formats.floats import round_bf16  # noqa: E402
+from ds4lib.eval.sensitivity import first_post_mix_perturbed  # noqa: E402
 
 NEAR_TIE = 0.5
-
-
-class _FirstPostMix:
-    """Wraps ds4lib.ref.model.hc_post; perturbs its first call of a forward (reset by `arm`)."""
-
-    def __init__(self, orig):
-        self.orig, self.frac, self.calls, self.rng = orig, 0.0, 0, None
-
-    def arm(self, frac, seed):
-        self.frac, self.calls, self.rng = frac, 0, np.random.default_rng(seed)
-
-    def __call__(self, y, h, post, comb):
-        out = self.orig(y, h, post, comb)
-        self.calls += 1
-        if self.frac and self.calls == 1:
-            hit = self.rng.random(out.shape) < self.frac
-            step = np.abs(out) * np.float32(2.0 ** -8) * np.sign(self.rng.standard_normal(out.shape))
-            out = np.where(hit, round_bf16(out + step), out).astype(np.float32)
-        return out
 
 
 def main(argv=None):
@@ -57,19 +37,16 @@ def main(argv=None):
     ap.add_argument("--slices", default="english,code", help="judging slices (domain names)")
     args = ap.parse_args(argv)
     eng = Engine(args.base, engram_dir=args.engram_dir, tokenizer_path=ROOT / "data" / "tokenizer" / "tokenizer.json")
-    wrap = _FirstPostMix(ref_model.hc_post)
-    ref_model.hc_post = wrap
     for name in (f"{d}/judge" for d in args.slices.split(",")):
         for wi, w in enumerate(load_slice(name).tokens[:args.windows]):
             seq = [0] + [int(t) for t in w[:-1]]
-            wrap.arm(0.0, 0)
             a = eng.logits(seq)
             ta = a.argmax(-1)
             top2 = np.sort(a, -1)[:, -2:]
             margin = top2[:, 1] - top2[:, 0]
             for frac in (float(f) for f in args.fractions.split(",")):
-                wrap.arm(frac, 1000 + wi)
-                b = eng.logits(seq)
+                with first_post_mix_perturbed(frac, 1000 + wi):
+                    b = eng.logits(seq)
                 tb = b.argmax(-1)
                 moved = np.nonzero(ta != tb)[0]
                 clear = margin >= NEAR_TIE

@@ -43,10 +43,12 @@
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
-# DS4_GRAPH_ONLY=1 drops the decode part's eager runs. The caps add up to more than one call's 560 s, and a fresh
-# machine compiles every kernel first (~130 s; a swapped-in file recompiles its module), so a first call stops
-# around "flags": run the rest as later calls, e.g. DS4_PARTS=engine, then DS4_PARTS=vq,trace,index (the kernel
-# cache in /tmp survives while the machine stays warm, not on a new one).
+# DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
+# parts' caps (a warm machine needed 125 s for "before", 123 s for "trace" and about 300 s for all 41 engine tests).
+# The caps add up to more than one call's 560 s, and a fresh machine compiles every kernel first (~130 s; a
+# swapped-in file recompiles its module), so a first call stops around "flags": run the rest as later calls, e.g.
+# DS4_PARTS=engine, then DS4_PARTS=vq,trace,index (the kernel cache in /tmp survives while the machine stays warm,
+# not on a new one).
 set -u
 START=$(date +%s)
 BUDGET=${DS4_RUN_BUDGET_S:-560}
@@ -131,7 +133,7 @@ if want base && have_ab "$AB_HEAD"; then
 fi
 if want before && have_ab; then
     swap_in
-    run "decode (before)" 110 before.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_before.jsonl"
+    run "decode (before)" "${DS4_BEFORE_CAP:-110}" before.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_before.jsonl"
     swap_out
 fi
 if want flags; then
@@ -151,11 +153,11 @@ print({'compared': len(fs), 'differ': bad}); sys.exit(1 if bad or not fs else 0)
     fi
 fi
 if want trace; then
-    run "trace (DS4_CUDA_PDL=0)" 90 trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py --contexts 1024 \
-        --rounds 1 --trace-steps 2 --out "$OUT/trace_pdl0.jsonl"
+    run "trace (DS4_CUDA_PDL=0)" "${DS4_TRACE_CAP:-90}" trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py \
+        --contexts 1024 --rounds 1 --trace-steps 2 --out "$OUT/trace_pdl0.jsonl"
 fi
 if want engine; then
-    run engine 150 pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
+    run engine "${DS4_ENGINE_CAP:-150}" pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
         tests/engine/test_engine_cuda.py tests/engine/test_cuda_session_state.py tests/engine/test_speculative_cuda.py
 fi
 if want index; then

@@ -247,6 +247,12 @@ def engines(stack):
 NEAR_TIE = 0.5     # logits between the CPU's top-1 and its runner-up
 
 
+def _top1_same_and_mean_diff(pairs):
+    """(top-1 agreement, mean |Δlogit|) over the positions of [(logits, logits)] pairs."""
+    same = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in pairs])
+    return float(same.mean()), float(np.mean([np.abs(a - b).mean() for a, b in pairs]))
+
+
 @pytest.mark.cuda
 def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
     """Top-1 agreement, CUDA vs CPU, with differences only at near-ties.
@@ -262,19 +268,34 @@ def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
     part that is a property of the kernels: >= 99% where the CPU top-1 is not a near-tie, no disagreement with a CPU
     margin above 2.0 logits (one and a half times the perturbation floor's), and >= 90% overall.
 
-    The random tiny stack (no ds4-tiny built) has flat logits: 91 of its 512 positions reach a 0.5-logit margin.
-    There the near-tie bound is the median CPU margin, so that the clear half of its positions is what is held."""
+    The random tiny stack (used when ds4-tiny is not on the machine, as in device calls) has no such margins: it is
+    chaotic from its first layers. Moving a handful of elements of layer 0 by one BF16 ulp (fraction 1e-4) moves the
+    CPU reference's own top-1 at a quarter of its 512 positions (73.6 % agreement, mean |Δlogit| 0.127), and the
+    H200 and H100 gave 74.6 % and 0.123 against the CPU (2026-12-05; a201213's kernels and main's alike). Its median
+    margin, the near-tie bound of an earlier version, left 92 % agreement on the clear half. So there the test holds
+    the CUDA engine to the reference's own perturbation floor, measured in the same run: top-1 agreement at most
+    0.05 below the perturbed reference's, and mean |Δlogit| at most 1.5 times its."""
     cpu, cuda = engines
+    pairs = [(cpu.logits(w), cuda.logits(w)) for w in stack[2]]
+    if stack[0] != TINY_BASE:
+        from ds4lib.eval.sensitivity import first_post_mix_perturbed
+        moved = []
+        for wi, (w, (a, _)) in enumerate(zip(stack[2], pairs)):
+            with first_post_mix_perturbed(1e-4, 1000 + wi):
+                moved.append((a, cpu.logits(w)))
+        floor_same, floor_diff = _top1_same_and_mean_diff(moved)
+        same, diff = _top1_same_and_mean_diff(pairs)
+        assert floor_same < 0.99, "the perturbation left the random stack's top-1 as it was: no floor to compare with"
+        assert same >= floor_same - 0.05, \
+            f"top-1 agreement {same:.4f} against the perturbed reference's own {floor_same:.4f}"
+        assert diff <= 1.5 * floor_diff, f"mean |Δlogit| {diff:.4f} against the perturbed reference's {floor_diff:.4f}"
+        return
     same = n = clear_same = clear_n = 0
     worst = 0.0
-    pairs = [(cpu.logits(w), cuda.logits(w)) for w in stack[2]]
-    near_tie = NEAR_TIE
-    if stack[0] != TINY_BASE:
-        near_tie = float(np.median(np.concatenate([np.diff(np.sort(a, -1)[:, -2:], axis=-1)[:, 0] for a, _ in pairs])))
     for a, b in pairs:
         ta, tb = a.argmax(-1), b.argmax(-1)
         top2 = np.sort(a, -1)[:, -2:]
-        clear = top2[:, 1] - top2[:, 0] >= near_tie
+        clear = top2[:, 1] - top2[:, 0] >= NEAR_TIE
         same += int((ta == tb).sum())
         n += len(ta)
         clear_same += int((ta == tb)[clear].sum())
