@@ -6,8 +6,9 @@ Owns:
 - `e4m3_decode_device` (byte -> float32, exact; NaN codes give NaN), `e4m3_encode_device` (float32 on the E4M3 grid
   -> its byte), `f16_of_e4m3_value_device` (a value E4M3 represents -> the bits of the same half).
 - `e4m3_round_device`, `e2m1_round_device`: nearest E4M3 / E2M1 value, ties to even, sign kept; `pow2_ceil_device`
-  (2^ceil(log2 x) from the exponent bits), `rint_step_device` (rounding to a multiple of a power-of-two step by one
-  FP32 add), `with_sign_device`.
+  (2^ceil(log2 x) from the exponent bits), `pow2_inverse_device` (the exact inverse of a power of two, so that the
+  quantisers multiply where the reference divides), `rint_step_device` (rounding to a multiple of a power-of-two
+  step by one FP32 add), `with_sign_device`.
 - `act_quant_fp8_lane_device`: act_quant_fp8's value when a warp's 32 lanes hold one block of 32 (the one definition
   for act_quant_fp8_kernel and the fused producers of kernels.rms_norm and kernels.moe).
 - The codeword form of the same quantiser, for the tensor-core GEMVs that stage 8 activations a thread
@@ -26,7 +27,7 @@ from kernels.pdl import grid_entry_device
 from kernels.warp import group_amax_device, quad_max_device
 
 __all__ = ["e4m3_decode_device", "e4m3_encode_device", "f16_of_e4m3_value_device", "pow2_ceil_device",
-           "rint_step_device", "with_sign_device", "e4m3_round_device", "e2m1_round_device",
+           "pow2_inverse_device", "rint_step_device", "with_sign_device", "e4m3_round_device", "e2m1_round_device",
            "act_quant_fp8_lane_device", "fp8_block_scale_device", "code_word_device", "quant8_device",
            "e4m3_encode_kernel", "E4M3_MAX", "E2M1_MAX", "INV448", "INV6", "F32_NAN", "E4M3_SUBNORMAL_STEP",
            "SIGNATURES"]
@@ -94,6 +95,14 @@ def pow2_ceil_device(x):
 
 
 @cuda.jit(device=True, inline=True)
+def pow2_inverse_device(s):
+    """1 / s for s a power of two whose inverse is normal too (2^-126 <= s <= 2^126), from the exponent bits:
+    v * pow2_inverse_device(s) is v / s to the bit (both round the same exact value) without the division's
+    reciprocal refinement and slow-path branch. s = +inf (the scale of an infinite amax) gives 0, as 1 / inf."""
+    return bits_f32(np.uint32(0x7F000000) - min(f32_bits(s), np.uint32(0x7F000000)))
+
+
+@cuda.jit(device=True, inline=True)
 def rint_step_device(ax, magic):
     """Round a float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to even: the FP32 add
     rounds at exactly that bit (|ax| below 2^22 steps, so that ax + magic stays between 2^23 and 2^24 steps)."""
@@ -137,8 +146,8 @@ def act_quant_fp8_lane_device(v):
     at 1e-4, power-of-two scale, clamp, E4M3 rounding. Every lane of the warp calls it (a lane outside the data
     passes 0). The one definition: act_quant_fp8_kernel and the fused producers (kernels.rms_norm, kernels.moe)."""
     amax = max(group_amax_device(v, 32), np.float32(1e-4))
-    s = pow2_ceil_device(mul_rn_device(amax, INV448))
-    y = min(max(v / s, -E4M3_MAX), E4M3_MAX)
+    s = pow2_ceil_device(mul_rn_device(amax, INV448))          # 2^-22 .. 2^120: its inverse is exact
+    y = min(max(v * pow2_inverse_device(s), -E4M3_MAX), E4M3_MAX)
     return e4m3_round_device(y) * s
 
 
@@ -169,9 +178,10 @@ def code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, inv):
 
 
 @cuda.jit(device=True, inline=True)
-def _aq_device(v, q):
-    """act_quant_fp8_kernel's value: e4m3_round(clamp(v / q, +-448)) * q."""
-    return e4m3_round_device(min(max(v / q, -E4M3_MAX), E4M3_MAX)) * q
+def _aq_device(v, q, inv_q):
+    """act_quant_fp8_kernel's value: e4m3_round(clamp(v / q, +-448)) * q, with v / q as v * inv_q (q a power of two,
+    inv_q = pow2_inverse_device(q): the same bits)."""
+    return e4m3_round_device(min(max(v * inv_q, -E4M3_MAX), E4M3_MAX)) * q
 
 
 @cuda.jit(device=True, inline=True)
@@ -183,8 +193,9 @@ def quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, red):
     am = quad_max_device(am, red)
     if raw:
         q = pow2_ceil_device(mul_rn_device(max(am, np.float32(1e-4)), INV448))
-        v0, v1, v2, v3 = _aq_device(v0, q), _aq_device(v1, q), _aq_device(v2, q), _aq_device(v3, q)
-        v4, v5, v6, v7 = _aq_device(v4, q), _aq_device(v5, q), _aq_device(v6, q), _aq_device(v7, q)
+        iq = pow2_inverse_device(q)
+        v0, v1, v2, v3 = _aq_device(v0, q, iq), _aq_device(v1, q, iq), _aq_device(v2, q, iq), _aq_device(v3, q, iq)
+        v4, v5, v6, v7 = _aq_device(v4, q, iq), _aq_device(v5, q, iq), _aq_device(v6, q, iq), _aq_device(v7, q, iq)
         am = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))),
                  max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
         am = quad_max_device(am, red)

@@ -33,7 +33,7 @@ from numba import cuda
 from kernels import bounded_jit
 from kernels.bf16 import bf16x4_device, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.fp8 import (E2M1_MAX, E4M3_MAX, INV6, act_quant_fp8_lane_device, e2m1_round_device, e4m3_round_device,
-                         pow2_ceil_device)
+                         pow2_ceil_device, pow2_inverse_device)
 from kernels.pdl import grid_entry_device
 from kernels.warp import group_amax_device, warp_tree_sum_device
 
@@ -166,8 +166,8 @@ def act_quant_fp4_pow2_kernel(x, out):
         return
     v = x[i] if i < n else np.float32(0.0)
     amax = max(group_amax_device(v, 32), np.float32(6.0 * 2.0 ** -126))
-    s = pow2_ceil_device(mul_rn_device(amax, INV6))
-    y = min(max(v / s, -E2M1_MAX), E2M1_MAX)
+    s = pow2_ceil_device(mul_rn_device(amax, INV6))             # 2^-126 .. 2^126: its inverse is exact
+    y = min(max(v * pow2_inverse_device(s), -E2M1_MAX), E2M1_MAX)
     if i < n:
         out[i] = e2m1_round_device(y) * s
 

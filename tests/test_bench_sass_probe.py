@@ -46,3 +46,11 @@ def test_opcodes_labels_and_hot_loops():
     # 0x80 holds no load or MMA and the branch at 0xb0 goes forward: neither is listed
     assert [(r["start"], r["end"], r["instructions"]) for r in found] == [("0x30", "0x50", 3), ("0x10", "0x70", 7)]
     assert found[1]["mix"] == {"LDS": 1, "HMMA": 1, "LDG": 1, "IADD3": 1, "BRA": 2, "ISETP": 1}
+
+
+def test_contiguous_signature_makes_every_array_argument_c_layout():
+    probe = _probe()
+    sig = "void(float32[:, :, :], uint64[:], int64, float32, float64[:, :], int32[:])"
+    assert probe.contiguous_signature(sig) == \
+        "void(float32[:, :, ::1], uint64[::1], int64, float32, float64[:, ::1], int32[::1])"
+    assert probe.contiguous_signature("void(int64, float32)") == "void(int64, float32)"

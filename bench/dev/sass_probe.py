@@ -1,6 +1,7 @@
 """Static SASS of kernels for sm_90, without a GPU: the instruction mix of each hot loop.
 
     python bench/dev/sass_probe.py vq_gemv:vq_gemv_kernel [module:kernel ...] [--nvdisasm PATH] [--dump DIR]
+                                   [--contiguous]
 
 Each kernel is compiled to PTX the way tests/kernels/compile_sm90.py does (its own launch bounds), assembled by
 ptxas for sm_90 and disassembled by nvdisasm. The script then prints one JSON line per kernel: registers, spill
@@ -12,6 +13,12 @@ and the instructions it jumps over. `--dump DIR` keeps the PTX and the SASS.
 Needs ptxas (the CUDA toolkit, as the sm_90 compile test does) and nvdisasm, which is not a dependency of the
 project. nvdisasm is found from `--nvdisasm`, then $NVDISASM, then PATH. The NVIDIA wheel `nvidia-cuda-nvdisasm`
 holds one: `pip download --no-deps nvidia-cuda-nvdisasm` and unzip it. Run it with NUMBA_ENABLE_CUDASIM unset.
+
+`--contiguous` compiles every array argument as C-contiguous (`float32[:, ::1]` where SIGNATURES say
+`float32[:, :]`). That is what runs: Numba's dispatcher types a contiguous device array with layout C, so the kernels
+the engine launches are specialised for it, with the strides fixed at compile time. The SIGNATURES (layout A) are
+what the sm_90 compile test builds and what the SASS tables of BENCHMARKS.md were read from up to the twenty-third
+session; a kernel whose arguments include a strided view runs with layout A for that argument.
 
 What it is for: a CPU-side check that a kernel change does what it meant to do at the instruction level (fewer
 instructions a block in the loop, no new spills in it) before its timing on the H200. It does not replace the timing.
@@ -132,11 +139,17 @@ def load_batches(insns):
             "mean_batch": round(sum(out) / len(out), 2) if out else 0}
 
 
-def probe(target, nvdisasm, dump=None):
+def contiguous_signature(sig):
+    """The signature with every array argument C-contiguous: `float32[:, :]` -> `float32[:, ::1]`."""
+    return re.sub(r"\[((?::, )*):\]", lambda m: "[" + m.group(1) + "::1]", sig)
+
+
+def probe(target, nvdisasm, dump=None, contiguous=False):
     cu = compile_sm90._compiler()
     mod_name, kname = target.split(":")
     mod = importlib.import_module(f"kernels.{mod_name}")
-    ptx = compile_sm90._ptx_of(cu, getattr(mod, kname), mod.SIGNATURES[kname])
+    sig = mod.SIGNATURES[kname]
+    ptx = compile_sm90._ptx_of(cu, getattr(mod, kname), contiguous_signature(sig) if contiguous else sig)
     res = compile_sm90.ptxas_resources(ptx)
     with tempfile.TemporaryDirectory() as tmp:
         src, obj = Path(tmp) / f"{kname}.ptx", Path(tmp) / f"{kname}.o"
@@ -150,7 +163,8 @@ def probe(target, nvdisasm, dump=None):
         (Path(dump) / f"{kname}.ptx").write_text(ptx)
         (Path(dump) / f"{kname}.sass").write_text(sass)
     insns, labels = parse_sass(sass)
-    return {"kernel": target, **res, "instructions": len(insns), "loads": load_batches(insns),
+    return {"kernel": target, "layout": "C" if contiguous else "as SIGNATURES", **res, "instructions": len(insns),
+            "loads": load_batches(insns),
             "loops": loops(insns, labels)}
 
 
@@ -159,6 +173,8 @@ def main(argv=None):
     ap.add_argument("targets", nargs="+", help="module:kernel, as in kernels/<module>.py's SIGNATURES")
     ap.add_argument("--nvdisasm", help="path of nvdisasm (else $NVDISASM, else PATH)")
     ap.add_argument("--dump", help="folder to keep each kernel's PTX and SASS in")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="array arguments C-contiguous, as the dispatcher specialises the engine's launches")
     args = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM"):
         sys.exit("sass_probe: unset NUMBA_ENABLE_CUDASIM (the simulator cannot compile PTX)")
@@ -171,7 +187,7 @@ def main(argv=None):
     for t in args.targets:
         if t.count(":") != 1:
             sys.exit(f"sass_probe: {t!r} is not module:kernel")
-        print(json.dumps(probe(t, nvd, args.dump)), flush=True)
+        print(json.dumps(probe(t, nvd, args.dump, args.contiguous)), flush=True)
 
 
 if __name__ == "__main__":

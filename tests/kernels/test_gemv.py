@@ -1,6 +1,7 @@
 """kernels/gemv.py against ds4lib.ref.linear and ds4lib.formats.actquant."""
 import numpy as np
 import pytest
+from numba import cuda
 
 from ds4lib.formats.actquant import act_quant_fp4_e4m3 as ref_fp4_e4m3
 from ds4lib.formats.actquant import act_quant_fp4_pow2 as ref_fp4_pow2
@@ -102,3 +103,32 @@ def test_gemv_empty_and_bad_shapes(cuda_ready):
         gemv(np.zeros((1, 6), np.float32), np.zeros((2, 6), np.uint16))
     with pytest.raises(ValueError):
         gemv(np.zeros((1, 8), np.float32), np.zeros((2, 8), np.float64))
+
+
+def _pow2_inverse_kernel():
+    from kernels.fp8 import pow2_inverse_device
+
+    @cuda.jit
+    def k(v, s, out):
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i < v.shape[0]:
+            out[i] = v[i] * pow2_inverse_device(s[i])
+    return k
+
+
+def test_pow2_inverse_gives_the_bits_of_the_division(cuda_ready):
+    """The quantisers multiply by pow2_inverse_device(s) where the reference divides by s: the same bits for every
+    power of two the scales take (2^-126 .. 2^126), results that are subnormal or overflow included, and v / inf."""
+    rng = np.random.default_rng(5)
+    k = np.repeat(np.arange(-126, 127), 4)
+    s = np.ldexp(np.float32(1.0), k).astype(np.float32)
+    v = (rng.standard_normal(k.size) * np.exp2(rng.integers(-40, 40, k.size))).astype(np.float32)
+    v[::7] = np.float32(1.2e-38) * np.float32(1.7)         # tiny values: subnormal results for large s
+    s = np.concatenate([s, np.float32([np.inf, np.inf])])
+    v = np.concatenate([v, np.float32([-3.5, 0.0])])
+    out = cuda_ready.to_device(np.zeros_like(v))
+    _pow2_inverse_kernel()[(v.size + 127) // 128, 128](cuda_ready.to_device(v), cuda_ready.to_device(s), out)
+    with np.errstate(over="ignore", under="ignore"):
+        want = v / s
+    np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), want.view(np.uint32))
+    assert (np.abs(want[want != 0]) < np.finfo(np.float32).tiny).any()   # subnormal results were exercised
