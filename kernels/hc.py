@@ -15,13 +15,11 @@ projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and
   token) runs the same device functions, so it gives the same bits: every block writes its partials, and the last
   block to take a ticket from a device counter sums and finishes every token (its 128 threads take the 200 (mix,
   part) sums of each token in turn, warp w finishes tokens w, w+4, ...) and puts the counter back to zero, so a
-  captured graph replays it and eager calls follow. Memory order, the CUDA "last block" pattern (as
-  q4k_gemv.q4k_mma_kernel's split rows): each thread fences (cuda.threadfence, PTX membar.gl = fence.sc.gpu) after
-  its partial stores, the block barrier orders that before thread 0's relaxed atomic ticket; in the last block the
-  barrier after the ticket and a second fence by every thread order the ticket before its loads. A fence.sc.gpu has
-  acquire semantics: on sm_90 ptxas emits MEMBAR.SC.GPU then CCTL.IVALL, which invalidates the SM's L1 (not coherent
-  across SMs), so the plain loads after it cannot be served stale lines (checked with nvdisasm; Numba emits generic
-  ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128) rounds of
+  captured graph replays it and eager calls follow. Memory order: kernels.ticket's last-block pattern (as
+  q4k_gemv.q4k_mma_kernel's split rows): a block barrier after the partial stores, thread 0's acquire-release
+  atomic ticket, a second barrier before the last block's loads. The acquire invalidates the SM's L1 (CCTL.IVALL on
+  sm_90; L1 is not coherent across SMs), so the plain loads after it cannot be served stale lines (checked with
+  nvdisasm; Numba emits generic ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128) rounds of
   dependent loads, T/4 Sinkhorn runs per warp) while the two-kernel path finishes tokens in parallel blocks: hence
   FUSED_T_MAX = 4 (not measured yet). The counter (int32 [1]) comes from the caller's scratch dict, zero-filled when
   created (scratch_array zero=True, a host-to-device copy): make it with an eager call before capturing a graph that
@@ -41,6 +39,7 @@ from kernels import bounded_jit
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
+from kernels.ticket import take_ticket_device
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
            "hc_pre_kernel", "hc_post_kernel", "SIGNATURES"]
@@ -211,17 +210,15 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
     last = cuda.shared.array(1, np.int32)
     parts = cuda.shared.array((FUSED_T_MAX, N_ACC, FIN_PARTS), np.float64)
     _mix_partial_device(h2, fn, cols, partial)
-    cuda.threadfence()                           # release: this thread's partials before the block's ticket
-    cuda.syncthreads()
+    cuda.syncthreads()                           # the block's partials, then its ticket (kernels.ticket)
     if tid == 0:
-        ticket = cuda.atomic.add(counter, 0, 1)
+        ticket = take_ticket_device(counter, 0)
         last[0] = 1 if ticket == n_blk - 1 else 0
         if ticket == n_blk - 1:
             counter[0] = 0                       # every block has drawn: no other access in this launch
     cuda.syncthreads()
     if last[0] == 0:
         return                                   # block-uniform
-    cuda.threadfence()                           # acquire: the other blocks' partials after their tickets
     n_pairs = N_ACC * FIN_PARTS
     for i in range(tid, n_tok * n_pairs, THREADS):
         t = i // n_pairs

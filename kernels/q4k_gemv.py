@@ -72,6 +72,7 @@ from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device,
 from kernels.pdl import grid_entry_device
 from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
 from kernels.scratch import scratch_array as _scratch
+from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
@@ -632,14 +633,12 @@ def _make_mma_kernel(decode, min_blocks):
                     v = (p[j] + p[4 + j]) + (p[8 + j] + p[12 + j])
                     if col < nt:
                         _mma_store_device(v, t0 + col, ra if j < 2 else rb, sl, n_slices, out_bf16, part, out)
-        if n_slices > 1:                                             # block-uniform
-            cuda.threadfence()
+        if n_slices > 1:                                             # block-uniform; kernels.ticket's pattern
             cuda.syncthreads()
             if tid == 0:
-                last[0] = 1 if cuda.atomic.add(counters, cuda.blockIdx.x, 1) == n_slices - 1 else 0
+                last[0] = 1 if take_ticket_device(counters, cuda.blockIdx.x) == n_slices - 1 else 0
             cuda.syncthreads()
             if last[0] == 1:
-                cuda.threadfence()
                 rows = MMA_WARPS * MMA_ROWS
                 for i in range(tid, n_tok * rows, cuda.blockDim.x):
                     tok = i // rows
