@@ -13,17 +13,17 @@ projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and
   with one lane per comb entry; row and column sums are gathered and added in the reference's order.
   `hc_mix_fused_kernel` (the finishing kernel alone cost 6.3 us a call on the H200, the pair 11.5 us, 80 calls a
   token) runs the same device functions, so it gives the same bits: every block writes its partials, and the last
-  block to take a ticket from a device counter sums and finishes every token (its 128 threads take the 200 (mix,
-  part) sums of each token in turn, warp w finishes tokens w, w+4, ...) and puts the counter back to zero, so a
-  captured graph replays it and eager calls follow. Memory order: kernels.ticket's last-block pattern (as
-  q4k_gemv.q4k_mma_kernel's split rows): a block barrier after the partial stores, thread 0's acquire-release
-  atomic ticket, a second barrier before the last block's loads. The acquire invalidates the SM's L1 (CCTL.IVALL on
-  sm_90; L1 is not coherent across SMs), so the plain loads after it cannot be served stale lines (checked with
-  nvdisasm; Numba emits generic ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128) rounds of
-  dependent loads, T/4 Sinkhorn runs per warp) while the two-kernel path finishes tokens in parallel blocks: hence
-  FUSED_T_MAX = 4 (not measured yet). The counter (int32 [1]) comes from the caller's scratch dict, zero-filled when
-  created (scratch_array zero=True, a host-to-device copy): make it with an eager call before capturing a graph that
-  uses it (the CUDA backend warms every shape eagerly), and share it only among launches on one stream.
+  block to take a ticket from a device counter sums and finishes every token (its 128 threads take the 200 (mix, part)
+  sums of each token in turn, warp w finishes tokens w, w+4, ...) and puts the counter back to zero, so a captured
+  graph replays it and eager calls follow. Memory order: kernels.ticket's last-block pattern (as
+  q4k_gemv.q4k_mma_kernel's split rows): a block barrier after the partial stores, thread 0's acquire-release atomic
+  ticket, a second barrier before the last block's loads. The acquire invalidates the SM's L1 (CCTL.IVALL on sm_90; L1
+  is not coherent across SMs), so the plain loads after it cannot be served stale lines (checked with nvdisasm; Numba
+  emits generic ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128)
+  rounds of dependent loads, T/4 Sinkhorn runs per warp) while the two-kernel path finishes tokens in parallel blocks:
+  hence FUSED_T_MAX = 4 (not measured yet). The counter (int32 [1]) comes from the caller's scratch dict, zero-filled
+  when created (scratch_array zero=True, a host-to-device copy): make it with an eager call before capturing a graph
+  that uses it (the CUDA backend warms every shape eagerly), and share it only among launches on one stream.
 - `hc_pre`: out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]), the four exact products summed in float64.
 - `hc_post`: out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread owns a
   column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state).
