@@ -134,12 +134,6 @@ def _key_row_device(win_idx, cmp_idx, t, r):
 
 
 @cuda.jit(device=True, inline=True)
-def _key_word_device(win_keys, cmp_keys, row, in_win, w):
-    """Word w (4 BF16 values) of key row `row` of the window buffer or of the compressed cache."""
-    return win_keys[row, w] if in_win else cmp_keys[row, w]
-
-
-@cuda.jit(device=True, inline=True)
 def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
     """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h."""
     if w < nw:
@@ -170,8 +164,9 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
     n_rows = z.shape[2]
     q_sh = cuda.shared.array((HEADS_PER_BLOCK, DH_MAX), np.float32)
     red = cuda.shared.array((QUAD_SUMS, THREADS), np.float32)
-    for k in range(tid, HEADS_PER_BLOCK * dh, THREADS):
-        q_sh[k // dh, k % dh] = q[t, h0 + k // dh, k % dh]
+    for hh in range(HEADS_PER_BLOCK):             # head by head: no 64-bit division of a flat index
+        for k in range(tid, dh, THREADS):
+            q_sh[hh, k] = q[t, h0 + hh, k]
     cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
     last = nw - 1
@@ -179,15 +174,19 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
         a0 = a1 = a2 = a3 = np.float32(0.0)
         row, inw = _key_row_device(win_idx, cmp_idx, t, r0 + rr) if rr < rows_per_quad else (-1, False)
         if row >= 0:
+            if inw:                                    # the row's view, chosen once: its loads need no branch
+                kr = win_keys[row]
+            else:
+                kr = cmp_keys[row]
             for w0 in range(qd, nw, 4 * SCORE_GROUP):
-                x0 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0, last))    # loads first (clamped)
-                x1 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 4, last))
-                x2 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 8, last))
-                x3 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 12, last))
-                x4 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 16, last))
-                x5 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 20, last))
-                x6 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 24, last))
-                x7 = _key_word_device(win_keys, cmp_keys, row, inw, min(w0 + 28, last))
+                x0 = kr[min(w0, last)]                 # loads first (clamped)
+                x1 = kr[min(w0 + 4, last)]
+                x2 = kr[min(w0 + 8, last)]
+                x3 = kr[min(w0 + 12, last)]
+                x4 = kr[min(w0 + 16, last)]
+                x5 = kr[min(w0 + 20, last)]
+                x6 = kr[min(w0 + 24, last)]
+                x7 = kr[min(w0 + 28, last)]
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)   # products in word order
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
@@ -285,8 +284,9 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
         n = min(VALUE_TILE, r_hi - base)
         for k in range(tid, n, THREADS):
             k_sh[k], w_sh[k] = _key_row_device(win_idx, cmp_idx, t, base + k)
-        for k in range(tid, HEADS_PER_BLOCK * n, THREADS):
-            e_sh[k // n, k % n] = z[t, h0 + k // n, base + k % n]
+        for hh in range(HEADS_PER_BLOCK):         # head by head: no 64-bit division of a flat index
+            for k in range(tid, n, THREADS):
+                e_sh[hh, k] = z[t, h0 + hh, base + k]
         cuda.syncthreads()
         if tid < nw:
             for k0 in range(0, n, VALUE_GROUP):
