@@ -54,6 +54,7 @@ FIN_PARTS = 8                 # threads summing one mix's partials in the finish
 FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
 PART_LOADS = 10               # loads in flight per thread summing a part (_part_sum_device; V4.1: 20 a part)
 FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
+GRID_Y_MAX = 65535            # CUDA's largest grid y: hc_pre / hc_post blocks step over tokens past it
 
 
 @cuda.jit(device=True, inline=True)
@@ -231,39 +232,43 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
 
 @bounded_jit(THREADS)
 def hc_pre_kernel(h, pre, out):
-    """out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]); one thread per (t, d)."""
+    """out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]); one thread per (t, d): d from the block's x index and the
+    thread, t from its y index and steps of gridDim.y (no 64-bit division of a flat index)."""
     grid_entry_device()
     n_tok, n_s, d = h.shape
-    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if g >= n_tok * d:
+    k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if k >= d:
         return
-    t = g // d
-    k = g % d
-    acc = 0.0
-    for i in range(n_s):
-        acc += np.float64(pre[t, i]) * np.float64(h[t, i, k])
-    out[t, k] = round_bf16_device(np.float32(acc))
+    t = cuda.blockIdx.y
+    while t < n_tok:
+        acc = 0.0
+        for i in range(n_s):
+            acc += np.float64(pre[t, i]) * np.float64(h[t, i, k])
+        out[t, k] = round_bf16_device(np.float32(acc))
+        t += cuda.gridDim.y
 
 
 @bounded_jit(THREADS)
 def hc_post_kernel(y, h, post, comb, out):
-    """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d)."""
+    """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d), laid out
+    as hc_pre_kernel's."""
     grid_entry_device()
     n_tok, n_s, d = h.shape
-    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if g >= n_tok * d:
+    k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if k >= d:
         return
-    t = g // d
-    k = g % d
     col = cuda.local.array(HC, np.float64)
-    for i in range(HC):
-        col[i] = np.float64(h[t, i, k])
-    yv = y[t, k]
-    for j in range(HC):
-        acc = 0.0
+    t = cuda.blockIdx.y
+    while t < n_tok:
         for i in range(HC):
-            acc += np.float64(comb[t, i, j]) * col[i]
-        out[t, j, k] = round_bf16_device(mul_rn_device(post[t, j], yv) + np.float32(acc))
+            col[i] = np.float64(h[t, i, k])
+        yv = y[t, k]
+        for j in range(HC):
+            acc = 0.0
+            for i in range(HC):
+                acc += np.float64(comb[t, i, j]) * col[i]
+            out[t, j, k] = round_bf16_device(mul_rn_device(post[t, j], yv) + np.float32(acc))
+        t += cuda.gridDim.y
 
 
 SIGNATURES = {
@@ -321,7 +326,7 @@ def hc_pre(h, pre, out=None, stream=0):
     if out is None:
         out = cuda.device_array((n_tok, d), np.float32, stream=stream)
     if n_tok * d:
-        hc_pre_kernel[(n_tok * d + THREADS - 1) // THREADS, THREADS, stream](h, pre, out)
+        hc_pre_kernel[((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX)), THREADS, stream](h, pre, out)
     return out
 
 
@@ -333,5 +338,6 @@ def hc_post(y, h, post, comb, out=None, stream=0):
     if out is None:
         out = cuda.device_array((n_tok, HC, d), np.float32, stream=stream)
     if n_tok * d:
-        hc_post_kernel[(n_tok * d + THREADS - 1) // THREADS, THREADS, stream](y, h, post, comb, out)
+        hc_post_kernel[((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX)), THREADS, stream](y, h, post, comb,
+                                                                                                   out)
     return out

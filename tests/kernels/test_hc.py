@@ -48,6 +48,24 @@ def test_hc_mixes_collapse_expand(cuda_ready, T, D):
     assert_matches("hc_post", got, want)
 
 
+def test_hc_pre_post_blocks_step_over_tokens_past_the_grid(cuda_ready, monkeypatch):
+    """hc_pre and hc_post put tokens on the grid's y axis; past its limit (GRID_Y_MAX, 2 here) a block steps over
+    tokens by the grid's height: every token still gets the reference's bits."""
+    import kernels.hc as hc
+    monkeypatch.setattr(hc, "GRID_Y_MAX", 2)
+    rng = np.random.default_rng(11)
+    T, D = 5, 160
+    h = round_bf16(rng.standard_normal((T, 4, D)))
+    pre = rng.uniform(0.1, 1.0, (T, 4)).astype(np.float32)
+    post = rng.uniform(0.1, 2.0, (T, 4)).astype(np.float32)
+    comb = rng.uniform(0.0, 1.0, (T, 4, 4)).astype(np.float32)
+    y = round_bf16(rng.standard_normal((T, D)))
+    d_h = cuda_ready.to_device(h)
+    np.testing.assert_array_equal(hc.hc_pre(d_h, cuda_ready.to_device(pre)).copy_to_host(), ref_pre(h, pre))
+    got = hc.hc_post(cuda_ready.to_device(y), d_h, cuda_ready.to_device(post), cuda_ready.to_device(comb))
+    np.testing.assert_array_equal(got.copy_to_host(), ref_post(y, h, post, comb))
+
+
 def _two_kernels(cuda, h, fn, base, scale):
     """hc_mixes' two-kernel path (partial, then finish), launched directly whatever T."""
     from kernels.hc import (COLS_PER_BLOCK, FIN_THREADS, HC, N_ACC, THREADS, hc_mix_finish_kernel,
