@@ -65,7 +65,8 @@ from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
-from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device, rint_step_device
+from kernels.fp8 import (code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device,
+                         rint_step_device)
 from kernels.gemv import act_quant_fp8
 from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
                          mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
@@ -420,32 +421,35 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
     x holds unquantised values, and act_quant_fp8's rule is applied first with the same operations as its kernel,
     so the codes are those of the quantised x (the activation rule of linear_q without a launch of its own). A thread
     takes 8 inputs, the four threads of a quad one block (its max and sum over the quad). Every thread runs the
-    same number of steps (the simulator's quad exchange is a block barrier)."""
+    same number of steps (the simulator's quad exchange is a block barrier): a token row at a time, its jobs in
+    steps of the block, with no 64-bit division (a flat job index over rows, or a range with a run-time step, cost
+    three calls of the division routine a job)."""
     nblk = 8 * n_sb
-    n_jobs = 4 * nblk * nt                                # a multiple of 32: whole warps are in or out
-    step = cuda.blockDim.x
-    for j0 in range(0, n_jobs, step):
-        j = j0 + cuda.threadIdx.x
-        ok = j < n_jobs
-        jj = j if ok else n_jobs - 1
-        r = jj // (4 * nblk)
-        b = (jj // 4) % nblk
-        part = jj % 4
-        base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
-        v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
-        p = fp8_block_scale_device(am)
-        word, sm = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
-        sm = quad_sum_device(sm, red)
-        h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
-        if ok:
-            o = 4 * (r * stride + 4 * b + part)       # in the order the two MMAs take them: codes 0-1, 4-5, 2-3, 6-7
-            codes[o] = h0
-            codes[o + 1] = h2
-            codes[o + 2] = h1
-            codes[o + 3] = h3
-            if part == 0:
-                scl[r * pitch + b] = p
-                xsum[r * pitch + b] = sm
+    per_row = 4 * nblk                                    # a multiple of 32: whole warps are in or out
+    for r in range(nt):
+        j0 = 0
+        while j0 < per_row:
+            j = j0 + cuda.threadIdx.x
+            ok = j < per_row
+            jj = j if ok else per_row - 1
+            b = jj // 4
+            part = jj % 4
+            base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
+            v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
+            p = fp8_block_scale_device(am)
+            word, sm = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, pow2_inverse_device(p))
+            sm = quad_sum_device(sm, red)
+            h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
+            if ok:
+                o = 4 * (r * stride + 4 * b + part)   # in the order the two MMAs take them: codes 0-1, 4-5, 2-3, 6-7
+                codes[o] = h0
+                codes[o + 1] = h2
+                codes[o + 2] = h1
+                codes[o + 3] = h3
+                if part == 0:
+                    scl[r * pitch + b] = p
+                    xsum[r * pitch + b] = sm
+            j0 += cuda.blockDim.x
 
 
 @cuda.jit(device=True, inline=True)
