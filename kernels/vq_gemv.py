@@ -70,7 +70,7 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
 from kernels import bounded_jit
 from kernels.bf16 import f16_bits_device, round_bf16_device
-from kernels.fp8 import code_word_device, fp8_block_scale_device, quant8_device
+from kernels.fp8 import code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
@@ -96,6 +96,7 @@ WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
 THREADS = 32 if SIM else 512                    # GEMV: 16 warps, one block an SM (<= 128 registers: no spills)
 WIDE_THREADS = THREADS
 STAGE_THREADS = 32 if SIM else 128
+GRID_Y_MAX = 65535            # CUDA's largest grid y: the staging blocks step over rows past it
 COMBINE_THREADS = 128
 COMBINE_COLS = 4                                # columns a combine thread takes: its four accumulators, one order
 COMBINE_K_FAST = 8                              # experts a token up to which the combine loads them all at once
@@ -329,12 +330,12 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
 
 # ------------------------------------------------------------------------- activations as E4M3 codes
 @cuda.jit(device=True, inline=True)
-def _stage_slot_device(n_x, n_cwp):
-    """(in range, row r, codeword c) of the staging thread; threads past the end take row 0, codeword 0."""
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    ok = i < n_x * n_cwp                   # every thread of the block takes part in the quad exchanges
-    j = i if ok else 0
-    return ok, j // n_cwp, j % n_cwp
+def _stage_slot_device(n_cwp):
+    """(in range, codeword c) of the staging thread: codewords on the grid's x axis, rows on its y axis (no 64-bit
+    division of a flat index); threads past the row's end take codeword 0."""
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    ok = c < n_cwp                         # every thread of the block takes part in the quad exchanges
+    return ok, c if ok else 0
 
 
 @cuda.jit(device=True, inline=True)
@@ -344,7 +345,7 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
     v0, v1, v2, v3, v4, v5, v6, v7, am = quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw,
                                                        red[cuda.threadIdx.x // WARP])
     p = fp8_block_scale_device(am)
-    word, _ = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, np.float32(1.0) / p)
+    word, _ = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, pow2_inverse_device(p))
     if ok:
         o = 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
         h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
@@ -368,14 +369,18 @@ def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
     operations) -> xh uint32 [n * Jp * 4] (codeword c's 8 inputs as the halves of their E4M3 codes, two a word, the
     lower input in the low half, zeros for c >= J; in the GEMV's fragment order: c = 16s + 4k + t of row r at words
     4 (r*Jp + 16s + 4t + k) .. + 3) and scl1 float32 [n * Jp/4] (block q of 32 inputs' power-of-two scale P at
-    r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of lanes per block of 32."""
+    r*Jp/4 + q: x = code * P exactly). One thread per codeword, a quad of lanes per block of 32; rows from the
+    block's y index in steps of gridDim.y."""
     grid_entry_device()
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
-    ok, r, c = _stage_slot_device(x.shape[0], n_cwp)
-    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
-    if c < J:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _row8_device(x, r, VQ_DIM * c)
-    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red)
+    ok, c = _stage_slot_device(n_cwp)
+    r = cuda.blockIdx.y
+    while r < x.shape[0]:                                         # block-uniform
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+        if c < J:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _row8_device(x, r, VQ_DIM * c)
+        _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red)
+        r += cuda.gridDim.y
 
 
 @cuda.jit(cache=True)
@@ -385,16 +390,19 @@ def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
     g, u float32 [n, 8J], w float32 [n]."""
     grid_entry_device()
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
-    ok, r, c = _stage_slot_device(g.shape[0], n_cwp)
-    v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
-    if c < J:
-        g0, g1, g2, g3, g4, g5, g6, g7 = _row8_device(g, r, VQ_DIM * c)
-        u0, u1, u2, u3, u4, u5, u6, u7 = _row8_device(u, r, VQ_DIM * c)
-        v0, v1 = swiglu_value_device(g0, u0, w, has_w, r, limit), swiglu_value_device(g1, u1, w, has_w, r, limit)
-        v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
-        v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
-        v6, v7 = swiglu_value_device(g6, u6, w, has_w, r, limit), swiglu_value_device(g7, u7, w, has_w, r, limit)
-    _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, xh, scl1, red)
+    ok, c = _stage_slot_device(n_cwp)
+    r = cuda.blockIdx.y
+    while r < g.shape[0]:                                         # block-uniform
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+        if c < J:
+            g0, g1, g2, g3, g4, g5, g6, g7 = _row8_device(g, r, VQ_DIM * c)
+            u0, u1, u2, u3, u4, u5, u6, u7 = _row8_device(u, r, VQ_DIM * c)
+            v0, v1 = swiglu_value_device(g0, u0, w, has_w, r, limit), swiglu_value_device(g1, u1, w, has_w, r, limit)
+            v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
+            v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
+            v6, v7 = swiglu_value_device(g6, u6, w, has_w, r, limit), swiglu_value_device(g7, u7, w, has_w, r, limit)
+        _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, xh, scl1, red)
+        r += cuda.gridDim.y
 
 
 # ------------------------------------------------------------------------------------------ the GEMV
@@ -893,13 +901,13 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     n_cwp = n_seg * SEG_CW
     xh = _scratch(scratch, "x_halves", (n_x * n_cwp * 4,), np.uint32, stream)
     scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
-    n = n_x * n_cwp
+    grid = (math.ceil(n_cwp / STAGE_THREADS), min(n_x, GRID_Y_MAX))
     if swiglu is None:
-        vq_stage_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, xh, scl1)
+        vq_stage_kernel[grid, STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, xh, scl1)
     else:
         has_w = weights is not None
         w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
-        vq_stage_swiglu_kernel[math.ceil(n / STAGE_THREADS), STAGE_THREADS, stream](
+        vq_stage_swiglu_kernel[grid, STAGE_THREADS, stream](
             x, u, w, has_w, np.float32(limit), J, n_cwp, xh, scl1)
     dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)

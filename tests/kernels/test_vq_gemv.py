@@ -205,6 +205,25 @@ def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
     np.testing.assert_array_equal(ones, none)
 
 
+def test_staging_blocks_step_over_rows_past_the_grid(cuda_ready, monkeypatch):
+    """The staging kernels put rows on the grid's y axis; past its limit (GRID_Y_MAX, 2 here) a block steps over rows
+    by the grid's height. Five rows give the bits of the unlimited grid, through the plain and the SwiGLU staging."""
+    import kernels.vq_gemv as vq
+    rng = np.random.default_rng(9)
+    n_exp, rows, cols = 2, 16, 96
+    dl = _device_layer(cuda_ready, _layer(rng, n_exp, rows, cols, 12))
+    ids = np.array([[1], [0], [1], [1], [0]], np.int32)
+    plan = vq.vq_plan(cuda_ready.to_device(ids), n_exp, tile_rows=2)
+    d_x = cuda_ready.to_device(round_bf16(rng.standard_normal((5, cols)) * 2))
+    d_u = cuda_ready.to_device(round_bf16(rng.standard_normal((5, cols)) * 2))
+    kw = dict(mats=(0, 1), shape=(rows, cols), quantize=True)
+    want = [vq.vq_gemv(d_x, plan, *dl, **kw).copy_to_host(),
+            vq.vq_gemv(d_x, plan, *dl, swiglu=(d_u, None, 2.0), **kw).copy_to_host()]
+    monkeypatch.setattr(vq, "GRID_Y_MAX", 2)
+    np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, **kw).copy_to_host(), want[0])
+    np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, swiglu=(d_u, None, 2.0), **kw).copy_to_host(), want[1])
+
+
 def test_tiles_of_sixteen_pairs_equal_one_pair_tiles(cuda_ready):
     """20 tokens routed to one expert: a tile of 16 pairs (MMA columns 8..15 live) and one of 4; every pair's rows equal
     those of one-pair tiles bit for bit, and the reference within the tolerance."""
