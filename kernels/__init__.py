@@ -18,6 +18,10 @@ rather than loading stale code. Old `kernels-*` directories are never read again
 `bounded_jit(threads, min_blocks)` is that decorator for a kernel launched with at most `threads` threads a block:
 on the GPU it passes the launch bounds to ptxas, which then keeps the kernel's registers within what `min_blocks`
 resident blocks of that size may use (the simulator takes no bounds).
+
+`GRID_Y_MAX` is CUDA's largest grid y dimension, for the launchers that put rows or tokens on it (kernels.hc,
+kernels.vq_gemv: no 64-bit division of a flat index, docs/toolchain.md §4.9); their kernels step over rows past it
+by gridDim.y.
 """
 import hashlib as _hashlib
 import os as _os
@@ -63,6 +67,9 @@ KERNEL_CACHE_DIR = _Env.read().kernel_cache_dir / f"kernels-{source_fingerprint(
 # NUMBA_CACHE_DIR in os.environ: child processes then resolve the same root themselves instead of nesting a second
 # kernels-<hash> level under an inherited one.
 _cuda_config.CACHE_DIR = str(KERNEL_CACHE_DIR)
+
+
+GRID_Y_MAX = 65535
 
 
 def bounded_jit(threads, min_blocks=1):

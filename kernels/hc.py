@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import bounded_jit
+from kernels import GRID_Y_MAX, bounded_jit
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
@@ -54,7 +54,6 @@ FIN_PARTS = 8                 # threads summing one mix's partials in the finish
 FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
 PART_LOADS = 10               # loads in flight per thread summing a part (_part_sum_device; V4.1: 20 a part)
 FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
-GRID_Y_MAX = 65535            # CUDA's largest grid y: hc_pre / hc_post blocks step over tokens past it
 
 
 @cuda.jit(device=True, inline=True)
@@ -338,6 +337,6 @@ def hc_post(y, h, post, comb, out=None, stream=0):
     if out is None:
         out = cuda.device_array((n_tok, HC, d), np.float32, stream=stream)
     if n_tok * d:
-        hc_post_kernel[((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX)), THREADS, stream](y, h, post, comb,
-                                                                                                   out)
+        grid = ((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX))
+        hc_post_kernel[grid, THREADS, stream](y, h, post, comb, out)
     return out

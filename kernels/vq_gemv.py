@@ -68,7 +68,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels import bounded_jit
+from kernels import GRID_Y_MAX, bounded_jit
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device
 from kernels.moe import swiglu_value_device
@@ -96,7 +96,6 @@ WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
 THREADS = 32 if SIM else 512                    # GEMV: 16 warps, one block an SM (<= 128 registers: no spills)
 WIDE_THREADS = THREADS
 STAGE_THREADS = 32 if SIM else 128
-GRID_Y_MAX = 65535            # CUDA's largest grid y: the staging blocks step over rows past it
 COMBINE_THREADS = 128
 COMBINE_COLS = 4                                # columns a combine thread takes: its four accumulators, one order
 COMBINE_K_FAST = 8                              # experts a token up to which the combine loads them all at once
