@@ -270,11 +270,11 @@ def test_gpu_top1_agrees_with_cpu_on_judging_windows(stack, engines):
 
     The random tiny stack (used when ds4-tiny is not on the machine, as in device calls) has no such margins: it is
     chaotic from its first layers. Moving a handful of elements of layer 0 by one BF16 ulp (fraction 1e-4) moves the
-    CPU reference's own top-1 at a quarter of its 512 positions (73.6 % agreement, mean |Δlogit| 0.127), and the
-    H200 and H100 gave 74.6 % and 0.123 against the CPU (2026-12-05; a201213's kernels and main's alike). Its median
-    margin, the near-tie bound of an earlier version, left 92 % agreement on the clear half. So there the test holds
-    the CUDA engine to the reference's own perturbation floor, measured in the same run: top-1 agreement at most
-    0.05 below the perturbed reference's, and mean |Δlogit| at most 1.5 times its."""
+    CPU reference's own top-1 at a quarter of its 512 positions (73.6 % agreement, mean |Δlogit| 0.127), and an
+    H100 gave 74.6 % and 0.123 against the CPU (2026-12-05). Its median margin, the near-tie bound of an earlier
+    version, left 92 % agreement on the clear half on the H200, with a201213's kernels and main's alike. So there
+    the test holds the CUDA engine to the reference's own perturbation floor, measured in the same run: top-1
+    agreement at most 0.05 below the perturbed reference's, and mean |Δlogit| at most 1.5 times its."""
     cpu, cuda = engines
     pairs = [(cpu.logits(w), cuda.logits(w)) for w in stack[2]]
     if stack[0] != TINY_BASE:
