@@ -7,17 +7,21 @@ the real CPU/GPU differences:
     python bench/dev/top1_pairs.py --out pairs.npz [--backends cpu,cuda]
 """
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from ds4lib.config import ModelConfig
-from ds4lib.engine import Engine
-from ds4lib.quant.base_file import quantize_checkpoint
-from ds4lib.synth import write_random_checkpoint
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from ds4lib.config import ModelConfig  # noqa: E402
+from ds4lib.engine import Engine  # noqa: E402
+from ds4lib.quant.base_file import quantize_checkpoint  # noqa: E402
+from ds4lib.synth import write_random_checkpoint  # noqa: E402
+from tests.engine.test_engine_cuda import random_stack_windows  # noqa: E402
+
 TOKENIZER = ROOT / "data" / "tokenizer" / "tokenizer.json"
 
 
@@ -30,8 +34,7 @@ def main():
     ckpt = write_random_checkpoint(root / "ckpt", ModelConfig.tiny(), seed=0)
     base = root / "base.gguf"
     quantize_checkpoint(checkpoint=ckpt, out=base, rounds=2, progress=False)
-    rng = np.random.default_rng(0)          # the test's windows
-    wins = np.concatenate([np.zeros((4, 1), np.int64), rng.integers(9, 1000, (4, 127))], axis=1)
+    wins = random_stack_windows()
     out = {"windows": wins}
     for b in a.backends.split(","):
         eng = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend=b)

@@ -233,8 +233,14 @@ def stack(gpu, request):
         wins = np.concatenate([load_slice(f"{d}/judge").tokens[:2, :127] for d in ("english", "code", "law")])
         return TINY_BASE, TINY_CKPT, np.concatenate([np.zeros((len(wins), 1), np.int32), wins], axis=1)
     ckpt, base = request.getfixturevalue("tiny_stack")
+    return base, ckpt, random_stack_windows()
+
+
+def random_stack_windows():
+    """The four judging windows of the random tiny stack: BOS + 127 seeded token ids each (also
+    bench/dev/top1_pairs.py's, which saves both backends' logits on them)."""
     rng = np.random.default_rng(0)
-    return base, ckpt, np.concatenate([np.zeros((4, 1), np.int64), rng.integers(9, 1000, (4, 127))], axis=1)
+    return np.concatenate([np.zeros((4, 1), np.int64), rng.integers(9, 1000, (4, 127))], axis=1)
 
 
 @pytest.fixture(scope="module")
