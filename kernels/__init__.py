@@ -19,9 +19,9 @@ rather than loading stale code. Old `kernels-*` directories are never read again
 on the GPU it passes the launch bounds to ptxas, which then keeps the kernel's registers within what `min_blocks`
 resident blocks of that size may use (the simulator takes no bounds).
 
-`GRID_Y_MAX` is CUDA's largest grid y dimension, for the launchers that put rows or tokens on it (kernels.hc,
-kernels.vq_gemv: no 64-bit division of a flat index, docs/toolchain.md §4.9); their kernels step over rows past it
-by gridDim.y.
+`rows_grid(x_blocks, n_rows)` is the grid of a launcher that puts rows or tokens on the y axis (kernels.hc,
+kernels.vq_gemv: no 64-bit division of a flat index, docs/toolchain.md §4.9): at most GRID_Y_MAX (CUDA's largest
+grid y) rows of blocks, and their kernels step over the rest by gridDim.y.
 """
 import hashlib as _hashlib
 import os as _os
@@ -70,6 +70,11 @@ _cuda_config.CACHE_DIR = str(KERNEL_CACHE_DIR)
 
 
 GRID_Y_MAX = 65535
+
+
+def rows_grid(x_blocks, n_rows):
+    """(x_blocks, rows of blocks on y): n_rows (>= 1) capped at GRID_Y_MAX; the kernel steps by gridDim.y."""
+    return (x_blocks, min(n_rows, GRID_Y_MAX))
 
 
 def bounded_jit(threads, min_blocks=1):

@@ -35,7 +35,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import GRID_Y_MAX, bounded_jit
+from kernels import bounded_jit, rows_grid
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
@@ -325,7 +325,7 @@ def hc_pre(h, pre, out=None, stream=0):
     if out is None:
         out = cuda.device_array((n_tok, d), np.float32, stream=stream)
     if n_tok * d:
-        hc_pre_kernel[((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX)), THREADS, stream](h, pre, out)
+        hc_pre_kernel[rows_grid((d + THREADS - 1) // THREADS, n_tok), THREADS, stream](h, pre, out)
     return out
 
 
@@ -337,6 +337,5 @@ def hc_post(y, h, post, comb, out=None, stream=0):
     if out is None:
         out = cuda.device_array((n_tok, HC, d), np.float32, stream=stream)
     if n_tok * d:
-        grid = ((d + THREADS - 1) // THREADS, min(n_tok, GRID_Y_MAX))
-        hc_post_kernel[grid, THREADS, stream](y, h, post, comb, out)
+        hc_post_kernel[rows_grid((d + THREADS - 1) // THREADS, n_tok), THREADS, stream](y, h, post, comb, out)
     return out

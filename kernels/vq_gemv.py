@@ -68,7 +68,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels import GRID_Y_MAX, bounded_jit
+from kernels import bounded_jit, rows_grid
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.fp8 import code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device
 from kernels.moe import swiglu_value_device
@@ -900,7 +900,7 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     n_cwp = n_seg * SEG_CW
     xh = _scratch(scratch, "x_halves", (n_x * n_cwp * 4,), np.uint32, stream)
     scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
-    grid = (math.ceil(n_cwp / STAGE_THREADS), min(n_x, GRID_Y_MAX))
+    grid = rows_grid(math.ceil(n_cwp / STAGE_THREADS), n_x)
     if swiglu is None:
         vq_stage_kernel[grid, STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, xh, scl1)
     else:

@@ -51,8 +51,9 @@ def test_hc_mixes_collapse_expand(cuda_ready, T, D):
 def test_hc_pre_post_blocks_step_over_tokens_past_the_grid(cuda_ready, monkeypatch):
     """hc_pre and hc_post put tokens on the grid's y axis; past its limit (GRID_Y_MAX, 2 here) a block steps over
     tokens by the grid's height: every token still gets the reference's bits."""
+    import kernels
     import kernels.hc as hc
-    monkeypatch.setattr(hc, "GRID_Y_MAX", 2)
+    monkeypatch.setattr(kernels, "GRID_Y_MAX", 2)           # read by kernels.rows_grid
     rng = np.random.default_rng(11)
     T, D = 5, 160
     h = round_bf16(rng.standard_normal((T, 4, D)))

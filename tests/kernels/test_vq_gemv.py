@@ -208,6 +208,7 @@ def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
 def test_staging_blocks_step_over_rows_past_the_grid(cuda_ready, monkeypatch):
     """The staging kernels put rows on the grid's y axis; past its limit (GRID_Y_MAX, 2 here) a block steps over rows
     by the grid's height. Five rows give the bits of the unlimited grid, through the plain and the SwiGLU staging."""
+    import kernels
     import kernels.vq_gemv as vq
     rng = np.random.default_rng(9)
     n_exp, rows, cols = 2, 16, 96
@@ -219,7 +220,7 @@ def test_staging_blocks_step_over_rows_past_the_grid(cuda_ready, monkeypatch):
     kw = dict(mats=(0, 1), shape=(rows, cols), quantize=True)
     want = [vq.vq_gemv(d_x, plan, *dl, **kw).copy_to_host(),
             vq.vq_gemv(d_x, plan, *dl, swiglu=(d_u, None, 2.0), **kw).copy_to_host()]
-    monkeypatch.setattr(vq, "GRID_Y_MAX", 2)
+    monkeypatch.setattr(kernels, "GRID_Y_MAX", 2)           # read by kernels.rows_grid
     np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, **kw).copy_to_host(), want[0])
     np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, swiglu=(d_u, None, 2.0), **kw).copy_to_host(), want[1])
 
