@@ -598,8 +598,7 @@ def _make_mma_kernel(decode, min_blocks):
         p = cuda.local.array(16, np.float32)                  # [c][row g / g+8][column 2t / 2t+1]
         for t0 in range(0, n_tok, MMA_TOK):
             nt = min(MMA_TOK, n_tok - t0)
-            csb = MMA_STAGE_SB if nt == 1 else MMA_STAGE_SB // nt      # super-blocks staged at a time (decode:
-            # no 64-bit division; the chunk loop below is a while loop for the same reason)
+            csb = MMA_STAGE_SB // nt                           # super-blocks staged at a time
             stride = 32 * csb + 4                              # groups per staged token row (64 bytes of padding)
             nblk = 8 * csb
             tr = min(g, nt - 1)                                # the token of this lane's B column
@@ -607,8 +606,7 @@ def _make_mma_kernel(decode, min_blocks):
             n1 = min(2 * t + 1, nt - 1)
             for i in range(16):
                 p[i] = np.float32(0.0)
-            cb = sb0
-            while cb < sb1:
+            for cb in range(sb0, sb1, csb):
                 ce = min(sb1, cb + csb)
                 (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw)
                 cuda.syncthreads()
@@ -627,7 +625,6 @@ def _make_mma_kernel(decode, min_blocks):
                                          tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
                     (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
                         na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
-                cb += csb
             if one:
                 sa = quad_sum_device(p[0], red[warp])
                 sbv = quad_sum_device(p[2], red[warp])
@@ -647,8 +644,7 @@ def _make_mma_kernel(decode, min_blocks):
             cuda.syncthreads()
             if last[0] == 1:
                 rows = MMA_WARPS * MMA_ROWS
-                i = tid
-                while i < n_tok * rows:
+                for i in range(tid, n_tok * rows, cuda.blockDim.x):
                     tok = i // rows
                     row = cuda.blockIdx.x * rows + i % rows
                     if row < n_rows:
@@ -656,7 +652,6 @@ def _make_mma_kernel(decode, min_blocks):
                         for s in range(1, n_slices):
                             v += part[s, tok, row]
                         out[tok, row] = round_bf16_device(v) if out_bf16 else v
-                    i += cuda.blockDim.x
                 if tid == 0:
                     counters[cuda.blockIdx.x] = 0
     return q4k_mma_kernel
