@@ -5,10 +5,10 @@ other summation orders) differs from it by rounding-sized amounts. In a chaotic 
 layers and across positions. So a top-1 agreement figure only means something next to the reference's agreement
 with itself under a perturbation of that size.
 
-`first_post_mix_perturbed(fraction, seed)` moves the output of the first mHC post-mix of each forward (layer 0,
-after attention: [T, 4, D]) by one BF16 ulp, with a random sign, at a random `fraction` of its elements (seeded). It
-does this by wrapping `ds4lib.ref.model.hc_post` for the duration of a `with` block. Used by
-bench/bench_sensitivity.py and by the CUDA engine's top-1 test.
+`first_post_mix_perturbed(fraction, seed)` moves the output of the first mHC post-mix call inside a `with` block
+(the first of the forward run there: layer 0, after attention, [T, 4, D]) by one BF16 ulp, with a random sign, at a
+random `fraction` of its elements (seeded). It does this by wrapping `ds4lib.ref.model.hc_post` for the duration of
+the block: run one forward a block. Used by bench/bench_sensitivity.py and by the CUDA engine's top-1 test.
 """
 from __future__ import annotations
 
@@ -23,16 +23,11 @@ __all__ = ["first_post_mix_perturbed"]
 
 
 class _FirstPostMix:
-    """Wraps hc_post; perturbs its first call after each `arm`."""
+    """Wraps hc_post; perturbs its first call."""
 
     def __init__(self, orig, fraction: float, seed: int):
-        self.orig, self.fraction, self.seed = orig, fraction, seed
+        self.orig, self.fraction = orig, fraction
         self.calls, self.rng = 0, np.random.default_rng(seed)
-
-    def arm(self, seed: int | None = None):
-        """The next call is the first of a forward again (with `seed`, a new random draw)."""
-        self.calls = 0
-        self.rng = np.random.default_rng(self.seed if seed is None else seed)
 
     def __call__(self, y, h, post, comb):
         out = self.orig(y, h, post, comb)
@@ -46,14 +41,13 @@ class _FirstPostMix:
 
 @contextmanager
 def first_post_mix_perturbed(fraction: float, seed: int = 0):
-    """Within the block, the CPU reference's forwards are perturbed as the module docstring says. Yields the wrapper:
-    call `.arm(seed)` before each forward so that each starts from its first post-mix with its own draw."""
+    """Within the block, the CPU reference's first post-mix is perturbed as the module docstring says."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction {fraction} is outside [0, 1]")
     orig = ref_model.hc_post
     wrap = _FirstPostMix(orig, fraction, seed)
     ref_model.hc_post = wrap
     try:
-        yield wrap
+        yield
     finally:
         ref_model.hc_post = orig
