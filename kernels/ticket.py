@@ -20,8 +20,7 @@ the barrier and again after it. The PTX ISA calls the sequentially consistent fe
 0's), not one a warp. In the SASS (sm_90) the acquire still invalidates the SM's L1 (CCTL.IVALL), so the last
 block's plain loads cannot hit stale lines.
 
-The simulator runs blocks one thread at a time under a lock and has no memory model: there the ticket is
-`cuda.atomic.add`.
+The simulator has no inline PTX and no weak memory to order: there the ticket is `cuda.atomic.add`.
 """
 import numpy as np
 from numba import cuda
