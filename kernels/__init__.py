@@ -78,7 +78,10 @@ def rows_grid(x_blocks, n_rows):
 
 
 def bounded_jit(threads, min_blocks=1):
-    """`cuda.jit(cache=True)` with launch bounds (threads, min_blocks) on the GPU; without them in the simulator."""
+    """`cuda.jit(cache=True)` with launch bounds (threads, min_blocks) on the GPU; without them in the simulator.
+    Numba's on-disk cache key holds the function's bytecode and closure values, not its launch bounds: a factory
+    that makes one kernel under several bounds in one source tree (a probe's variants) names the bound in the
+    kernel's body, so that it is a closure value and each variant gets its own entry."""
     from numba import cuda
     if _cuda_config.ENABLE_CUDASIM:
         return cuda.jit(cache=True)

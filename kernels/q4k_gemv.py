@@ -572,6 +572,7 @@ def _make_mma_kernel(decode, min_blocks):
         form all four for its two columns. The same operations in the same order, so a token's result does not depend
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
         (counters, reset to 0 by it); a single slice writes directly."""
+        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         grid_entry_device()
         codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -932,6 +933,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, depth=IM_D
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
         operations in the same order, so a token's result does not depend on the tokens beside it."""
+        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         grid_entry_device()
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
