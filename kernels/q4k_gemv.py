@@ -677,7 +677,6 @@ IM_WARPS = 4                   # warps of a block: the K quarters of one 16-row 
 IM_ROWS = 16                   # rows of a block (the MMA's M)
 IM_BATCH = 2                   # super-blocks whose weight words a lane loads before using any of them,
 IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
-IM_DEPTH = 0                   # one-token kernel: super-blocks of words in flight ahead of the MMAs (0: `batch`)
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
@@ -906,17 +905,12 @@ def _im_copy_device(src, o, n4, dst):
         dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
 
 
-def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, depth=IM_DEPTH):
+def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
     """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
     `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
-    registers (bench/dev/q4k_probe.py compares variants). A one-token kernel with `depth` 1 or 2 instead keeps that
-    many super-blocks' words in flight ahead of the one it multiplies (the words of super-block sb + depth go out
-    before sb's MMAs), and its first steps' words go out before the activations' copy to shared memory: the same
-    words, MMAs and additions in the same order, so the same bits."""
+    registers (bench/dev/q4k_probe.py compares variants)."""
     jit = bounded_jit(IM_WARPS * WARP, min_blocks)
     four = batch == 4
-    roll = decode and depth > 0
-    two = depth >= 2
 
     @jit
     def q4k_imma_kernel(xd, ps, kx, w1, n_words, rows_per_group, out_bf16, out):
@@ -955,10 +949,6 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, depth=IM_D
         sbe = sb0 + quarter                              # add exact zeros
         nblk = kx // 32
         p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
-        u0 = _im_words_device(w1, wa, wb, sb0, t, roll and sb0 < sb1)          # (roll) the first steps' words,
-        u1 = _im_words_device(w1, wa, wb, sb0 + 1, t, two and sb0 + 1 < sb1)   # before the copy below
-        u2 = u1
-        cbe = sb0 if roll else sbe                       # the batch loop's end (roll: none of its steps)
         if decode:                                       # the tile's hi / lo words and (p, X) pairs -> shared memory
             xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)   # read by 16-byte loads
             xp = cuda.shared.array(IM_SMEM_PS, np.float32)
@@ -974,20 +964,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, depth=IM_D
                 p[i] = np.float32(0.0)
             pa = np.float32(0.0)
             pb = np.float32(0.0)
-            if roll:                                     # one token: sb's MMAs with sb + depth's words in flight
-                for sb in range(sb0, sbe):
-                    if two:
-                        u2 = _im_words_device(w1, wa, wb, sb + 2, t, sb + 2 < sb1)
-                    else:
-                        u1 = _im_words_device(w1, wa, wb, sb + 1, t, sb + 1 < sb1)
-                    sbc = min(sb, nb - 1)                # a dead step reads a live step's activations
-                    pa, pb = _im_sb_t1_device(u0[0], u0[1], u0[2], u0[3], u0[4], u0[5], u0[6], u0[7], u0[8], xs,
-                                              QK_K * sbc + 8 * t, xp, 2 * (8 * sbc + 2 * t), xch[warp], ex[warp],
-                                              pa, pb)
-                    u0 = u1
-                    if two:
-                        u1 = u2
-            for cb in range(sb0, cbe, batch):
+            for cb in range(sb0, sbe, batch):
                 (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _im_words_device(w1, wa, wb, cb, t, cb < sb1)
                 (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = _im_words_device(w1, wa, wb, cb + 1, t,
                                                                                            cb + 1 < sb1)

@@ -213,26 +213,6 @@ def test_imma_prefill_rows_equal_decode(cuda_ready, rows, k):
     np.testing.assert_array_equal(bf, round_bf16(many))
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_imma_decode_words_ahead_give_the_same_bits(cuda_ready, monkeypatch, depth):
-    """The one-token integer kernel with `depth` super-blocks of weight words in flight ahead of its MMAs (the first
-    ones loaded before the activations' copy) gives the batch-loading kernel's bits: quarters of 3, 3, 3, 0
-    super-blocks (dead steps past the row), 2, 2, 2, 1 and one busy warp of four, over tail tiles."""
-    import kernels.q4k_gemv as qk
-    rng = np.random.default_rng(40 + depth)
-    for rows, k in ((24, 256 * 9), (40, 256 * 7), (20, 256)):
-        q, _ = _q4k(rng, rows, k)
-        x = cuda_ready.to_device((rng.standard_normal((1, k)) * 3).astype(np.float32))
-        d_q = cuda_ready.to_device(q)
-        monkeypatch.setattr(qk, "q4k_imma_t1_kernel", qk._make_im_kernel(True, depth=0))
-        scratch = {}
-        want = qk.q4k_gemv(x, d_q, quantize=False, out_bf16=False, scratch=scratch).copy_to_host()
-        assert _im_taken(scratch)
-        monkeypatch.setattr(qk, "q4k_imma_t1_kernel", qk._make_im_kernel(True, depth=depth))
-        got = qk.q4k_gemv(x, d_q, quantize=False, out_bf16=False).copy_to_host()
-        np.testing.assert_array_equal(got, want)
-
-
 def test_imma_grouped_rows_and_block_scales(cuda_ready):
     """Grouped rows (wo_a: 16-row tiles inside a group) read their group's slice; blocks of 32 spanning 2^-30 ..
     2^20 in magnitude, FP32 subnormals and an all-zero block keep FP32 accuracy through the per-block power-of-two
