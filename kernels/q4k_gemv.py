@@ -572,8 +572,8 @@ def _make_mma_kernel(decode, min_blocks):
         form all four for its two columns. The same operations in the same order, so a token's result does not depend
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
         (counters, reset to 0 by it); a single slice writes directly."""
-        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         grid_entry_device()
+        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -927,8 +927,8 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
         operations in the same order, so a token's result does not depend on the tokens beside it."""
-        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         grid_entry_device()
+        min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
         red = cuda.shared.array((IM_WARPS, WARP), np.float32)
