@@ -20,6 +20,8 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
 1. scores: a block owns 32 x rows_per_quad rows x 4 heads (rows_per_quad 4, or 2 or 1 when a decode step would
    leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory, each row's key is
    read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
+   Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
+   query path then has no launch of its own for it.
 2. softmax: one warp per (query, head): max, BF16-rounded weights written in place, float64 denominator.
 3. values: a block owns 4 heads x all Dh dims of a split of the rows; each thread accumulates 4 dims x 4
    heads while streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a
@@ -27,7 +29,8 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    chunks of VALUE_CHUNK and the chunk sums in order; decode splits one chunk per block (enough blocks),
    prefill keeps one split: the same bits.
 4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
-   (`inverse_rope`, kernels.rope's arithmetic): one launch fewer per layer.
+   (`inverse_rope`, kernels.rope's arithmetic) and the window ring's write after the attention read it (`window`,
+   window_write's stores): one launch fewer per layer each.
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
 Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
@@ -68,22 +71,28 @@ NEG_INF = np.float32(-np.inf)
 
 
 # ------------------------------------------------------------------------------------------- window ring
+@cuda.jit(device=True, inline=True)
+def _window_store_device(kv, positions, ring, ring_pos, t, d):
+    """Element d of row t of a window write: ring[p mod W, d] = bf16(kv[t, d]) and ring_pos[p mod W] = p (d == 0),
+    for the last min(T, W) rows only (p = positions[t])."""
+    w = ring.shape[0]
+    if t >= kv.shape[0] - w:
+        slot = positions[t] % w
+        ring[slot, d] = bf16_bits_device(kv[t, d])
+        if d == 0:
+            ring_pos[slot] = positions[t]
+
+
 @cuda.jit(cache=True)
 def window_write_kernel(kv, positions, ring, ring_pos):
     """ring[p mod W] = bf16(kv[t]) for the last min(T, W) rows; ring_pos[p mod W] = p."""
     grid_entry_device()
     n_tok, dh = kv.shape
-    w = ring.shape[0]
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    first = max(0, n_tok - w)
+    first = max(0, n_tok - ring.shape[0])
     if g >= (n_tok - first) * dh:
         return
-    t = first + g // dh
-    d = g % dh
-    slot = positions[t] % w
-    ring[slot, d] = bf16_bits_device(kv[t, d])
-    if d == 0:
-        ring_pos[slot] = positions[t]
+    _window_store_device(kv, positions, ring, ring_pos, first + g // dh, g % dh)
 
 
 @cuda.jit(cache=True)
@@ -150,9 +159,12 @@ def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
 
 
 @cuda.jit(cache=True)
-def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, z):
+def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, positions, cos, sin, has_rope,
+                      z):
     """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x (32 * rows_per_quad) rows per block; -inf for invalid
-    rows. rows_per_quad (1, 2 or 4) only changes which quad computes a row, never a row's sum or its order."""
+    rows. rows_per_quad (1, 2 or 4) only changes which quad computes a row, never a row's sum or its order. With
+    `has_rope` q arrives unrotated and its tail's adjacent pairs rotate to positions[t] as it is staged, exactly as
+    kernels.rope's forward rotation would leave q (each element with its pair's other value, loaded beside it)."""
     grid_entry_device()
     tid = cuda.threadIdx.x
     quad = tid // 4
@@ -162,11 +174,18 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
     dh = q.shape[2]
     nw = dh // 4
     n_rows = z.shape[2]
+    first = dh // 2 - cos.shape[1]                # the first rotating pair
+    pos = positions[t] if has_rope else 0         # loaded once, before q (the tables' row)
     q_sh = cuda.shared.array((HEADS_PER_BLOCK, DH_MAX), np.float32)
     red = cuda.shared.array((QUAD_SUMS, THREADS), np.float32)
     for hh in range(HEADS_PER_BLOCK):             # head by head: no 64-bit division of a flat index
         for k in range(tid, dh, THREADS):
-            q_sh[hh, k] = q[t, h0 + hh, k]
+            v = q[t, h0 + hh, k]
+            p = k // 2 - first
+            if has_rope and p >= 0:
+                other = q[t, h0 + hh, k ^ 1]
+                v = rope_pair_value_device(v, other, k % 2 == 1, cos[pos, p], sin[pos, p])
+            q_sh[hh, k] = v
     cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
     last = nw - 1
@@ -320,10 +339,12 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
 
 
 @bounded_jit(THREADS)
-def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
+def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ring, ring_pos, has_window, out):
     """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row); with `has_rope`
     the tail's adjacent pairs then rotate back to positions[t] exactly as kernels.rope's inverse rotation does
-    (the pair's other value from the neighbouring lane: a pair never straddles a warp)."""
+    (the pair's other value from the neighbouring lane: a pair never straddles a warp). With `has_window` the
+    threads of head 0 also do window_write_kernel's stores of kv [T, Dh] at kv_pos into ring / ring_pos: every
+    read of the ring in this attention (scores, values) is done by then."""
     grid_entry_device()
     n_tok, n_split, n_heads, dh = part.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -332,6 +353,8 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, out):
     d = gc % dh
     h = (gc // dh) % n_heads
     t = gc // (dh * n_heads)
+    if has_window and ok and h == 0:
+        _window_store_device(kv, kv_pos, ring, ring_pos, t, d)
     num = part[t, 0, h, d]
     v = cuda.local.array(8, np.float32)
     s = 1
@@ -366,12 +389,12 @@ SIGNATURES = {
     "window_index_kernel": "void(int64[:], int64[:], int32[:, :])",
     "cache_write_kernel": "void(float32[:, :], int64[:], uint16[:, :])",
     "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, int64, "
-                         "float32[:, :, :])",
+                         "int64[:], float32[:, :], float32[:, :], boolean, float32[:, :, :])",
     "attn_softmax_kernel": "void(float32[:, :, :], float32[:], float32[:, :])",
     "attn_value_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
                          "float32[:, :, :, :])",
     "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], int64[:], float32[:, :], float32[:, :], boolean, "
-                           "float32[:, :, :])",
+                           "float32[:, :], int64[:], uint16[:, :], int64[:], boolean, float32[:, :, :])",
 }
 
 
@@ -382,12 +405,16 @@ def _blocks(n):
 
 
 # ----------------------------------------------------------------------------------------------- launchers
+def _check_window(kv, positions, ring, ring_pos, name):
+    if len(kv.shape) != 2 or tuple(ring.shape)[1:] != tuple(kv.shape)[1:] or ring.dtype != np.uint16:
+        raise ValueError(f"{name}: kv {kv.shape} does not fit ring {ring.shape} (uint16)")
+    if tuple(ring_pos.shape) != (ring.shape[0],) or tuple(positions.shape) != (kv.shape[0],):
+        raise ValueError(f"{name}: ring_pos must be [W] and positions [T]")
+
+
 def window_write(kv, positions, ring, ring_pos, stream=0):
     """kv [T, Dh] float32 (BF16 values) at consecutive positions [T] int64 -> ring [W, Dh] uint16, ring_pos [W]."""
-    if len(kv.shape) != 2 or tuple(ring.shape)[1:] != tuple(kv.shape)[1:] or ring.dtype != np.uint16:
-        raise ValueError(f"window_write: kv {kv.shape} does not fit ring {ring.shape} (uint16)")
-    if tuple(ring_pos.shape) != (ring.shape[0],) or tuple(positions.shape) != (kv.shape[0],):
-        raise ValueError("window_write: ring_pos must be [W] and positions [T]")
+    _check_window(kv, positions, ring, ring_pos, "window_write")
     n = min(kv.shape[0], ring.shape[0]) * kv.shape[1]
     if n:
         window_write_kernel[_blocks(n), THREADS, stream](kv, positions, ring, ring_pos)
@@ -435,13 +462,32 @@ def _score_rows_per_quad(n_tok, head_blocks, n_rows):
     return 1
 
 
+def _rope_args(rope, name, q, scratch, stream):
+    """(positions [T] int64, cos, sin [P, rd/2]) of a fused rotation, checked against q [T, H, Dh]; placeholders
+    when `rope` is None (the kernel's flag is then off)."""
+    if rope is None:
+        return (_scratch(scratch, "no_positions", (1,), np.int64, stream),
+                *(_scratch(scratch, "no_rope", (1, 1), np.float32, stream),) * 2)
+    positions, cos, sin = rope
+    n_tok, _, dh = tuple(q.shape)
+    if tuple(positions.shape) != (n_tok,) or positions.dtype != np.int64 or tuple(cos.shape) != tuple(sin.shape) \
+            or len(cos.shape) != 2 or 2 * cos.shape[1] > dh:
+        raise ValueError(f"sparse_attention: {name} positions {positions.shape} / tables {cos.shape} "
+                         f"{sin.shape} do not fit q {q.shape}")
+    return positions, cos, sin
+
+
 def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=None, n_split=None, scratch=None,
-                     stream=0, rows_per_quad=None, inverse_rope=None):
+                     stream=0, rows_per_quad=None, inverse_rope=None, rope_q=None, window=None):
     """q [T, H, Dh] float32; win_keys [Nw, Dh] uint16 (BF16 bits) with win_idx [T, Kw] int32 rows (-1 invalid);
     cmp_keys [Nc, Dh] uint16 with cmp_idx [T, Kc] int32 (or both None); sink [H] float32 -> out [T, H, Dh].
     `scratch` (a dict kept by the caller) holds the temporaries across calls. `inverse_rope` = (positions [T] int64,
     cos, sin [P, rd/2]): the output then leaves rotated back as `rope.rope(out, positions, cos, sin, inverse=True)`
-    would leave it, bit for bit, without that launch."""
+    would leave it, bit for bit, without that launch. `rope_q` = (positions, cos, sin) likewise: q is the unrotated
+    query, and the scores use it rotated as `rope.rope(q, positions, cos, sin)` would leave it, without that launch
+    (q itself is left as it is). `window` = (kv [T, Dh], positions [T], ring, ring_pos): after attending, the window
+    ring is written as `window_write(*window)` would write it, by the combine kernel (one launch fewer; the ring
+    may be what win_keys views)."""
     n_tok, n_heads, dh = tuple(q.shape)
     if q.dtype != np.float32 or dh % 4 or dh > DH_MAX or n_heads % HEADS_PER_BLOCK:
         raise ValueError(f"sparse_attention: q must be float32 [T, H, Dh] with H % {HEADS_PER_BLOCK} == 0, "
@@ -470,21 +516,25 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     z = _scratch(scratch, "z", (n_tok, n_heads, n_rows_z), np.float32, stream)
     den = _scratch(scratch, "den", (n_tok, n_heads), np.float32, stream)
     part = _scratch(scratch, "part", (n_tok, split, n_heads, dh), np.float32, stream)
+    q_pos, q_cos, q_sin = _rope_args(rope_q, "rope_q", q, scratch, stream)
+    positions, cos, sin = _rope_args(inverse_rope, "inverse_rope", q, scratch, stream)
     wk, ck = win_keys.view(np.uint64), cmp_keys.view(np.uint64)
     rpq = rows_per_quad or _score_rows_per_quad(n_tok, hb, n_rows_z)
     grid = (math.ceil(n_rows_z / (THREADS // 4 * rpq)), hb, n_tok)
-    attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), rpq, z)
+    attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), rpq, q_pos, q_cos, q_sin,
+                                             rope_q is not None, z)
     attn_softmax_kernel[math.ceil(n_tok * n_heads / (THREADS // WARP)), THREADS, stream](z, sink, den)
     attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, wk, win_idx, ck, cmp_idx, part)
-    if inverse_rope is None:
-        positions = _scratch(scratch, "no_positions", (1,), np.int64, stream)
-        cos = sin = _scratch(scratch, "no_rope", (1, 1), np.float32, stream)
+    if window is None:
+        kv = _scratch(scratch, "no_kv", (1, 1), np.float32, stream)
+        kv_pos = ring_pos = _scratch(scratch, "no_positions", (1,), np.int64, stream)
+        ring = _scratch(scratch, "no_ring", (1, 1), np.uint16, stream)
     else:
-        positions, cos, sin = inverse_rope
-        if tuple(positions.shape) != (n_tok,) or positions.dtype != np.int64 or tuple(cos.shape) != tuple(sin.shape) \
-                or len(cos.shape) != 2 or 2 * cos.shape[1] > dh:
-            raise ValueError(f"sparse_attention: inverse_rope positions {positions.shape} / tables {cos.shape} "
-                             f"{sin.shape} do not fit q {q.shape}")
+        kv, kv_pos, ring, ring_pos = window
+        _check_window(kv, kv_pos, ring, ring_pos, "sparse_attention window")
+        if kv.shape[0] != n_tok:
+            raise ValueError(f"sparse_attention: window kv {kv.shape} does not fit q {q.shape}")
     attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, positions, cos, sin,
-                                                                       inverse_rope is not None, out)
+                                                                       inverse_rope is not None, kv, kv_pos, ring,
+                                                                       ring_pos, window is not None, out)
     return out

@@ -33,6 +33,8 @@
 #   base      the same, graph replay only (--graph-only), with ab_head/'s files: the newest kernel change's A/B
 #   before    the same, graph only, on the "before" files of ab/
 #   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
+#   unfused   the same, graph only, through bench/dev/attn_unfused.py: the queries' RoPE and the window write as
+#             launches of their own again (the twenty-fourth session's fusions, untimed there)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -59,7 +61,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,decode,base,before,flags,vq,trace,engine,index}
+PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,vq,trace,engine,index}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -138,6 +140,10 @@ if want before && have_ab; then
 fi
 if want flags; then
     run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
+fi
+if want unfused; then
+    run "decode, attention launches unfused" 110 unfused.log $PY bench/dev/attn_unfused.py "${AB_DECODE[@]:1}" \
+        --out "$OUT/decode_unfused.jsonl"
 fi
 if want vq; then
     probes "" ""

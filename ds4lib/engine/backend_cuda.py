@@ -1055,7 +1055,7 @@ class CudaBackend:
         rows and top-k (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given). `win_idx`: the
         window rows and the compressor's work done already, on the side stream (`_attention`); `wts`: the
         indexer's head weights, computed there too."""
-        cfg, s, role = self.cfg, self.stream, self.roles[l]
+        cfg, role = self.cfg, self.roles[l]
         T, dh, W = c.T, cfg.head_dim, cfg.window_size
         buf = st.win[l]
         early = win_idx is not None
@@ -1068,16 +1068,14 @@ class CudaBackend:
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
                 self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
-        o = self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, c.pos, out=out)
-        attention.window_write(kvq, c.pos, buf[:W], st.ring_pos[l], stream=s)
-        return o
+        return self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, c.pos, out=out,
+                            window=(kvq, c.pos, buf[:W], st.ring_pos[l]))
 
     def _query(self, l, c, x, xq=None):
-        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, FP8 q latent, RoPE'd queries
-        [T, H, Dh]) (ref attention.query_path)."""
+        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, FP8 q latent, queries [T, H, Dh])
+        (ref attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them)."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
-        cos, sin = self._rope[self.roles[l].yarn]
         if xq is None:
             xq = self._aq8(x, "x_attn_q")
         qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, fp8=True,
@@ -1086,9 +1084,7 @@ class CudaBackend:
         rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
                           out_q=qrq, stream=s)
         q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, fp8=True, out=self._buf("q", (T, H * dh)))
-        q3 = q.reshape(T, H, dh)
-        rope.rope(q3, c.pos, cos, sin, stream=s)
-        return xq, qrq, q3
+        return xq, qrq, q.reshape(T, H, dh)
 
     def _window_kv(self, l, c, xq, side=False):
         """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv); `side`: on the side
@@ -1103,8 +1099,10 @@ class CudaBackend:
                                  self._buf("kvn", (T, dh)), kvq, stream=s)
         return kvq
 
-    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None):
-        """Sparse attention of queries q3 [T, H, Dh] at positions `pos`, its output rotated back (inverse RoPE)."""
+    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None, window=None):
+        """Sparse attention of the unrotated queries q3 [T, H, Dh] at positions `pos`: the score kernel rotates them
+        (RoPE) as it stages them, and the output leaves rotated back (inverse RoPE). `window` = (kv, positions, ring,
+        ring_pos): the window ring written after the attention read it (erratum E2), by its last kernel."""
         H, dh = self.cfg.n_heads, self.cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
         T = q3.shape[0]
@@ -1112,7 +1110,8 @@ class CudaBackend:
         split = self.n_split.setdefault(n_rows, attention._value_splits(1, H, n_rows))
         return attention.sparse_attention(q3, keys, win_idx, cmp_keys, cmp_idx, self.L[l]["attn.attn_sink"],
                                           dh ** -0.5, out=self._buf("attn_o", (T, H, dh)) if out is None else out,
-                                          n_split=split, inverse_rope=(pos, cos, sin),
+                                          n_split=split, inverse_rope=(pos, cos, sin), rope_q=(pos, cos, sin),
+                                          window=window,
                                           scratch=self.scr, stream=self.stream)
 
     def _output(self, l, c, o):

@@ -71,6 +71,36 @@ def test_sparse_attention_matches_ref(cuda_ready, start, T, heads, n_cmp, k, n_s
         np.testing.assert_array_equal(one.view(np.uint32), chunks.view(np.uint32))
 
 
+@pytest.mark.parametrize("start,T", [(40, 1), (14, 3), (5, W + 2)])
+def test_window_write_in_the_combine_equals_window_write(cuda_ready, start, T):
+    """sparse_attention(..., window=(kv, positions, ring, ring_pos)) gives the attention's bits and leaves the ring
+    (the key buffer's first W rows, which the attention read) and its positions exactly as sparse_attention then
+    window_write leave them: decode, a chunk, and a chunk longer than the window (its last W rows)."""
+    from kernels.attention import sparse_attention, window_write
+    rng = np.random.default_rng(start + T)
+    ring, ring_pos, kv, P, _, _ = _setup(cuda_ready, rng, start, T)
+    q = cuda_ready.to_device(round_bf16(rng.standard_normal((T, 4, DH))))
+    sink = cuda_ready.to_device(rng.standard_normal(4).astype(np.float32))
+    kv_d, p_d = cuda_ready.to_device(kv), cuda_ready.to_device(P)
+    outs, bufs, rps = [], [], []
+    for fused in (False, True):
+        buf, win_idx = _kernel_window(cuda_ready, ring, ring_pos, kv, P, start)
+        rp = cuda_ready.to_device(ring_pos)
+        window = (kv_d, p_d, buf[:W], rp)
+        o = sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, window=window if fused else None)
+        if not fused:
+            window_write(*window)
+        outs.append(o.copy_to_host())
+        bufs.append(buf.copy_to_host())
+        rps.append(rp.copy_to_host())
+    np.testing.assert_array_equal(outs[1].view(np.uint32), outs[0].view(np.uint32))
+    np.testing.assert_array_equal(bufs[1][:W], bufs[0][:W])
+    np.testing.assert_array_equal(rps[1], rps[0])
+    assert not np.array_equal(rps[1], ring_pos)                                  # the ring did move
+    with pytest.raises(ValueError, match="window"):
+        sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, window=(kv_d, p_d, buf[:W], rp[:2]))
+
+
 def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
     """The launcher gives a decode step 1 or 2 rows per quad (more score blocks) and big prefills 4: the same bits."""
     from kernels.attention import sparse_attention
@@ -113,6 +143,37 @@ def test_inverse_rope_in_the_combine_equals_the_rope_kernel(cuda_ready):
         sparse_attention(*args, inverse_rope=(cuda_ready.to_device(pos[:2]), cos, sin))
 
 
+def test_rope_q_in_the_scores_equals_the_rope_kernel(cuda_ready):
+    """sparse_attention(..., rope_q=(positions, cos, sin)) on the unrotated queries gives exactly what rope.rope(q)
+    then sparse_attention give (the engine's decode path before the rotation moved into the score kernel), with and
+    without the output's inverse rotation, and leaves q unrotated; mismatched positions are refused."""
+    from kernels.attention import sparse_attention
+    from kernels.rope import rope
+    rng = np.random.default_rng(8)
+    keys = _rows(rng, 6)
+    q = round_bf16(rng.standard_normal((3, 4, DH)))
+    idx = np.array([[0, 3, 5, 2], [1, 4, -1, -1], [4, -1, -1, -1]], np.int32)
+    pos = np.array([11, 29, 3], np.int64)
+    freqs = (1.0 / CFG.rope_theta ** (np.arange(0, CFG.rope_head_dim, 2) / CFG.rope_head_dim)).astype(np.float32)
+    ang = np.outer(np.arange(32, dtype=np.float32), freqs).astype(np.float32)
+    cos, sin = (cuda_ready.to_device(np.cos(ang).astype(np.float32)), cuda_ready.to_device(np.sin(ang).astype(np.float32)))
+    p_dev = cuda_ready.to_device(pos)
+    tables = (p_dev, cos, sin)
+    rest = (cuda_ready.to_device(f32_to_bf16_bits(keys)), cuda_ready.to_device(idx), None, None,
+            cuda_ready.to_device(rng.standard_normal(4).astype(np.float32)), DH ** -0.5)
+    q_dev = cuda_ready.to_device(q)
+    q_rot = rope(cuda_ready.to_device(q), p_dev, cos, sin)
+    for inv in (None, tables):
+        want = sparse_attention(q_rot, *rest, inverse_rope=inv).copy_to_host()
+        got = sparse_attention(q_dev, *rest, inverse_rope=inv, rope_q=tables).copy_to_host()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(q_dev.copy_to_host(), q)
+    assert not np.array_equal(sparse_attention(q_dev, *rest).copy_to_host(),
+                              sparse_attention(q_rot, *rest).copy_to_host())   # the rotation matters
+    with pytest.raises(ValueError, match="rope_q"):
+        sparse_attention(q_dev, *rest, rope_q=(cuda_ready.to_device(pos[:2]), cos, sin))
+
+
 def test_no_valid_rows_give_zero_and_window_only(cuda_ready):
     from kernels.attention import sparse_attention
     rng = np.random.default_rng(5)
@@ -139,6 +200,9 @@ def test_window_write_ring(cuda_ready):
     ring_pos = cuda_ready.to_device(np.full(W, -1, np.int64))
     kv = _rows(rng, W + 5)
     window_write(cuda_ready.to_device(kv), cuda_ready.to_device(np.arange(W + 5, dtype=np.int64)), ring, ring_pos)
+    pos = ring_pos.copy_to_host()
+    np.testing.assert_array_equal(np.sort(pos), np.arange(5, W + 5))            # the prefill's last W rows
+    assert_matches("window", bf16_bits_to_f32(ring.copy_to_host()), kv[pos])
     nxt = _rows(rng, 1)
     window_write(cuda_ready.to_device(nxt), cuda_ready.to_device(np.array([W + 5], np.int64)), ring, ring_pos)
     pos = ring_pos.copy_to_host()
@@ -163,8 +227,10 @@ def test_combine_adds_the_splits_in_order(cuda_ready, n_split):
     den[0, 1] = 0.0
     out = cuda_ready.device_array((1, heads, DH), np.float32)
     none = cuda_ready.to_device(np.zeros((1, 1), np.float32))
+    no_pos = cuda_ready.to_device(np.zeros(1, np.int64))
     attn_combine_kernel[-(-heads * DH // THREADS), THREADS](cuda_ready.to_device(part), cuda_ready.to_device(den),
-                                                          cuda_ready.to_device(np.zeros(1, np.int64)), none, none,
+                                                          no_pos, none, none, False, none, no_pos,
+                                                          cuda_ready.to_device(np.zeros((1, 1), np.uint16)), no_pos,
                                                           False, out)
     num = part[:, 0].copy()
     for s in range(1, n_split):
