@@ -22,12 +22,15 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
    Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
    query path then has no launch of its own for it.
-2. softmax: one warp per (query, head): max, BF16-rounded weights written in place, float64 denominator.
-3. values: a block owns 4 heads x all Dh dims of a split of the rows; each thread accumulates 4 dims x 4
-   heads while streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a
-   V4.1 decode step's value kernel latency-bound: 14.6 us); weights come from shared memory. Rows are summed in
-   chunks of VALUE_CHUNK and the chunk sums in order; decode splits one chunk per block (enough blocks),
-   prefill keeps one split: the same bits.
+2. softmax and values in one kernel: a block owns 4 heads x all Dh dims of a split of the rows. Warp w first
+   finds head w's score max over all its rows (every split's block does), and the blocks of split 0 also the
+   float64 denominator (lane-strided, then the warp's tree; plus the sink's term). The weights bf16(exp(z - max))
+   of the split's rows go to shared memory as they are staged; each thread accumulates 4 dims x 4 heads while
+   streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a V4.1 decode step's
+   value kernel latency-bound: 14.6 us). Rows are summed in chunks of VALUE_CHUNK and the chunk sums in order;
+   decode splits one chunk per block (enough blocks), prefill keeps one split: the same bits. (Until the
+   twenty-fourth session the softmax was a kernel of its own, one warp per (query, head), writing the weights
+   back into z: the same operations in the same order.)
 4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
    (`inverse_rope`, kernels.rope's arithmetic) and the window ring's write after the attention read it (`window`,
    window_write's stores): one launch fewer per layer each.
@@ -49,12 +52,13 @@ from kernels.scratch import scratch_array as _scratch
 from kernels.warp import warp_tree_sum_device
 
 __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", "window_write_kernel",
-           "window_index_kernel", "cache_write_kernel", "attn_score_kernel", "attn_softmax_kernel",
+           "window_index_kernel", "cache_write_kernel", "attn_score_kernel",
            "attn_value_kernel", "attn_combine_kernel", "SIGNATURES"]
 
 THREADS = 128
 WARP = 32
-HEADS_PER_BLOCK = 4          # heads sharing each key load (scores and values)
+HEADS_PER_BLOCK = 4          # heads sharing each key load (scores and values); a warp each in the value kernel
+assert HEADS_PER_BLOCK == THREADS // 32
 ROWS_PER_QUAD = 4            # most rows per quad of lanes in the score kernel (the launcher picks 1, 2 or 4)
 SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score block
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -66,6 +70,7 @@ DH_MAX = 512
 VALUE_TILE = 128             # rows staged per step of the value kernel
 VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
 VALUE_GROUP = 8              # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0)
+SOFTMAX_LOADS = 8            # scores a lane loads at once for the softmax's max and denominator
 NEG_BIG = np.float32(-1e30)  # the row max of a query with no valid row (the reference's value)
 NEG_INF = np.float32(-np.inf)
 
@@ -230,36 +235,53 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             z[t, h0 + hh, r] = v * scale if valid else NEG_INF
 
 
-@cuda.jit(cache=True)
-def attn_softmax_kernel(z, sink, den):
-    """Per (t, h): z <- bf16(exp(z - max)) in place; den = float64 sum of the exp weights + exp(sink - max),
-    or 0 when no row is valid."""
-    grid_entry_device()
-    lane = cuda.threadIdx.x % WARP
-    g = cuda.blockIdx.x * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
-    n_tok, n_heads, n_rows = z.shape
-    if g >= n_tok * n_heads:
-        return                                       # warp-uniform
-    t = g // n_heads
-    h = g % n_heads
+@cuda.jit(device=True, inline=True)
+def _scores_device(z, t, h, r, v):
+    """v[i] = z[t, h, r + 32 i] for i < SOFTMAX_LOADS, the row clamped to the last (every load goes out before any
+    is used: a lane's rows are otherwise one dependent L2 round trip each)."""
+    last = z.shape[2] - 1
+    for i in range(SOFTMAX_LOADS):
+        v[i] = z[t, h, min(r + WARP * i, last)]
+
+
+@cuda.jit(device=True, inline=True)
+def _row_max_device(z, t, h, lane):
+    """The largest score of (t, h) over its rows, in every lane of the warp (each lane its rows lane, lane + 32, ...
+    in order, then xor shuffles), and whether any row is valid; NEG_BIG in place of -inf when none is."""
+    n = z.shape[2]
+    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
     m = NEG_INF
-    for r in range(lane, n_rows, WARP):
-        m = max(m, z[t, h, r])
+    r = lane
+    while r < n:
+        _scores_device(z, t, h, r, v)
+        for i in range(SOFTMAX_LOADS):
+            if r + WARP * i < n:
+                m = max(m, v[i])
+        r += WARP * SOFTMAX_LOADS
     off = WARP // 2
     while off > 0:
         m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
         off //= 2
     has = m > NEG_INF
-    if not has:
-        m = NEG_BIG
-    s = 0.0
-    for r in range(lane, n_rows, WARP):
-        e = exp_f32_device(z[t, h, r] - m)
-        s += np.float64(e)
-        z[t, h, r] = round_bf16_device(e)
-    s = warp_tree_sum_device(s)                      # valid in lane 0, the lane that writes
-    if lane == 0:
-        den[t, h] = np.float32(s) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+    return (m if has else NEG_BIG), has
+
+
+@cuda.jit(device=True, inline=True)
+def _denominator_device(z, sink, t, h, lane, m, has):
+    """float64 sum of exp(z - m) over the rows of (t, h) (lane-strided, then the warp's tree), plus exp(sink - m),
+    as FP32; 0 when no row is valid. Valid in lane 0."""
+    n = z.shape[2]
+    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
+    acc = 0.0
+    r = lane
+    while r < n:
+        _scores_device(z, t, h, r, v)
+        for i in range(SOFTMAX_LOADS):
+            if r + WARP * i < n:
+                acc += np.float64(exp_f32_device(v[i] - m))
+        r += WARP * SOFTMAX_LOADS
+    acc = warp_tree_sum_device(acc)
+    return np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -271,12 +293,15 @@ def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
 
 
 @cuda.jit(cache=True)
-def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
-    """part[t, s, h, :] = sum over rows of split s of bf16 weight z[t, h, r] * key(r); one thread per 4 dims.
-    A split is whole chunks of VALUE_CHUNK rows (the last chunk may be short); each chunk is summed from zero in
-    row order and the chunk sums are added in order, so the result does not depend on how many chunks a split
-    holds as long as the splits are 1 or one per chunk (the launcher's choices). Rows go in groups of
-    VALUE_GROUP with the group's key loads issued before its arithmetic."""
+def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
+    """The softmax and the weighted sum of the values. Warp w takes head h0 + w: the scores' max m over all rows
+    of (t, h) (every split's block finds it), and split 0's block writes den[t, h] = float64 sum of exp(z - m) +
+    exp(sink - m) (0 when no row is valid). part[t, s, h, :] = sum over rows of split s of the weight
+    bf16(exp(z[t, h, r] - m)) * key(r); one thread per 4 dims. A split is whole chunks of VALUE_CHUNK rows (the
+    last chunk may be short); each chunk is summed from zero in row order and the chunk sums are added in order, so
+    the result does not depend on how many chunks a split holds as long as the splits are 1 or one per chunk (the
+    launcher's choices). Rows go in groups of VALUE_GROUP with the group's key loads issued before its
+    arithmetic."""
     grid_entry_device()
     tid = cuda.threadIdx.x
     s = cuda.blockIdx.x
@@ -288,6 +313,17 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
     per = ((n_rows + n_split - 1) // n_split + VALUE_CHUNK - 1) // VALUE_CHUNK * VALUE_CHUNK
     r_lo = s * per
     r_hi = min(n_rows, r_lo + per)
+    m_sh = cuda.shared.array(HEADS_PER_BLOCK, np.float32)
+    lane = tid % WARP
+    hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
+    m, has = _row_max_device(z, t, hw, lane)
+    if s == 0:                                    # block-uniform
+        dv = _denominator_device(z, sink, t, hw, lane, m, has)
+        if lane == 0:
+            den[t, hw] = dv
+    if lane == 0:
+        m_sh[tid // WARP] = m
+    cuda.syncthreads()
     e_sh = cuda.shared.array((HEADS_PER_BLOCK, VALUE_TILE), np.float32)
     k_sh = cuda.shared.array(VALUE_TILE, np.int64)
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
@@ -304,8 +340,9 @@ def attn_value_kernel(z, win_keys, win_idx, cmp_keys, cmp_idx, part):
         for k in range(tid, n, THREADS):
             k_sh[k], w_sh[k] = _key_row_device(win_idx, cmp_idx, t, base + k)
         for hh in range(HEADS_PER_BLOCK):         # head by head: no 64-bit division of a flat index
+            mh = m_sh[hh]
             for k in range(tid, n, THREADS):
-                e_sh[hh, k] = z[t, h0 + hh, base + k]
+                e_sh[hh, k] = round_bf16_device(exp_f32_device(z[t, h0 + hh, base + k] - mh))
         cuda.syncthreads()
         if tid < nw:
             for k0 in range(0, n, VALUE_GROUP):
@@ -390,9 +427,8 @@ SIGNATURES = {
     "cache_write_kernel": "void(float32[:, :], int64[:], uint16[:, :])",
     "attn_score_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], float32, int64, "
                          "int64[:], float32[:, :], float32[:, :], boolean, float32[:, :, :])",
-    "attn_softmax_kernel": "void(float32[:, :, :], float32[:], float32[:, :])",
-    "attn_value_kernel": "void(float32[:, :, :], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
-                         "float32[:, :, :, :])",
+    "attn_value_kernel": "void(float32[:, :, :], float32[:], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
+                         "float32[:, :], float32[:, :, :, :])",
     "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], int64[:], float32[:, :], float32[:, :], boolean, "
                            "float32[:, :], int64[:], uint16[:, :], int64[:], boolean, float32[:, :, :])",
 }
@@ -523,8 +559,7 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     grid = (math.ceil(n_rows_z / (THREADS // 4 * rpq)), hb, n_tok)
     attn_score_kernel[grid, THREADS, stream](q, wk, win_idx, ck, cmp_idx, np.float32(scale), rpq, q_pos, q_cos, q_sin,
                                              rope_q is not None, z)
-    attn_softmax_kernel[math.ceil(n_tok * n_heads / (THREADS // WARP)), THREADS, stream](z, sink, den)
-    attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, wk, win_idx, ck, cmp_idx, part)
+    attn_value_kernel[(split, hb, n_tok), THREADS, stream](z, sink, wk, win_idx, ck, cmp_idx, den, part)
     if window is None:
         kv = _scratch(scratch, "no_kv", (1, 1), np.float32, stream)
         kv_pos = ring_pos = _scratch(scratch, "no_positions", (1,), np.int64, stream)

@@ -6,7 +6,9 @@ are the same, so the last greedy token must be too).
     python bench/dev/attn_unfused.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
 It wraps kernels.attention.sparse_attention, so every caller (the engine's layers, the DSpark drafts) takes the
-unfused launches; the score and combine kernels then run with their fused paths switched off.
+unfused launches; the score and combine kernels then run with their fused paths switched off. The softmax, which
+the same session moved into the value kernel, stays there (its old kernel is gone: time it against the tree before
+the fusions, BENCHMARKS.md "Next device call").
 """
 import runpy
 import sys

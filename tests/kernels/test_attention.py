@@ -101,6 +101,53 @@ def test_window_write_in_the_combine_equals_window_write(cuda_ready, start, T):
         sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, window=(kv_d, p_d, buf[:W], rp[:2]))
 
 
+def _softmax_emulated(z, sink):
+    """The softmax's statistics per (t, h) as the value kernel forms them, in NumPy: the max (NEG_BIG when no row is
+    valid) and den = f32(float64 sum of exp(z - max), lane-strided over 32 lanes, then the warp's shuffle-down tree)
+    + exp(sink - max), 0 when no row is valid."""
+    n_tok, n_heads, n_rows = z.shape
+    m = z.max(axis=2)
+    has = m > -np.inf
+    m = np.where(has, m, np.float32(-1e30)).astype(np.float32)
+    den = np.zeros((n_tok, n_heads), np.float32)
+    for t in range(n_tok):
+        for h in range(n_heads):
+            e = np.exp((z[t, h] - m[t, h]).astype(np.float32)).astype(np.float64)
+            v = np.array([sum(e[lane::32].tolist(), 0.0) for lane in range(32)])
+            for off in (16, 8, 4, 2, 1):
+                v[:32 - off] = v[:32 - off] + v[off:]
+            if has[t, h]:
+                den[t, h] = np.float32(np.float32(v[0]) + np.exp(np.float32(sink[h] - m[t, h])))
+    return m, den
+
+
+def test_value_kernel_softmax_denominator_and_scores(cuda_ready):
+    """The softmax inside the value kernel: den is the softmax's float64 lane-and-tree sum plus the sink's term (0 for
+    a query with no valid row), written once whatever the split count, and the scores in z are left as they were."""
+    from kernels.attention import sparse_attention
+    rng = np.random.default_rng(31)
+    keys = _rows(rng, 40)
+    q = round_bf16(rng.standard_normal((3, 4, DH)))
+    idx = np.stack([rng.permutation(40) for _ in range(3)]).astype(np.int32)
+    idx[1, 5:] = -1
+    idx[2, :] = -1                                                               # no valid row
+    sink = rng.standard_normal(4).astype(np.float32)
+    args = (cuda_ready.to_device(q), cuda_ready.to_device(f32_to_bf16_bits(keys)), cuda_ready.to_device(idx), None,
+            None, cuda_ready.to_device(sink), DH ** -0.5)
+    outs = []
+    for n_split in (1, 2):
+        scratch = {}
+        outs.append(sparse_attention(*args, n_split=n_split, scratch=scratch).copy_to_host())
+        z = scratch[("z", (3, 4, 40), "<f4")].copy_to_host()
+        den = scratch[("den", (3, 4), "<f4")].copy_to_host()
+        assert np.isneginf(z[1, :, 5:]).all() and np.isfinite(z[0]).all()     # raw scores, not weights
+        _, want = _softmax_emulated(z, sink)
+        np.testing.assert_array_equal(den.view(np.uint32), want.view(np.uint32))
+        assert (den[2] == 0).all() and (den[:2] > 0).all()
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    assert (outs[0][2] == 0).all()
+
+
 def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
     """The launcher gives a decode step 1 or 2 rows per quad (more score blocks) and big prefills 4: the same bits."""
     from kernels.attention import sparse_attention
