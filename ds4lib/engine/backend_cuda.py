@@ -38,10 +38,11 @@ row is replayed from a graph of its own per sampling parameter set, its seed and
 programmatic (kernels.pdl: a kernel's blocks are resident, waiting, when its predecessor completes; the same bits);
 DS4_CUDA_PDL=0 keeps default edges.
 
-Two streams: what a layer needs only later runs on a side stream beside the critical path — each sub-layer's mHC
-mixes (read h, first needed by its hc_post), the attention's window key (its projection, norm and RoPE, written to
-the window ring with the window rows of the call) and, for one session's rows, the compressor, all beside the query
-path (wq_a, q_norm, wq_b, RoPE), and the shared expert (beside the routed experts) —, forked from the main stream
+Two streams: what a layer needs only later runs on a side stream beside the critical path — the attention's window
+key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for one
+session's rows, the compressor, beside the query path (wq_a, q_norm, wq_b); each sub-layer's mHC mixes (read h,
+first needed by its hc_post), the attention's after the window key and compressor, beside the attention itself;
+and the shared expert (beside the routed experts) —, forked from the main stream
 and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds them as
 parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
 bits are the same. `CudaBackend.shared_expert_at` may fork the shared expert before the routing or keep it on the
@@ -986,15 +987,23 @@ class CudaBackend:
         if observer:
             observer(l, "block_in", h.copy_to_host())
         # the mixes of a sub-layer read h and are first needed by its hc_post (pre: by the next sub-layer's
-        # collapse), so they run on the side stream: after the collapse, beside the attention / the routed experts
+        # collapse), so they run on the side stream: after the collapse, beside the attention / the routed experts.
+        # The attention's mixes go after the side stream's share of the attention (the window key, the compressor),
+        # which the attention waits for: not ahead of it
         kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr_side,
                   stream=self.side)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
         x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
         rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
         self._fork()                                     # after the collapse: it has the GPU to itself
-        hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
-        y = attend(x) if attend is not None else self._attention(l, st, c, x, xq, observer)
+
+        def mixes_a():
+            hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
+        if attend is not None:                           # a draft stage's attention: the mixes first, beside it
+            mixes_a()
+            y = attend(x)
+        else:
+            y = self._attention(l, st, c, x, xq, observer, beside=mixes_a)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         self._join()
@@ -1013,10 +1022,13 @@ class CudaBackend:
             observer(l, "block_pre", c.pre.copy_to_host())
 
     # ------------------------------------------------------------------ attention
-    def _attention(self, l, st, c, x, xq, observer):
+    def _attention(self, l, st, c, x, xq, observer, beside=None):
         """The layer's attention over x [T, D] (xq: its act_quant_fp8 values): the projections over all T rows at
         once; what reads or writes a session's state (window ring, compressor, indexer, sparse attention) per
-        session, over its own rows (a batched decode step: one row of each session in c.rows)."""
+        session, over its own rows (a batched decode step: one row of each session in c.rows). `beside()`
+        (launches of the caller's, between its `_fork` and `_join`) goes on the side stream after the side
+        stream's share of the attention, once the main stream has joined that share: the attention does not wait
+        for it."""
         cfg = self.cfg
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         # beside the query path, on the side stream after the sub-layer's mixes: the window key and, for one
@@ -1032,6 +1044,8 @@ class CudaBackend:
                 wts = self._index_weights(l, x, side=True)
         xq, qrq, q3 = self._query(l, c, x, xq)
         self._join()
+        if beside is not None:
+            beside()
         if c.rows is None:
             o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx, wts=wts)
         else:
