@@ -58,7 +58,7 @@ __all__ = ["window_write", "window_indices", "cache_write", "sparse_attention", 
 THREADS = 128
 WARP = 32
 HEADS_PER_BLOCK = 4          # heads sharing each key load (scores and values); a warp each in the value kernel
-assert HEADS_PER_BLOCK == THREADS // 32
+assert HEADS_PER_BLOCK == THREADS // WARP
 ROWS_PER_QUAD = 4            # most rows per quad of lanes in the score kernel (the launcher picks 1, 2 or 4)
 SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score block
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
