@@ -4,7 +4,10 @@ fused with its neighbours of a decode step (each fused form gives the bits of th
 Owns:
 - `rms_norm`: out = rms_norm(x, w); with `out_q` also out_q = act_quant_fp8(out) (kernels.gemv) from the same kernel.
 - `hc_rms_norm`: out = rms_norm(hc_pre(h, pre), w) (kernels.hc.hc_pre's collapse, recomputed per element and never
-  written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three.
+  written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three. With `vq`
+  it also stages out_q as kernels.vq_gemv's B operand (the halves and block scales vq_stage_kernel writes, bit for
+  bit: kernels.vq_gemv.stage_lane_device on each warp's block of 32, stage_pad_device for the padded codewords), so
+  the MoE's gate / up GEMV launches no staging kernel (the ffn norm of a layer; 4.9 us a launch on the H200).
 - `rms_norm_rope_q`: rms_norm, then kernels.rope's forward rotation of the tail (rope_pair_value_device, the pair's
   other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were.
 Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantiser's device function
@@ -38,16 +41,18 @@ import math
 import numpy as np
 from numba import cuda
 
+from ds4lib.formats.vq import VQ_DIM
 from kernels import bounded_jit
 from kernels.bf16 import round_bf16_device
-from kernels.fp8 import act_quant_fp8_lane_device
+from kernels.fp8 import act_quant_fp8_lane_amax_device, act_quant_fp8_lane_device
 from kernels.hc import HC
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
+from kernels.vq_gemv import SEG_CW, check_staged, mma_geometry, stage_lane_device, stage_pad_device
 from kernels.warp import block_sum_f64_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
-           "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel", "SIGNATURES"]
+           "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_rope_q_kernel", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
@@ -111,7 +116,7 @@ def _store_pass_device(xs, ws, scale, row, base, d, out):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q):
+def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
     """_store_pass_device and act_quant_fp8 of the stored values (D % 32 == 0: a warp's block is whole)."""
     for m in range(ELEMS):
         j = base + m * cuda.blockDim.x + cuda.threadIdx.x
@@ -120,6 +125,32 @@ def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q):
         if j < d:
             out[row, j] = y
             out_q[row, j] = q
+
+
+@cuda.jit(device=True, inline=True)
+def _store_qv_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
+    """_store_q_pass_device, and the quantised values staged as the VQ GEMV's B operand (xh, scl1: the halves and
+    scales vq_stage_kernel would write from out_q; kernels.vq_gemv.stage_lane_device)."""
+    lane = cuda.threadIdx.x % WARP
+    blk0 = (base + cuda.threadIdx.x - lane) // QUANT_BLOCK          # the warp's block of the first element
+    for m in range(ELEMS):
+        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
+        y = round_bf16_device(ws[m] * (xs[m] * scale))
+        q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
+        stage_lane_device(q, amq, blk0 + m * (cuda.blockDim.x // QUANT_BLOCK), lane, j < d, row, n_cwp, xh, scl1)
+        if j < d:
+            out[row, j] = y
+            out_q[row, j] = q
+
+
+@cuda.jit(device=True, inline=True)
+def _stage_pad_device(row, d, xh, scl1, n_cwp):
+    stage_pad_device(row, d // VQ_DIM, n_cwp, xh, scl1)
+
+
+@cuda.jit(device=True, inline=True)
+def _no_pad_device(row, d, xh, scl1, n_cwp):
+    pass
 
 
 @cuda.jit(device=True, inline=True)
@@ -139,22 +170,23 @@ def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_x_pass_device(xs, ws, scale, row, base, d, out, out_q):
+def _store_x_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
     _store_pass_device(xs, ws, scale, row, base, d, out)
 
 
-def _make_norm_kernel(hc_in, quant):
+def _make_norm_kernel(hc_in, quant, vq=False):
     """The row kernel of rms_norm (x [T, D]) or hc_rms_norm (`hc_in`: h [T, 4, D] and pre [T, 4] collapsed per
-    element), with act_quant_fp8 of the output into out_q (`quant`). Arguments (src, pre, w, eps, out, out_q); the
-    forms without them take and ignore a dummy pre / out_q. One body, the loads and stores chosen at build time."""
+    element), with act_quant_fp8 of the output into out_q (`quant`), and with `vq` (quant only) also out_q staged as
+    the VQ GEMV's B operand. Arguments (src, pre, w, eps, out, out_q), with `vq` then (xh, scl1, n_cwp); the forms
+    without pre / out_q take and ignore a dummy. One body, the loads and stores chosen at build time."""
     prep = _load_pre_device if hc_in else _no_pre_device
     load = _load_hc_pass_device if hc_in else _load_x_pass_device
-    store = _store_q_pass_device if quant else _store_x_pass_device
+    store = _store_qv_pass_device if vq else _store_q_pass_device if quant else _store_x_pass_device
+    pad = _stage_pad_device if vq else _no_pad_device
     jit = _row_jit()
 
-    @jit
-    def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
-        grid_entry_device()
+    @cuda.jit(device=True, inline=True)
+    def body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
         row = cuda.blockIdx.x
         d = src.shape[src.ndim - 1]
         step = cuda.blockDim.x * ELEMS
@@ -171,7 +203,19 @@ def _make_norm_kernel(hc_in, quant):
         for base in range(0, d, step):
             if step < d:                          # several passes: reload (one pass kept its values in registers)
                 load(src, pv, w, row, base, d, xs, ws)
-            store(xs, ws, scale, row, base, d, out, out_q)
+            store(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp)
+        pad(row, d, xh, scl1, n_cwp)
+
+    if vq:
+        @jit
+        def rms_norm_row_kernel(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
+            grid_entry_device()
+            body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp)
+    else:
+        @jit
+        def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
+            grid_entry_device()
+            body(src, pre, w, eps, out, out_q, out_q, out_q, 0)    # (xh, scl1, n_cwp: not read)
     return rms_norm_row_kernel
 
 
@@ -179,6 +223,7 @@ rms_norm_kernel = _make_norm_kernel(False, False)          # out[r] = bf16(w * (
 rms_norm_q_kernel = _make_norm_kernel(False, True)         # and out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0)
 hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pre), formed in registers
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
+hc_rms_norm_qv_kernel = _make_norm_kernel(True, True, vq=True)   # and out_q staged for kernels.vq_gemv
 
 
 def _make_rope_q_kernel():
@@ -232,6 +277,8 @@ SIGNATURES = {
     "hc_rms_norm_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
     "hc_rms_norm_q_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], "
                             "float32[:, :])",
+    "hc_rms_norm_qv_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], "
+                             "float32[:, :], uint32[:], float32[:], int64)",
 }
 
 
@@ -290,9 +337,12 @@ def rms_norm_rope_q(x, w, eps, positions, cos, sin, out, out_q, stream=0):
     return out
 
 
-def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, stream=0):
+def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
     """h [T, 4, D], pre [T, 4], w [D] float32 -> out = rms_norm(hc_pre(h, pre), w, eps) [T, D]; with out_q [T, D]
-    (D % 32 == 0) also out_q = act_quant_fp8(out). The collapsed x is not written."""
+    (D % 32 == 0) also out_q = act_quant_fp8(out). The collapsed x is not written. `vq` = (halves, scales) of
+    kernels.vq_gemv.stage_shapes(T, D) (with out_q): out_q also staged as the VQ GEMV's B operand, the bits
+    vq_gemv.vq_stage(out_q, quantize=False) writes, for vq_gemv(..., staged=vq) (the MoE's w1 / w3 input: one
+    launch fewer)."""
     shape = tuple(h.shape)
     if len(shape) != 3 or shape[1] != HC or h.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: h must be float32 [T, {HC}, D], got {h.dtype} {shape}")
@@ -300,7 +350,14 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, stream=0):
     if tuple(pre.shape) != (n_rows, HC) or pre.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
     out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
-    if n_rows and d:
+    if vq is not None:
+        if out_q is None:
+            raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")
+        check_staged(vq, n_rows, d, "hc_rms_norm")
+        if n_rows and d:
+            hc_rms_norm_qv_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
+                                                               mma_geometry(1, d)[2] * SEG_CW)
+    elif n_rows and d:
         kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
         kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out

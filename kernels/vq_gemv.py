@@ -18,6 +18,7 @@ Owns:
   gate g and the staging computes a = swiglu(g, u, limit, weights) as it loads (`vq_stage_swiglu_kernel`; one launch
   fewer per MoE layer than kernels.moe.swiglu then vq_gemv, the same bits: both run kernels.moe.swiglu_value_device,
   and a test holds the two paths bit-equal).
+- `vq_stage`: the activations as the GEMV's B operand (what `vq_gemv` launches first unless given it as `staged`).
 - `moe_combine`: y[t] = bf16( sum over the token's experts in ascending id of ye[t*K + k] + shared[t] ) (FP32,
   ds4lib.ref.moe.moe's order).
 Does not own: the router (kernels.moe.route), the SwiGLU step on its own (kernels.moe.swiglu: the shared expert, and
@@ -33,7 +34,9 @@ second one chained to it (each pair of E4M3 codes converted to halves by one `cv
 half of the codeword's register directly: kernels.mma.e4m3x8_to_f16x2_device). B needs the same
 8 inputs of pair g: a first kernel (`vq_stage_kernel`) turns the call's activation rows into E4M3 codes, stores
 them as halves in fragment order (16 bytes a lane and step: one load) and their power-of-two block scales (a step's
-32 inputs are one act_quant_fp8 block). The MMA outputs (rows g and g + 8, pairs 2t and 2t + 1) are scaled by the
+32 inputs are one act_quant_fp8 block). A producer of FP8-grid activations may write that operand itself
+(`stage_lane_device`, `stage_pad_device`; the engine's ffn norm, kernels.rms_norm) and pass it as `staged`: the
+call then launches no staging kernel. The MMA outputs (rows g and g + 8, pairs 2t and 2t + 1) are scaled by the
 pair's block scale and added in FP32 step by step: a fixed order per output, whatever the tile, so prefill, chunked
 prefill and decode give the same bits. Products of E4M3 codes are exact in the MMA; its FP32 sums are the
 hardware's, so the result matches the reference within a tolerance (the simulator's MMA is the ideal one). Why
@@ -70,13 +73,15 @@ from numba.cuda.core import config as _cuda_config
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
 from kernels import bounded_jit, rows_grid
 from kernels.bf16 import f16_bits_device, round_bf16_device
-from kernels.fp8 import code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device
+from kernels.fp8 import (code_word_device, f16_of_e4m3_value_device, fp8_block_scale_device, pow2_inverse_device,
+                         quant8_device)
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 
-__all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "moe_combine", "VQPlan",
+__all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "vq_stage", "stage_shapes",
+           "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "VQPlan",
            "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
            "vq_gemv_wide_kernel",
            "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
@@ -338,6 +343,47 @@ def _stage_slot_device(n_cwp):
 
 
 @cuda.jit(device=True, inline=True)
+def _staged_word_device(r, c, n_cwp):
+    """The first of the 4 staged words of codeword c of row r (its inputs 0-1, 2-3, 4-5, 6-7): the GEMV's fragment
+    order, c = 16s + 4k + t at 4 (r*Jp + 16s + 4t + k)."""
+    return 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
+
+
+@cuda.jit(device=True, inline=True)
+def stage_lane_device(q, amq, blk, lane, live, r, n_cwp, xh, scl1):
+    """vq_stage_kernel's output for one input, from a producer whose warp holds an aligned block of 32 FP8-grid
+    values, one a lane: q, input `lane` of block `blk` of row r (`live`: in the row, else nothing is written), amq the
+    block's largest |q| (kernels.fp8.act_quant_fp8_lane_amax_device). The block's scale P = fp8_block_scale(amq) (the
+    staging kernel's, from its quad maximum), the half of the E4M3 code q / P (exact: f16_of_e4m3_value_device, the
+    value cvt.rn.f16x2.e4m3x2 gives) paired with the neighbouring lane's into the word of inputs (2i, 2i + 1), written
+    by the even lane at _staged_word_device's place (codeword c = 4 blk + lane // 8: its word 4 (r Jp + 16 (blk // 4)
+    + 4 (lane // 8) + blk % 4) + (lane % 8) // 2, in unsigned arithmetic); the block's first lane writes P. The same
+    bits as vq_stage_kernel over the row (tests/kernels/test_rms_norm.py). Every lane of the warp calls it (one
+    shuffle)."""
+    p = fp8_block_scale_device(amq)
+    h = f16_of_e4m3_value_device(q * pow2_inverse_device(p))
+    pair = h | (np.uint32(cuda.shfl_xor_sync(0xFFFFFFFF, np.int32(h), 1)) << np.uint32(16))   # (a half: < 2^16)
+    b = np.uint32(blk)
+    e = np.uint32(lane)
+    if live and e % np.uint32(2) == np.uint32(0):
+        o = (np.uint32(64) * (b // np.uint32(4)) + np.uint32(4) * (b % np.uint32(4))
+             + np.uint32(16) * (e // np.uint32(8)) + (e % np.uint32(8)) // np.uint32(2))
+        xh[np.uint64(4 * r * n_cwp) + np.uint64(o)] = pair
+    if live and e == np.uint32(0):
+        scl1[np.uint64(r * (n_cwp // 4)) + np.uint64(b)] = p
+
+
+@cuda.jit(device=True, inline=True)
+def stage_pad_device(r, J, n_cwp, xh, scl1):
+    """The padded codewords J .. Jp - 1 of row r as vq_stage_kernel writes them (zero codes, scale 1), by the threads
+    of one block (J % 4 == 0: whole scale blocks), for a producer that stages the row's J codewords itself."""
+    for k in range(cuda.threadIdx.x, 4 * (n_cwp - J), cuda.blockDim.x):
+        xh[_staged_word_device(r, J + k // 4, n_cwp) + k % 4] = np.uint32(0)
+    for k in range(cuda.threadIdx.x, (n_cwp - J) // 4, cuda.blockDim.x):
+        scl1[r * (n_cwp // 4) + J // 4 + k] = np.float32(1.0)
+
+
+@cuda.jit(device=True, inline=True)
 def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red):
     """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
     lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
@@ -346,7 +392,7 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
     p = fp8_block_scale_device(am)
     word, _ = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, pow2_inverse_device(p))
     if ok:
-        o = 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
+        o = _staged_word_device(r, c, n_cwp)
         h0, h1, h2, h3 = e4m3x8_to_f16x2_device(word)
         xh[o] = h0
         xh[o + 1] = h1
@@ -834,12 +880,43 @@ def vq_plan(ids, n_experts, *, tile_rows=1, out=None, stream=0):
 
 def scratch_bytes(n_x, cols):
     """Device scratch of one vq_gemv call over n_x activation rows of `cols` inputs (staged halves and scales)."""
+    (xh, _), (scl, _) = stage_shapes(n_x, cols)
+    return xh[0] * 4 + scl[0] * 4
+
+
+def stage_shapes(n_x, cols):
+    """((shape, dtype) of the staged halves, (shape, dtype) of the block scales) of n_x activation rows of `cols`
+    inputs: the GEMV's B operand (vq_stage_kernel's docstring), for `vq_stage` and `vq_gemv(staged=...)`."""
     n_cwp = mma_geometry(1, cols)[2] * SEG_CW
-    return n_x * n_cwp * 16 + n_x * (n_cwp // 4) * 4
+    return ((n_x * n_cwp * 4,), np.uint32), ((n_x * n_cwp // 4,), np.float32)
+
+
+def check_staged(staged, n_x, cols, name):
+    """Refuses (with a ValueError naming `name`) a (halves, scales) pair that is not of stage_shapes(n_x, cols)."""
+    shapes = stage_shapes(n_x, cols)
+    if len(staged) != 2 or any(a.dtype != dt or tuple(a.shape) != sh for a, (sh, dt) in zip(staged, shapes)):
+        raise ValueError(f"{name}: staged must be (uint32 {shapes[0][0]}, float32 {shapes[1][0]}) for {n_x} rows of "
+                         f"{cols} inputs, got {[(a.dtype, tuple(a.shape)) for a in staged]}")
+
+
+def vq_stage(x, *, quantize, out, stream=0):
+    """x float32 [n_x, Kin] (Kin % 32 == 0) -> out = (halves, scales) of `stage_shapes(n_x, Kin)`: the activations as
+    the GEMV's B operand (vq_stage_kernel; `quantize`: act_quant_fp8's rule applied first, else x holds FP8-grid
+    values). What `vq_gemv` runs first unless it is given `staged`; a producer that holds the FP8 values can write the
+    same bits itself (stage_lane_device, stage_pad_device: kernels.rms_norm.hc_rms_norm's `vq`)."""
+    if x.dtype != np.float32 or len(tuple(x.shape)) != 2 or x.shape[1] % 32:
+        raise ValueError(f"vq_stage: x must be float32 [n, Kin] with Kin % 32 == 0, got {x.dtype} {tuple(x.shape)}")
+    n_x, cols = (int(v) for v in x.shape)
+    check_staged(out, n_x, cols, "vq_stage")
+    n_cwp = mma_geometry(1, cols)[2] * SEG_CW
+    if n_x:
+        vq_stage_kernel[rows_grid(math.ceil(n_cwp / STAGE_THREADS), n_x), STAGE_THREADS, stream](
+            x, bool(quantize), cols // VQ_DIM, n_cwp, *out)
+    return out
 
 
 def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, scale=None, quantize=True, swiglu=None,
-            out=None, scratch=None, stream=0):
+            staged=None, out=None, scratch=None, stream=0):
     """Routed-expert GEMV (module docstring) -> out float32 [len(mats), n_pairs, R] (BF16 values).
 
     x float32 [n_x, Kin] (pair p reads row p // x_div: the token for w1/w3 with x_div = K, the pair's own SwiGLU row
@@ -849,6 +926,8 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     [E, R] (sidecar gains of w2) or None; quantize: x is unquantised (act_quant_fp8's rule is applied first).
     swiglu: (u, weights, limit) with u float32 like x, weights float32 [n_x] or None: x is the gate g, and the
     staging reads a = kernels.moe.swiglu(g, u, limit, weights) instead of x (bit for bit; quantize=True only).
+    staged: (halves, scales) that `vq_stage(x, quantize=quantize)` would write, written already (by the producer of
+    x): the staging launch is skipped, and x gives only the row count (not with swiglu).
     """
     rows, cols = (int(v) for v in shape)
     mats = tuple(int(m) for m in mats)
@@ -886,6 +965,10 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
                              f"{tuple(u.shape)}")
         if weights is not None and (weights.dtype != np.float32 or tuple(weights.shape) != (x.shape[0],)):
             raise ValueError(f"vq_gemv: swiglu weights must be float32 [{x.shape[0]}] or None")
+    if staged is not None:
+        if swiglu is not None:
+            raise ValueError("vq_gemv: staged and swiglu exclude each other (the SwiGLU step is in the staging)")
+        check_staged(staged, int(x.shape[0]), cols, "vq_gemv")
     n_pairs = plan.n_pairs
     if plan.n_experts != n_exp or x_div <= 0 or (n_pairs and (n_pairs - 1) // x_div >= x.shape[0]):
         raise ValueError("vq_gemv: the plan, the experts and x do not fit")
@@ -898,16 +981,19 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
         return out
     n_x = int(x.shape[0])
     n_cwp = n_seg * SEG_CW
-    xh = _scratch(scratch, "x_halves", (n_x * n_cwp * 4,), np.uint32, stream)
-    scl1 = _scratch(scratch, "x_scales", (n_x * n_cwp // 4,), np.float32, stream)
-    grid = rows_grid(math.ceil(n_cwp / STAGE_THREADS), n_x)
-    if swiglu is None:
-        vq_stage_kernel[grid, STAGE_THREADS, stream](x, bool(quantize), J, n_cwp, xh, scl1)
+    if staged is not None:
+        xh, scl1 = staged                                # written by x's producer
     else:
-        has_w = weights is not None
-        w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
-        vq_stage_swiglu_kernel[grid, STAGE_THREADS, stream](
-            x, u, w, has_w, np.float32(limit), J, n_cwp, xh, scl1)
+        (xh_shape, xh_type), (scl_shape, scl_type) = stage_shapes(n_x, cols)
+        xh = _scratch(scratch, "x_halves", xh_shape, xh_type, stream)
+        scl1 = _scratch(scratch, "x_scales", scl_shape, scl_type, stream)
+        if swiglu is None:
+            vq_stage(x, quantize=quantize, out=(xh, scl1), stream=stream)
+        else:
+            has_w = weights is not None
+            w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
+            vq_stage_swiglu_kernel[rows_grid(math.ceil(n_cwp / STAGE_THREADS), n_x), STAGE_THREADS, stream](
+                x, u, w, has_w, np.float32(limit), J, n_cwp, xh, scl1)
     dummy = _scratch(scratch, "no_plane", (1,), np.uint8, stream)
     no_scale = _scratch(scratch, "no_scale", (1, 1), np.float32, stream)
     n_units = n_pairs * n_mats * -(-n_rg // RG_PER_UNIT)    # an upper bound: a tile holds at least one pair

@@ -33,8 +33,10 @@
 #   base      the same, graph replay only (--graph-only), with ab_head/'s files: the newest kernel change's A/B
 #   before    the same, graph only, on the "before" files of ab/
 #   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
-#   unfused   the same, graph only, through bench/dev/attn_unfused.py: the queries' RoPE and the window write as
-#             launches of their own again (the twenty-fourth session's fusions, untimed there)
+#   unfused   the same, graph only, through bench/dev/unfused.py --split attn: the queries' RoPE and the window write
+#             as launches of their own again (the twenty-fourth session's fusions, untimed there)
+#   unfused_vq  the same, --split vq: the MoE's gate / up input staged by its own launch again, not by the ffn norm
+#             (the twenty-fifth session's fusion, untimed there)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -45,7 +47,10 @@
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
-# DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
+# DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_ROUNDS=N runs the decode variants (decode, base, before,
+# flags, unfused, unfused_vq: those asked for) N times in turn, files of rounds after the first named *_rN (one
+# lease's drift is as large as most single changes: compare alternating runs); summary.txt ends with every decode
+# run's graph figures in the order they ran; DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
 # parts' caps (a warm machine needed 125 s for "before", 123 s for "trace" and about 300 s for all 41 engine tests).
 # The caps add up to more than one call's 560 s, and a fresh machine compiles every kernel first (~130 s; a
 # swapped-in file recompiles its module), so a first call stops around "flags": run the rest as later calls, e.g.
@@ -61,7 +66,8 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,vq,trace,engine,index}
+PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,unfused_vq,vq,trace,engine,index}
+ROUNDS=${DS4_ROUNDS:-1}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -125,26 +131,39 @@ probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$
             --save "$OUT/bits$1"
     done
 }
+for R in $(seq 1 "$ROUNDS"); do     # DS4_ROUNDS: the decode variants in turn, again and again (one lease drifts)
+S=$([ "$R" = 1 ] && echo "" || echo "_r$R")
 if want decode; then
-    run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
+    if [ "$R" = 1 ]; then
+        run decode 200 decode.log $PY "${DECODE[@]}" --out "$OUT/decode.jsonl"
+    else
+        run "decode$S" 110 decode.log $PY "${AB_DECODE[@]}" --out "$OUT/decode$S.jsonl"
+    fi
 fi
 if want base && have_ab "$AB_HEAD"; then
     swap_in "$AB_HEAD"
-    run "decode (base)" 110 base.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_base.jsonl"
+    run "decode (base)$S" 110 base.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_base$S.jsonl"
     swap_out
 fi
 if want before && have_ab; then
     swap_in
-    run "decode (before)" "${DS4_BEFORE_CAP:-110}" before.log $PY "${AB_DECODE[@]}" --out "$OUT/decode_before.jsonl"
+    run "decode (before)$S" "${DS4_BEFORE_CAP:-110}" before.log $PY "${AB_DECODE[@]}" \
+        --out "$OUT/decode_before$S.jsonl"
     swap_out
 fi
 if want flags; then
-    run "decode, indexer flags on" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" --out "$OUT/decode_flags.jsonl"
+    run "decode, indexer flags on$S" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" \
+        --out "$OUT/decode_flags$S.jsonl"
 fi
 if want unfused; then
-    run "decode, attention launches unfused" 110 unfused.log $PY bench/dev/attn_unfused.py "${AB_DECODE[@]:1}" \
-        --out "$OUT/decode_unfused.jsonl"
+    run "decode, attention launches unfused$S" 110 unfused.log $PY bench/dev/unfused.py --split attn \
+        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused$S.jsonl"
 fi
+if want unfused_vq; then
+    run "decode, VQ staging unfused$S" 110 unfused_vq.log $PY bench/dev/unfused.py --split vq "${AB_DECODE[@]:1}" \
+        --out "$OUT/decode_unfused_vq$S.jsonl"
+fi
+done
 if want vq; then
     probes "" ""
     if have_ab; then
@@ -169,4 +188,14 @@ fi
 if want index; then
     run index_probe 60 index.jsonl $PY bench/dev/index_probe.py
 fi
+# the graph replay of every decode run, in the order they ran: variant, context, ms a token, nodes, last token
+ls -tr "$OUT"/decode*.jsonl 2>/dev/null | while read -r f; do
+    $PY -c "import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    g = r.get('graph') if r.get('kind') == 'context' else None
+    if g:
+        print(f\"{sys.argv[1].rsplit('/', 1)[-1]:30s} {r['context']:>6} {g['ms_per_token']:>7} ms {g['tokens_per_s']:>7} \"
+              f\"tok/s {g.get('graph_nodes')} nodes, last {g.get('last_token')}\")" "$f" | tee -a "$SUMMARY"
+done
 note "total $(( $(date +%s) - START ))s"

@@ -1010,9 +1010,11 @@ class CudaBackend:
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
-        rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
-        y = self._moe(l, c, x, xq, observer, beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"],
-                                                                        w["hc_ffn_scale"], out=mix_f, **kw))
+        staged = tuple(self._buf(f"x_ffn_vq{i}", sh, dt) for i, (sh, dt) in enumerate(vq_gemv.stage_shapes(T, D)))
+        rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, stream=s)
+        y = self._moe(l, c, x, xq, observer, staged=staged,
+                      beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
+                                                 **kw))
         if observer:
             observer(l, "moe_out", y.copy_to_host())
         hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
@@ -1235,8 +1237,9 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, xq, observer, beside=None):
-        """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values): routing (with the expert plan for one
+    def _moe(self, l, c, x, xq, observer, beside=None, staged=None):
+        """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values; `staged`: xq as the VQ GEMV's B operand,
+        written by the norm that made xq, else staged by the gate / up call): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
         the side stream from the fork on, the expert-major combine. The side stream's work reads only xq, h and
@@ -1270,7 +1273,7 @@ class CudaBackend:
             fork(False)
             ysh = self._shared_expert(l, T, xq, side=False)   # serially, before the routed experts
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
-        gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False,
+        gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False, staged=staged,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
         ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),

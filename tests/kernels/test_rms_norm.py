@@ -222,6 +222,44 @@ def test_fused_rms_norms_over_several_passes(cuda_ready):
         np.testing.assert_array_equal(got[i], want_q, err_msg=f"out_q {i}")
 
 
+def _staged(cuda, T, D, fill):
+    """A (halves, scales) pair for T rows of D inputs, every word set to `fill` (so that an unwritten one shows)."""
+    from kernels.vq_gemv import stage_shapes
+    (sh_h, dt_h), (sh_s, dt_s) = stage_shapes(T, D)
+    return cuda.to_device(np.full(sh_h, fill, dt_h)), cuda.to_device(np.full(sh_s, fill, np.uint32).view(dt_s))
+
+
+@pytest.mark.parametrize("T,D,threads", [(3, 96, None), (2, 1056, None), (1, 512, None), (3, 512, 32)])
+def test_hc_rms_norm_stages_the_vq_operand_as_vq_stage(cuda_ready, T, D, threads):
+    """`vq=`: out and out_q as without it, and the halves and scales bit-equal to kernels.vq_gemv.vq_stage of out_q
+    (quantize=False), the staging launch it replaces: D = 96 and 1,056 pad the codewords to a multiple of 16 (4 and
+    12 padded codewords, one and three whole scale blocks); 512 pads none; 32 threads on 512 take two passes. The
+    cases hold a zero token (scale 1), rows spanning 2^-20 .. 2^11 (subnormal codes) and every NaN-free sign."""
+    from kernels.rms_norm import hc_rms_norm, hc_rms_norm_q_kernel, hc_rms_norm_qv_kernel
+    from kernels.vq_gemv import SEG_CW, mma_geometry, vq_stage
+    rng = np.random.default_rng(40 + D)
+    h, pre, w = _hc_case(rng, T, D)
+    d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
+    want, want_q = cuda_ready.device_array((T, D), np.float32), cuda_ready.device_array((T, D), np.float32)
+    out, out_q = cuda_ready.device_array((T, D), np.float32), cuda_ready.device_array((T, D), np.float32)
+    got_vq = _staged(cuda_ready, T, D, 0xFFFFFFFF)                    # NaN scales, all-ones words
+    if threads is None:
+        hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=want, out_q=want_q)
+        hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=out, out_q=out_q, vq=got_vq)
+    else:
+        n_cwp = mma_geometry(1, D)[2] * SEG_CW
+        hc_rms_norm_q_kernel[T, threads](d_h, d_pre, d_w, np.float32(1e-6), want, want_q)
+        hc_rms_norm_qv_kernel[T, threads](d_h, d_pre, d_w, np.float32(1e-6), out, out_q, *got_vq, n_cwp)
+    want_vq = vq_stage(want_q, quantize=False, out=_staged(cuda_ready, T, D, 0x7F7F7F7F))
+    np.testing.assert_array_equal(_bits(out.copy_to_host()), _bits(want.copy_to_host()))
+    np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q.copy_to_host()))
+    for name, g, e in zip(("halves", "scales"), got_vq, want_vq):
+        np.testing.assert_array_equal(g.copy_to_host().view(np.uint32), e.copy_to_host().view(np.uint32),
+                                      err_msg=name)
+    halves = want_vq[0].copy_to_host()
+    assert (halves & 0x8000).any() and (halves & 0x7FFF).any()         # negative and nonzero codes were staged
+
+
 def test_fused_rms_norms_refuse_bad_arguments():
     """Checked before any launch (host arrays suffice)."""
     from kernels.rms_norm import hc_rms_norm, rms_norm
@@ -238,8 +276,18 @@ def test_fused_rms_norms_refuse_bad_arguments():
         lambda: hc_rms_norm(f32(2, 4, 64), f32(2, 4), f32(64).astype(np.float64), 1e-6),   # w dtype
         lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 64)),    # out_q shape
         lambda: hc_rms_norm(f32(2, 4, 80), f32(2, 4), f32(80), 1e-6, out_q=f32(2, 80)),    # D % 32 != 0
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, vq=_host_staged(2, 96)),   # vq without out_q
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
+                            vq=_host_staged(1, 96)),                                       # vq for one row
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
+                            vq=_host_staged(2, 96)[::-1]),                                 # vq's arrays swapped
     ]
     for i, call in enumerate(bad):
         with pytest.raises(ValueError):
             call()
             pytest.fail(f"case {i} did not raise")
+
+
+def _host_staged(T, D):
+    from kernels.vq_gemv import stage_shapes
+    return tuple(np.zeros(sh, dt) for sh, dt in stage_shapes(T, D))

@@ -4,7 +4,7 @@ Simulator shapes are tiny (the MMA is emulated exactly there). Covered: the devi
 and codewords padded, w2 transposed), long rows (J = 320: twenty blocks, 3 rows padded to 16), short rows (J = 12,
 padded to 16), 12- and 13-bit layers, one-pair tiles and tiles of 2 and 16 pairs (MMA columns 8..15), bit equality
 between tile sizes, sidecar gains, empty experts, NaN codebooks refused, SwiGLU folded into the w2 staging (bit-equal
-to kernels.moe.swiglu then the GEMV).
+to kernels.moe.swiglu then the GEMV), an operand staged by x's producer (`staged=`, bit-equal to the staging launch).
 """
 import numpy as np
 import pytest
@@ -223,6 +223,37 @@ def test_staging_blocks_step_over_rows_past_the_grid(cuda_ready, monkeypatch):
     monkeypatch.setattr(kernels, "GRID_Y_MAX", 2)           # read by kernels.rows_grid
     np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, **kw).copy_to_host(), want[0])
     np.testing.assert_array_equal(vq.vq_gemv(d_x, plan, *dl, swiglu=(d_u, None, 2.0), **kw).copy_to_host(), want[1])
+
+
+def test_staged_operand_skips_the_staging_with_the_same_bits(cuda_ready):
+    """`staged=` (the B operand written by x's producer, here vq_stage itself) gives the bits of the call that stages
+    x, for FP8-grid x (the MoE's w1 / w3) and for raw x staged with quantize=True; wrong shapes, a staged operand with
+    SwiGLU, and a stale operand (it is used as given: x's values are not read) behave as documented."""
+    from kernels.vq_gemv import stage_shapes, vq_gemv, vq_plan, vq_stage
+    rng = np.random.default_rng(12)
+    n_exp, rows, cols, k_act = 3, 16, 96, 2
+    dl = _device_layer(cuda_ready, _layer(rng, n_exp, rows, cols, 13))
+    ids = np.array([[2, 0], [1, 2]], np.int32)
+    plan = vq_plan(cuda_ready.to_device(ids), n_exp)
+    x = round_bf16(rng.standard_normal((2, cols)) * 2)
+    kw = dict(mats=(0, 2), shape=(rows, cols), x_div=k_act)
+    for quantize, xs in ((False, act_quant_fp8(x, 32)), (True, x)):
+        d_x = cuda_ready.to_device(xs)
+        staged = tuple(cuda_ready.device_array(sh, dt) for sh, dt in stage_shapes(2, cols))
+        vq_stage(d_x, quantize=quantize, out=staged)
+        want = vq_gemv(d_x, plan, *dl, quantize=quantize, **kw).copy_to_host()
+        got = vq_gemv(d_x, plan, *dl, quantize=quantize, staged=staged, **kw).copy_to_host()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"quantize={quantize}")
+    zeros = cuda_ready.to_device(np.zeros((2, cols), np.float32))            # x unread: the staged operand counts
+    np.testing.assert_array_equal(vq_gemv(zeros, plan, *dl, staged=staged, **kw).copy_to_host(), want)
+    with pytest.raises(ValueError, match="staged"):
+        vq_gemv(d_x, plan, *dl, staged=staged[::-1], **kw)
+    with pytest.raises(ValueError, match="staged"):
+        vq_gemv(d_x[:1], vq_plan(cuda_ready.to_device(ids[:1]), n_exp), *dl, staged=staged, **kw)
+    with pytest.raises(ValueError, match="staged"):
+        vq_gemv(d_x, plan, *dl, mats=(1,), shape=(rows, cols), staged=staged, swiglu=(d_x, None, 2.0))
+    with pytest.raises(ValueError, match="vq_stage"):
+        vq_stage(d_x, quantize=False, out=tuple(cuda_ready.device_array(sh, dt) for sh, dt in stage_shapes(1, cols)))
 
 
 def test_tiles_of_sixteen_pairs_equal_one_pair_tiles(cuda_ready):

@@ -1,0 +1,73 @@
+"""Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
+either way, so the last greedy token must be too):
+
+    python bench/dev/unfused.py --split attn|vq|attn,vq --contexts 1024,65536 --rounds 3 --trace-steps 0 \
+        --graph-only --out F.jsonl
+
+- `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
+  attention, and the window ring's write as its own window_write launch after it. It wraps
+  kernels.attention.sparse_attention, so every caller (the engine's layers, the DSpark drafts) takes the unfused
+  launches; the score and combine kernels then run with their fused paths switched off. The softmax, which the same
+  session moved into the value kernel, stays there (its old kernel is gone: time it against the tree before the
+  fusions, BENCHMARKS.md "Next device call").
+- `vq` (the twenty-fifth session's): the MoE's gate / up input staged by its own vq_stage launch again, not by the
+  ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`).
+"""
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import kernels.attention as attention  # noqa: E402
+import kernels.rms_norm as rms_norm  # noqa: E402
+import kernels.rope as rope  # noqa: E402
+import kernels.vq_gemv as vq_gemv  # noqa: E402
+
+SPLITS = ("attn", "vq")
+
+
+def _split_attention():
+    fused = attention.sparse_attention
+
+    def sparse_attention_unfused(q, *args, rope_q=None, window=None, stream=0, **kw):
+        """sparse_attention with `rope_q` as a rope launch (in place on q, as the engine's query path did) and
+        `window` as a window_write launch."""
+        if rope_q is not None:
+            rope.rope(q, *rope_q, stream=stream)
+        out = fused(q, *args, stream=stream, **kw)
+        if window is not None:
+            attention.window_write(*window, stream=stream)
+        return out
+    attention.sparse_attention = sparse_attention_unfused
+
+
+def _split_vq():
+    norm, gemv = rms_norm.hc_rms_norm, vq_gemv.vq_gemv
+
+    def hc_rms_norm_unstaged(*args, vq=None, **kw):
+        return norm(*args, **kw)
+
+    def vq_gemv_staging(*args, staged=None, **kw):
+        return gemv(*args, **kw)
+    rms_norm.hc_rms_norm = hc_rms_norm_unstaged
+    vq_gemv.vq_gemv = vq_gemv_staging
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--split", default="attn,vq", help=f"comma-separated, of {', '.join(SPLITS)}")
+    args, rest = ap.parse_known_args(argv)
+    which = [s for s in args.split.split(",") if s]
+    if not which or any(s not in SPLITS for s in which):
+        ap.error(f"--split {args.split!r}: expected a comma-separated list of {', '.join(SPLITS)}")
+    for s in which:
+        {"attn": _split_attention, "vq": _split_vq}[s]()
+    sys.argv = [str(ROOT / "bench" / "bench_v41_decode.py")] + rest
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
