@@ -33,7 +33,8 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    back into z: the same operations in the same order.)
 4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
    (`inverse_rope`, kernels.rope's arithmetic) and the window ring's write after the attention read it (`window`,
-   window_write's stores): one launch fewer per layer each.
+   window_write's stores): one launch fewer per layer each; and the output staged for the output projection's
+   integer tensor-core path (`im_stage`, kernels.q4k_gemv.im_stage_lane_device: wo_a's q4k_im_stage launch).
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
 Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
@@ -44,9 +45,10 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit
+from kernels import bounded_jit, q4k_gemv
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
 from kernels.pdl import grid_entry_device
+from kernels.q4k_gemv import im_stage_lane_device
 from kernels.rope import rope_pair_value_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.warp import warp_tree_sum_device
@@ -376,12 +378,15 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
 
 
 @bounded_jit(THREADS)
-def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ring, ring_pos, has_window, out):
+def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ring, ring_pos, has_window, xd, ps,
+                        has_stage, out):
     """out[t, h, d] = bf16(sum_s part[t, s, h, d] / den[t, h]), 0 where den == 0 (no valid row); with `has_rope`
     the tail's adjacent pairs then rotate back to positions[t] exactly as kernels.rope's inverse rotation does
     (the pair's other value from the neighbouring lane: a pair never straddles a warp). With `has_window` the
     threads of head 0 also do window_write_kernel's stores of kv [T, Dh] at kv_pos into ring / ring_pos: every
-    read of the ring in this attention (scores, values) is done by then."""
+    read of the ring in this attention (scores, values) is done by then. With `has_stage` the output, as the flat
+    [T, H * Dh] input of the output projection, is also staged for kernels.q4k_gemv's integer path into xd / ps
+    (im_stage_lane_device: a warp's 32 outputs are one block of 32 of that row)."""
     grid_entry_device()
     n_tok, n_split, n_heads, dh = part.shape
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -417,6 +422,8 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ri
             c = cos[positions[t], p]
             sn = -sin[positions[t], p]
             v = rope_pair_value_device(v, other, d % 2 == 1, c, sn)
+    if has_stage:                                     # every lane: the staging's warp reductions
+        im_stage_lane_device(v if ok else np.float32(0.0), g // WARP, g % WARP, ok, xd, ps)
     if ok:
         out[t, h, d] = v
 
@@ -430,7 +437,8 @@ SIGNATURES = {
     "attn_value_kernel": "void(float32[:, :, :], float32[:], uint64[:, :], int32[:, :], uint64[:, :], int32[:, :], "
                          "float32[:, :], float32[:, :, :, :])",
     "attn_combine_kernel": "void(float32[:, :, :, :], float32[:, :], int64[:], float32[:, :], float32[:, :], boolean, "
-                           "float32[:, :], int64[:], uint16[:, :], int64[:], boolean, float32[:, :, :])",
+                           "float32[:, :], int64[:], uint16[:, :], int64[:], boolean, uint32[:], float32[:], boolean, "
+                           "float32[:, :, :])",
 }
 
 
@@ -514,7 +522,7 @@ def _rope_args(rope, name, q, scratch, stream):
 
 
 def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=None, n_split=None, scratch=None,
-                     stream=0, rows_per_quad=None, inverse_rope=None, rope_q=None, window=None):
+                     stream=0, rows_per_quad=None, inverse_rope=None, rope_q=None, window=None, im_stage=None):
     """q [T, H, Dh] float32; win_keys [Nw, Dh] uint16 (BF16 bits) with win_idx [T, Kw] int32 rows (-1 invalid);
     cmp_keys [Nc, Dh] uint16 with cmp_idx [T, Kc] int32 (or both None); sink [H] float32 -> out [T, H, Dh].
     `scratch` (a dict kept by the caller) holds the temporaries across calls. `inverse_rope` = (positions [T] int64,
@@ -523,7 +531,10 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     query, and the scores use it rotated as `rope.rope(q, positions, cos, sin)` would leave it, without that launch
     (q itself is left as it is). `window` = (kv [T, Dh], positions [T], ring, ring_pos): after attending, the window
     ring is written as `window_write(*window)` would write it, by the combine kernel (one launch fewer; the ring
-    may be what win_keys views)."""
+    may be what win_keys views). `im_stage` = (digits, pairs) of kernels.q4k_gemv.im_stage_shapes(T, H * Dh): the
+    output is also staged for the output projection's integer path as `q4k_gemv.im_stage(out.reshape(T, H * Dh),
+    quantize=False)` would stage it (finite outputs: bit for bit), for q4k_gemv(..., staged=im_stage); out must then
+    be C-contiguous."""
     n_tok, n_heads, dh = tuple(q.shape)
     if q.dtype != np.float32 or dh % 4 or dh > DH_MAX or n_heads % HEADS_PER_BLOCK:
         raise ValueError(f"sparse_attention: q must be float32 [T, H, Dh] with H % {HEADS_PER_BLOCK} == 0, "
@@ -569,7 +580,16 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
         _check_window(kv, kv_pos, ring, ring_pos, "sparse_attention window")
         if kv.shape[0] != n_tok:
             raise ValueError(f"sparse_attention: window kv {kv.shape} does not fit q {q.shape}")
+    if im_stage is None:
+        xd = _scratch(scratch, "no_digits", (1,), np.uint32, stream)
+        ps = _scratch(scratch, "no_pairs", (1,), np.float32, stream)
+    else:
+        if not out.is_c_contiguous() or dh % WARP:
+            raise ValueError("sparse_attention: im_stage needs a C-contiguous out and Dh % 32 == 0")
+        q4k_gemv.check_im_staged(im_stage, n_tok, n_heads * dh, "sparse_attention")
+        xd, ps = im_stage
     attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, positions, cos, sin,
                                                                        inverse_rope is not None, kv, kv_pos, ring,
-                                                                       ring_pos, window is not None, out)
+                                                                       ring_pos, window is not None, xd, ps,
+                                                                       im_stage is not None, out)
     return out

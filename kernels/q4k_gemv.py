@@ -71,13 +71,14 @@ from kernels.gemv import act_quant_fp8
 from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
                          mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
-from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
+from kernels.warp import group_amax_device, quad_max_device, quad_sum_device, warp_sum_device, warp_tree_sum_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
-           "im_fits", "mma_splits", "mma_part_rows", "mma_part_bytes",
+           "im_fits", "im_path", "im_stage", "im_stage_shapes", "im_stage_lane_device", "check_im_staged",
+           "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -719,6 +720,46 @@ def _im_int_device(v, inv):
 
 
 @cuda.jit(device=True, inline=True)
+def _im_scale_device(am):
+    """(p, 1 / p) of a block whose largest |x| is am: max |x| / p in [2^IM_E_TOP, 2^(IM_E_TOP+1)), p = 1 for am = 0,
+    2^-126 <= p <= 2^126."""
+    e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
+    e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
+    return bits_f32(np.uint32(e + 127) << np.uint32(23)), bits_f32(np.uint32(127 - e) << np.uint32(23))
+
+
+@cuda.jit(device=True, inline=True)
+def im_stage_lane_device(v, blk, lane, live, xd, ps):
+    """q4k_im_stage_kernel's output (raw = False) for one input, from a producer whose warp holds an aligned block of
+    32 FP32 activations, one a lane: v, input `lane` of block `blk` of the flat [T * kx] activations (`live`: a real
+    input, else v is 0 and nothing is written). The block's max |v| and its non-finite flag by warp reductions, p and
+    X = round(v / p) as the staging kernel forms them (_im_scale_device, _im_int_device); the block's X summed over
+    the warp (an exact integer: the same value in any order); lanes 4i gather the X of lanes 4i .. 4i + 3 and write
+    their d0, d1, d2 bytes and a zero word into job 4 blk + i // 2's eight words (its inputs 0-3 from lane 8j, 4-7
+    from lane 8j + 4); lane 0 writes (p, sum), p NaN when the block holds a NaN or an infinity. The same bits as the
+    staging kernel for finite blocks (tests/kernels/test_attention.py); in a non-finite block the digits may differ
+    (the max of a NaN is taken in another order) but p is NaN either way, so are its rows' outputs. Every lane of the
+    warp calls it (shuffles)."""
+    fin = abs(v) <= FLT_MAX
+    bad = group_amax_device(np.float32(0.0) if fin else np.float32(1.0), WARP) > np.float32(0.0)
+    p, inv = _im_scale_device(group_amax_device(v if fin else np.float32(0.0), WARP))
+    x = _im_int_device(v, inv)
+    sm = warp_tree_sum_device(x)                             # lane 0's: exact, as the quads' sum
+    x1 = cuda.shfl_down_sync(0xFFFFFFFF, x, 1)
+    x2 = cuda.shfl_down_sync(0xFFFFFFFF, x, 2)
+    x3 = cuda.shfl_down_sync(0xFFFFFFFF, x, 3)
+    if live and lane % 4 == 0:
+        o = np.uint64(32 * blk + 8 * (lane // 8) + (lane % 8) // 4)
+        xd[o] = _im_bytes4_device(x, x1, x2, x3, 0)
+        xd[o + np.uint64(2)] = _im_bytes4_device(x, x1, x2, x3, 8)
+        xd[o + np.uint64(4)] = _im_bytes4_device(x, x1, x2, x3, 16)
+        xd[o + np.uint64(6)] = np.uint32(0)
+    if live and lane == 0:
+        ps[np.uint64(2 * blk)] = np.float32(np.nan) if bad else p
+        ps[np.uint64(2 * blk + 1)] = np.float32(sm)
+
+
+@cuda.jit(device=True, inline=True)
 def _im_bytes4_device(a, b, c, d, shift):
     """Byte (x >> shift) & 255 of four int32 values packed low first (two's complement: a signed digit's byte)."""
     m = np.int32(255)
@@ -750,10 +791,7 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
            and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
     bad = quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
-    e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
-    e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
-    p = bits_f32(np.uint32(e + 127) << np.uint32(23))
-    inv = bits_f32(np.uint32(127 - e) << np.uint32(23))
+    p, inv = _im_scale_device(am)
     i0, i1, i2, i3 = _im_int_device(v0, inv), _im_int_device(v1, inv), _im_int_device(v2, inv), _im_int_device(v3, inv)
     i4, i5, i6, i7 = _im_int_device(v4, inv), _im_int_device(v5, inv), _im_int_device(v6, inv), _im_int_device(v7, inv)
     sm = quad_sum_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])   # exact integers
@@ -1193,8 +1231,47 @@ def _row_length(w, kind, name):
 
 
 # ----------------------------------------------------------------------------------------------- launchers
+def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
+    """Whether q4k_gemv takes the integer tensor-core path (q4k_imma_kernel, staged by q4k_im_stage_kernel) for a
+    C-contiguous x and these weights and flags: a function of the shape and flags alone (q4k_gemv's docstring)."""
+    rpg = n_rows if rows_per_group is None else int(rows_per_group)
+    mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows
+    return bool(kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg)
+                and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
+
+
+def im_stage_shapes(n_tok, kx):
+    """(shape, dtype) of the integer path's staged digits and of its (p, sum) pairs for n_tok rows of kx inputs."""
+    return ((n_tok * kx,), np.uint32), ((n_tok * kx // 16,), np.float32)
+
+
+def check_im_staged(staged, n_tok, kx, name):
+    """Refuses (with a ValueError naming `name`) a (digits, pairs) pair that is not of im_stage_shapes(n_tok, kx)."""
+    shapes = im_stage_shapes(n_tok, kx)
+    if len(staged) != 2 or any(a.dtype != dt or tuple(a.shape) != sh for a, (sh, dt) in zip(staged, shapes)):
+        raise ValueError(f"{name}: staged must be (uint32 {shapes[0][0]}, float32 {shapes[1][0]}) for {n_tok} rows of "
+                         f"{kx} inputs, got {[(a.dtype, tuple(a.shape)) for a in staged]}")
+
+
+def im_stage(x, *, quantize, out, stream=0):
+    """x float32 [T, kx] (C-contiguous, kx % 32 == 0) -> out = (digits, pairs) of im_stage_shapes(T, kx): the integer
+    path's operands (q4k_im_stage_kernel; `quantize`: act_quant_fp8's rule first). What q4k_gemv launches first on
+    that path unless it is given `staged`; a producer that holds the activations a warp block at a time can write the
+    same bits itself (im_stage_lane_device: kernels.attention.sparse_attention's `im_stage`)."""
+    if x.dtype != np.float32 or len(tuple(x.shape)) != 2 or x.shape[1] % 32 or not _contiguous(x):
+        raise ValueError(f"im_stage: x must be C-contiguous float32 [T, kx] with kx % 32 == 0, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    n_tok, kx = (int(v) for v in x.shape)
+    check_im_staged(out, n_tok, kx, "im_stage")
+    n_jobs = n_tok * kx // 8
+    if n_jobs:
+        q4k_im_stage_kernel[-(-n_jobs // IM_STAGE_THREADS), IM_STAGE_THREADS, stream](
+            x.view(np.uint64).reshape(n_tok * kx // 2), kx, n_jobs, bool(quantize), *out)
+    return out
+
+
 def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=None, out=None, scratch=None,
-             stream=0, fp8_input=False):
+             stream=0, fp8_input=False, staged=None):
     """x [T, G*K] float32 (C-contiguous), w uint8 [N, K/256*144] (q4_K) or [N, K/32*34] (Q8_0) -> out [T, N] float32.
 
     `quantize` applies linear_q's activation rule (act_quant_fp8, block 32) to x first (into scratch);
@@ -1202,7 +1279,9 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     N) maps row n to the x slice n // rows_per_group (attention's grouped wo_a). `fp8_input` says that x already
     holds act_quant_fp8 values (quantize=False): q4_K rows then take the tensor-core path, as they do with
     quantize=True (q4k_mma_kernel, or q4k_imma_kernel for long matrices: IM_FP8_MIN_*); any other x must not be passed
-    with it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels."""
+    with it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels (`im_path` says which).
+    `staged` (only where im_path holds): the operands `im_stage(x, quantize=quantize)` would write, written by x's
+    producer; the staging launch is skipped (x still gives the shape)."""
     k = _row_length(w, kind, "q4k_gemv")
     n_rows = w.shape[0]
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2:
@@ -1219,9 +1298,13 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     if n_tok == 0 or n_rows == 0:
         return out
     mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows and _contiguous(x)
-    imma = (kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg) and _contiguous(x)
-            and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
+    imma = _contiguous(x) and im_path(kind, n_rows, k, rpg, quantize=quantize, fp8_input=fp8_input)
     mma = mma and not imma
+    if staged is not None:
+        if not imma:
+            raise ValueError("q4k_gemv: staged operands are for the integer tensor-core path (im_path), which this "
+                             "call does not take")
+        check_im_staged(staged, n_tok, x.shape[1], "q4k_gemv")
     if quantize and not mma and not imma:
         x = act_quant_fp8(x, out=_scratch(scratch, "xq", tuple(x.shape), np.float32, stream), stream=stream)
     grid = (n_rows + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
@@ -1242,11 +1325,13 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
                 w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
     elif imma:
         kx = x.shape[1]
-        xd = _scratch(scratch, "im_xd", (n_tok * kx,), np.uint32, stream)
-        ps = _scratch(scratch, "im_ps", (n_tok * kx // 16,), np.float32, stream)
-        n_jobs = n_tok * kx // 8
-        q4k_im_stage_kernel[-(-n_jobs // IM_STAGE_THREADS), IM_STAGE_THREADS, stream](
-            x.view(np.uint64).reshape(n_tok * kx // 2), kx, n_jobs, bool(quantize), xd, ps)
+        if staged is not None:
+            xd, ps = staged                              # written by x's producer
+        else:
+            (xd_shape, xd_type), (ps_shape, ps_type) = im_stage_shapes(n_tok, kx)
+            xd = _scratch(scratch, "im_xd", xd_shape, xd_type, stream)
+            ps = _scratch(scratch, "im_ps", ps_shape, ps_type, stream)
+            im_stage(x, quantize=quantize, out=(xd, ps), stream=stream)
         w64 = w.view(np.uint64)
         kernel = q4k_imma_t1_kernel if n_tok == 1 and k <= IM_SMEM_WORDS else q4k_imma_kernel
         kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](

@@ -1,7 +1,7 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|attn,vq --contexts 1024,65536 --rounds 3 --trace-steps 0 \
+    python bench/dev/unfused.py --split attn|vq|wo_a|attn,vq,wo_a --contexts 1024,65536 --rounds 3 --trace-steps 0 \
         --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
@@ -12,6 +12,8 @@ either way, so the last greedy token must be too):
   fusions, BENCHMARKS.md "Next device call").
 - `vq` (the twenty-fifth session's): the MoE's gate / up input staged by its own vq_stage launch again, not by the
   ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`).
+- `wo_a` (the same session's): the attention output staged for wo_a's integer path by its own q4k_im_stage launch
+  again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
 """
 import argparse
 import runpy
@@ -22,11 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import kernels.attention as attention  # noqa: E402
+import kernels.q4k_gemv as q4k_gemv  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rope as rope  # noqa: E402
 import kernels.vq_gemv as vq_gemv  # noqa: E402
 
-SPLITS = ("attn", "vq")
+SPLITS = ("attn", "vq", "wo_a")
 
 
 def _split_attention():
@@ -56,15 +59,27 @@ def _split_vq():
     vq_gemv.vq_gemv = vq_gemv_staging
 
 
+def _split_wo_a():
+    attend, gemv = attention.sparse_attention, q4k_gemv.q4k_gemv
+
+    def sparse_attention_unstaged(*args, im_stage=None, **kw):
+        return attend(*args, **kw)
+
+    def q4k_gemv_staging(*args, staged=None, **kw):
+        return gemv(*args, **kw)
+    attention.sparse_attention = sparse_attention_unstaged
+    q4k_gemv.q4k_gemv = q4k_gemv_staging
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--split", default="attn,vq", help=f"comma-separated, of {', '.join(SPLITS)}")
+    ap.add_argument("--split", default="attn,vq,wo_a", help=f"comma-separated, of {', '.join(SPLITS)}")
     args, rest = ap.parse_known_args(argv)
     which = [s for s in args.split.split(",") if s]
     if not which or any(s not in SPLITS for s in which):
         ap.error(f"--split {args.split!r}: expected a comma-separated list of {', '.join(SPLITS)}")
     for s in which:
-        {"attn": _split_attention, "vq": _split_vq}[s]()
+        {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a}[s]()
     sys.argv = [str(ROOT / "bench" / "bench_v41_decode.py")] + rest
     runpy.run_path(sys.argv[0], run_name="__main__")
 

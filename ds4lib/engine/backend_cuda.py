@@ -301,17 +301,20 @@ class CudaBackend:
         self._rope_cap = cap
 
     # ------------------------------------------------------------------ linears
-    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False):
+    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False, staged=None):
         """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference.
         `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize).
-        `side`: on the side stream with its scratch (between `_fork` and `_join`)."""
+        `side`: on the side stream with its scratch (between `_fork` and `_join`). `staged`: x's integer-path
+        operands, written by its producer (`_im_staging`)."""
         s, T = (self.side if side else self.stream), x.shape[0]
         if out is None:
             out = self._buf(f"lin{id(lin)}", (T, lin.rows))
         if lin.kind in ("q4_K", "q8_0"):
             return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
                                      out=out, scratch=self.scr_side if side else self.scr, stream=s,
-                                     fp8_input=fp8 and not quantize)
+                                     fp8_input=fp8 and not quantize, staged=staged)
+        if staged is not None:
+            raise ValueError(f"_linear: staged operands for {lin.kind} weights")
         if quantize:                                     # each stream its own buffer: the two may overlap
             x = gemv.act_quant_fp8(x, out=self._buf("lin_xq_side" if side else "lin_xq", tuple(x.shape)), stream=s)
         return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
@@ -1048,14 +1051,26 @@ class CudaBackend:
         self._join()
         if beside is not None:
             beside()
+        staged = None
         if c.rows is None:
-            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx, wts=wts)
+            staged = self._im_staging(l, T)          # the output projection's operands, from the combine kernel
+            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx, wts=wts,
+                                     im_stage=staged)
         else:
             o = self._buf("attn_o_rows", (T, H, dh))
             for b, (st_b, c_b) in enumerate(c.rows):
                 r = slice(b, b + 1)
                 self._attend_session(l, st_b, c_b, x[r], xq[r], qrq[r], q3[r], kvq[r], o[r], observer)
-        return self._output(l, c, o)
+        return self._output(l, c, o, staged=staged)
+
+    def _im_staging(self, l, T):
+        """Buffers for the attention output's integer-path operands [T, H * Dh] when layer l's wo_a takes that path
+        (kernels.q4k_gemv.im_path), else None: the combine kernel writes them and wo_a launches no staging."""
+        cfg, lin = self.cfg, self.L[l]["attn.wo_a.weight"]
+        kx, rpg = cfg.n_heads * cfg.head_dim, cfg.o_lora_rank
+        if lin.kind != "q4_K" or not q4k_gemv.im_path(lin.kind, lin.rows, lin.k, rpg, quantize=False):
+            return None
+        return tuple(self._buf(f"attn_o_im{i}", sh, dt) for i, (sh, dt) in enumerate(q4k_gemv.im_stage_shapes(T, kx)))
 
     def _window_rows(self, l, st, c, kvq, side=False):
         """One session's window keys kvq [T, Dh] written past the ring of layer l, and the window rows its queries
@@ -1066,7 +1081,7 @@ class CudaBackend:
         return attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (c.T, W), np.int32),
                                         stream=s)
 
-    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None, wts=None):
+    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None, wts=None, im_stage=None):
         """One session's rows of a layer's attention: window ring written and read (`_window_rows`), compressed
         rows and top-k (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given). `win_idx`: the
         window rows and the compressor's work done already, on the side stream (`_attention`); `wts`: the
@@ -1085,7 +1100,7 @@ class CudaBackend:
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
                 self._const_arr(("no_ckv", dh), lambda: np.zeros((1, dh), np.uint16))
         return self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, c.pos, out=out,
-                            window=(kvq, c.pos, buf[:W], st.ring_pos[l]))
+                            window=(kvq, c.pos, buf[:W], st.ring_pos[l]), im_stage=im_stage)
 
     def _query(self, l, c, x, xq=None):
         """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, FP8 q latent, queries [T, H, Dh])
@@ -1115,10 +1130,11 @@ class CudaBackend:
                                  self._buf("kvn", (T, dh)), kvq, stream=s)
         return kvq
 
-    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None, window=None):
+    def _attend(self, l, q3, keys, win_idx, cmp_keys, cmp_idx, pos, out=None, window=None, im_stage=None):
         """Sparse attention of the unrotated queries q3 [T, H, Dh] at positions `pos`: the score kernel rotates them
         (RoPE) as it stages them, and the output leaves rotated back (inverse RoPE). `window` = (kv, positions, ring,
-        ring_pos): the window ring written after the attention read it (erratum E2), by its last kernel."""
+        ring_pos): the window ring written after the attention read it (erratum E2), by its last kernel; `im_stage`:
+        the output staged by that kernel for wo_a's integer path (`_im_staging`)."""
         H, dh = self.cfg.n_heads, self.cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
         T = q3.shape[0]
@@ -1127,16 +1143,16 @@ class CudaBackend:
         return attention.sparse_attention(q3, keys, win_idx, cmp_keys, cmp_idx, self.L[l]["attn.attn_sink"],
                                           dh ** -0.5, out=self._buf("attn_o", (T, H, dh)) if out is None else out,
                                           n_split=split, inverse_rope=(pos, cos, sin), rope_q=(pos, cos, sin),
-                                          window=window,
+                                          window=window, im_stage=im_stage,
                                           scratch=self.scr, stream=self.stream)
 
-    def _output(self, l, c, o):
+    def _output(self, l, c, o, staged=None):
         """Attention output [T, H, Dh], already rotated back by `_attend` -> [T, D]: wo_a per group, wo_b (ref
-        output_projection)."""
+        output_projection). `staged`: o's integer-path operands for wo_a, written by the attention (`_im_staging`)."""
         cfg, w = self.cfg, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         u = self._linear(o.reshape(T, H * dh), w["attn.wo_a.weight"], quantize=False, rpg=cfg.o_lora_rank,
-                         out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)))
+                         out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)), staged=staged)
         return self._linear(u, w["attn.wo_b.weight"], quantize=True, out=self._buf("attn_y", (T, cfg.dim)))
 
     def _compressor(self, l, st, c, x, side=False):

@@ -101,6 +101,48 @@ def test_window_write_in_the_combine_equals_window_write(cuda_ready, start, T):
         sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, window=(kv_d, p_d, buf[:W], rp[:2]))
 
 
+@pytest.mark.parametrize("start,T", [(40, 1), (14, 3)])
+def test_output_staged_in_the_combine_equals_im_stage(cuda_ready, start, T):
+    """sparse_attention(..., im_stage=(digits, pairs)): the attention's bits (with the window write and the inverse
+    RoPE fused too, as the engine runs it), and the output staged for the output projection's integer path exactly
+    as kernels.q4k_gemv.im_stage of out [T, H * Dh] stages it (the launch it saves); operands of the wrong shape and a
+    strided out are refused."""
+    from kernels.attention import sparse_attention
+    from kernels.q4k_gemv import im_stage, im_stage_shapes
+    rng = np.random.default_rng(50 + T)
+    ring, ring_pos, kv, P, _, _ = _setup(cuda_ready, rng, start, T)
+    q = cuda_ready.to_device(round_bf16(rng.standard_normal((T, 4, DH))))
+    sink = cuda_ready.to_device(rng.standard_normal(4).astype(np.float32))
+    freqs = (1.0 / CFG.rope_theta ** (np.arange(0, CFG.rope_head_dim, 2) / CFG.rope_head_dim)).astype(np.float32)
+    ang = np.outer(np.arange(64, dtype=np.float32), freqs).astype(np.float32)
+    cos, sin = (cuda_ready.to_device(f(ang).astype(np.float32)) for f in (np.cos, np.sin))
+    p_d = cuda_ready.to_device(P)
+    rope = (p_d, cos, sin)
+
+    def staged(fill):
+        return tuple(cuda_ready.to_device(np.full(sh, fill, np.uint32).view(dt))
+                     for sh, dt in im_stage_shapes(T, 4 * DH))
+    outs = []
+    for fused in (False, True):
+        buf, win_idx = _kernel_window(cuda_ready, ring, ring_pos, kv, P, start)
+        window = (cuda_ready.to_device(kv), p_d, buf[:W], cuda_ready.to_device(ring_pos))
+        got = staged(0xFFFFFFFF) if fused else None
+        o = sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, inverse_rope=rope, rope_q=rope,
+                             window=window, im_stage=got)
+        outs.append(o.copy_to_host())
+    np.testing.assert_array_equal(outs[1].view(np.uint32), outs[0].view(np.uint32))
+    want = im_stage(cuda_ready.to_device(outs[0].reshape(T, 4 * DH)), quantize=False, out=staged(0x7F7F7F7F))
+    for name, g, w in zip(("digits", "pairs"), got, want):
+        np.testing.assert_array_equal(g.copy_to_host().view(np.uint32), w.copy_to_host().view(np.uint32),
+                                      err_msg=name)
+    assert np.count_nonzero(outs[0]) > outs[0].size // 2
+    with pytest.raises(ValueError, match="staged"):
+        sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, im_stage=got[::-1])
+    strided = cuda_ready.device_array((T, 8, DH), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match="im_stage"):
+        sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, out=strided, im_stage=got)
+
+
 def _denominator_emulated(z, sink):
     """The softmax's denominator per (t, h) as the value kernel forms it, in NumPy: f32(float64 sum of exp(z - max),
     lane-strided over 32 lanes, then the warp's shuffle-down tree) + exp(sink - max), with max NEG_BIG when no row
@@ -278,7 +320,8 @@ def test_combine_adds_the_splits_in_order(cuda_ready, n_split):
     attn_combine_kernel[-(-heads * DH // THREADS), THREADS](cuda_ready.to_device(part), cuda_ready.to_device(den),
                                                           no_pos, none, none, False, none, no_pos,
                                                           cuda_ready.to_device(np.zeros((1, 1), np.uint16)), no_pos,
-                                                          False, out)
+                                                          False, cuda_ready.to_device(np.zeros(1, np.uint32)),
+                                                          none.reshape(1), False, out)
     num = part[:, 0].copy()
     for s in range(1, n_split):
         num = num + part[:, s]                                       # float32 adds, one split at a time

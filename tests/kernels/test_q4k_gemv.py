@@ -6,7 +6,7 @@ from numba import cuda                  # the simulator swaps this global inside
 from ds4lib.formats.floats import round_bf16
 from ds4lib.formats.q4k import dequantize_q4k, dequantize_q8_0, quantize_q4k, quantize_q8_0
 from ds4lib.ref.linear import einsum_f32, linear_f32, linear_q
-from kernels.q4k_gemv import _q4k_factor_pair_hw_device, _q4k_factors_hw_device
+from kernels.q4k_gemv import _q4k_factor_pair_hw_device, _q4k_factors_hw_device, im_stage_lane_device
 from tests.kernels.tolerances import assert_matches
 
 
@@ -255,6 +255,77 @@ def test_imma_non_finite_blocks_make_their_rows_nan(cuda_ready):
     assert _im_taken(scratch)
     assert np.isnan(got[:2]).all()
     assert_matches("gemv_f32", got[2:], linear_f32(x[2:], w), bf16=False)
+
+
+@cuda.jit
+def _im_lane_stage_kernel(x, xd, ps):
+    """Thread g stages input g of the flat x as a producer holding it would (im_stage_lane_device); threads past the
+    end take part in the warp's reductions with 0."""
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    ok = g < x.shape[0]
+    im_stage_lane_device(x[g] if ok else np.float32(0.0), g // 32, g % 32, ok, xd, ps)
+
+
+def _im_staged(cuda_mod, T, kx, fill=0xFFFFFFFF):
+    from kernels.q4k_gemv import im_stage_shapes
+    (sh_d, dt_d), (sh_p, dt_p) = im_stage_shapes(T, kx)
+    return cuda_mod.to_device(np.full(sh_d, fill, dt_d)), cuda_mod.to_device(np.full(sh_p, fill, np.uint32).view(dt_p))
+
+
+def test_im_stage_lane_equals_the_staging_kernel(cuda_ready):
+    """A producer's lane staging (one input a lane, a warp a block) writes q4k_im_stage_kernel's digits and (p, sum)
+    bit for bit: blocks spanning 2^-30 .. 2^20, an all-zero block, FP32 subnormals, negative values (signed top
+    digit); a block holding an infinity or a NaN gets p NaN in both (its digits may differ: module docstring)."""
+    from kernels.q4k_gemv import im_stage
+    rng = np.random.default_rng(31)
+    T, kx = 2, 256
+    x = rng.standard_normal((T, kx)).astype(np.float32)
+    x *= np.exp2(rng.integers(-30, 20, size=(T, kx // 32))).repeat(32, axis=1).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[1, 96:128] = rng.standard_normal(32).astype(np.float32) * np.float32(2.0 ** -135)
+    want = im_stage(cuda_ready.to_device(x), quantize=False, out=_im_staged(cuda_ready, T, kx, 0x7F7F7F7F))
+    got = _im_staged(cuda_ready, T, kx)
+    _im_lane_stage_kernel[(T * kx + 63) // 64, 64](cuda_ready.to_device(x.reshape(-1)), *got)
+    for name, g, w in zip(("digits", "pairs"), got, want):
+        np.testing.assert_array_equal(g.copy_to_host().view(np.uint32), w.copy_to_host().view(np.uint32),
+                                      err_msg=name)
+    x[0, 200] = np.inf
+    x[1, 7] = np.nan
+    want = im_stage(cuda_ready.to_device(x), quantize=False, out=_im_staged(cuda_ready, T, kx))
+    got = _im_staged(cuda_ready, T, kx, 0)
+    _im_lane_stage_kernel[(T * kx + 63) // 64, 64](cuda_ready.to_device(x.reshape(-1)), *got)
+    p_got, p_want = got[1].copy_to_host()[0::2], want[1].copy_to_host()[0::2]
+    bad = np.zeros(T * kx // 32, bool)
+    bad[[200 // 32, kx // 32]] = True
+    assert np.isnan(p_got[bad]).all() and np.isnan(p_want[bad]).all()
+    np.testing.assert_array_equal(p_got[~bad], p_want[~bad])
+
+
+def test_staged_operands_skip_the_im_staging(cuda_ready):
+    """q4k_gemv(staged=...) on the integer path gives the bits of the call that stages x itself (x is then not read);
+    a call that does not take the path, and operands of the wrong shape, are refused (im_path says which calls take
+    it)."""
+    from kernels.q4k_gemv import im_path, im_stage, q4k_gemv
+    rng = np.random.default_rng(32)
+    G, R, Kg = 2, 16, 512
+    q, _ = _q4k(rng, G * R, Kg)
+    x = rng.standard_normal((3, G * Kg)).astype(np.float32)
+    d_x, d_q = cuda_ready.to_device(x), cuda_ready.to_device(q)
+    assert im_path("q4_K", G * R, Kg, R, quantize=False) and not im_path("q4_K", 6, 256, 3, quantize=False)
+    assert not im_path("q8_0", G * R, Kg, R, quantize=False)
+    staged = im_stage(d_x, quantize=False, out=_im_staged(cuda_ready, 3, G * Kg))
+    want = q4k_gemv(d_x, d_q, quantize=False, out_bf16=False, rows_per_group=R).copy_to_host()
+    zeros = cuda_ready.to_device(np.zeros_like(x))
+    got = q4k_gemv(zeros, d_q, quantize=False, out_bf16=False, rows_per_group=R, staged=staged).copy_to_host()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="staged"):
+        q4k_gemv(d_x[:2], d_q, quantize=False, rows_per_group=R, staged=staged)
+    with pytest.raises(ValueError, match="staged"):
+        q4k_gemv(d_x, d_q, quantize=False, rows_per_group=R, staged=staged[::-1])
+    q3, _ = _q4k(rng, 6, 256)
+    with pytest.raises(ValueError, match="integer tensor-core path"):
+        q4k_gemv(cuda_ready.to_device(np.ascontiguousarray(x[:, :512])), cuda_ready.to_device(q3), quantize=False,
+                 rows_per_group=3, staged=_im_staged(cuda_ready, 3, 512))
 
 
 def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
