@@ -72,7 +72,7 @@ from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device,
                          mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.warp import group_amax_device, quad_max_device, quad_sum_device, warp_sum_device, warp_tree_sum_device
-from kernels.scratch import scratch_array as _scratch
+from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
 from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
@@ -1247,10 +1247,7 @@ def im_stage_shapes(n_tok, kx):
 
 def check_im_staged(staged, n_tok, kx, name):
     """Refuses (with a ValueError naming `name`) a (digits, pairs) pair that is not of im_stage_shapes(n_tok, kx)."""
-    shapes = im_stage_shapes(n_tok, kx)
-    if len(staged) != 2 or any(a.dtype != dt or tuple(a.shape) != sh for a, (sh, dt) in zip(staged, shapes)):
-        raise ValueError(f"{name}: staged must be (uint32 {shapes[0][0]}, float32 {shapes[1][0]}) for {n_tok} rows of "
-                         f"{kx} inputs, got {[(a.dtype, tuple(a.shape)) for a in staged]}")
+    check_arrays(staged, im_stage_shapes(n_tok, kx), name, f"staged for {n_tok} rows of {kx} inputs")
 
 
 def im_stage(x, *, quantize, out, stream=0):
@@ -1328,10 +1325,8 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         if staged is not None:
             xd, ps = staged                              # written by x's producer
         else:
-            (xd_shape, xd_type), (ps_shape, ps_type) = im_stage_shapes(n_tok, kx)
-            xd = _scratch(scratch, "im_xd", xd_shape, xd_type, stream)
-            ps = _scratch(scratch, "im_ps", ps_shape, ps_type, stream)
-            im_stage(x, quantize=quantize, out=(xd, ps), stream=stream)
+            xd, ps = im_stage(x, quantize=quantize, stream=stream,
+                              out=scratch_arrays(scratch, ("im_xd", "im_ps"), im_stage_shapes(n_tok, kx), stream))
         w64 = w.view(np.uint64)
         kernel = q4k_imma_t1_kernel if n_tok == 1 and k <= IM_SMEM_WORDS else q4k_imma_kernel
         kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](

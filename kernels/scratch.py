@@ -4,11 +4,13 @@ Owns `scratch_array`: a temporary device array taken from a caller-kept dict (ke
 steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated when the caller keeps
 none; `zero=True` zero-fills it when it is created (work counters that the kernels themselves reset after use).
 A launcher's scratch never outlives its call: callers may share one dict across launchers on one stream.
+Also `scratch_arrays` (several at once, from a launcher-given specification) and `check_arrays`: the check a launcher makes of operands a caller allocated to a launcher-given specification
+(the staged GEMV operands of kernels.vq_gemv and kernels.q4k_gemv).
 """
 import numpy as np
 from numba import cuda
 
-__all__ = ["scratch_array"]
+__all__ = ["scratch_array", "scratch_arrays", "check_arrays"]
 
 
 def scratch_array(scratch, name, shape, dtype, stream, zero=False):
@@ -23,3 +25,18 @@ def scratch_array(scratch, name, shape, dtype, stream, zero=False):
     if scratch is not None:
         scratch[key] = arr
     return arr
+
+
+def scratch_arrays(scratch, names, specs, stream):
+    """scratch_array for each name and (shape, dtype) of specs, as a tuple."""
+    return tuple(scratch_array(scratch, n, sh, dt, stream) for n, (sh, dt) in zip(names, specs))
+
+
+def check_arrays(arrays, specs, name, what):
+    """Refuses, with a ValueError naming `name` and `what`, arrays that are not exactly [(shape, dtype), ...] specs."""
+    arrays = tuple(arrays)
+    if len(arrays) != len(specs) or any(a.dtype != np.dtype(dt) or tuple(a.shape) != tuple(sh)
+                                        for a, (sh, dt) in zip(arrays, specs)):
+        want = ", ".join(f"{np.dtype(dt).name} {tuple(sh)}" for sh, dt in specs)
+        got = ", ".join(f"{a.dtype} {tuple(a.shape)}" for a in arrays)
+        raise ValueError(f"{name}: {what} must be ({want}), got ({got})")

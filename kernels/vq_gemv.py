@@ -78,7 +78,7 @@ from kernels.fp8 import (code_word_device, f16_of_e4m3_value_device, fp8_block_s
 from kernels.moe import swiglu_value_device
 from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
-from kernels.scratch import scratch_array as _scratch
+from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "vq_stage", "stage_shapes",
            "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "VQPlan",
@@ -893,10 +893,7 @@ def stage_shapes(n_x, cols):
 
 def check_staged(staged, n_x, cols, name):
     """Refuses (with a ValueError naming `name`) a (halves, scales) pair that is not of stage_shapes(n_x, cols)."""
-    shapes = stage_shapes(n_x, cols)
-    if len(staged) != 2 or any(a.dtype != dt or tuple(a.shape) != sh for a, (sh, dt) in zip(staged, shapes)):
-        raise ValueError(f"{name}: staged must be (uint32 {shapes[0][0]}, float32 {shapes[1][0]}) for {n_x} rows of "
-                         f"{cols} inputs, got {[(a.dtype, tuple(a.shape)) for a in staged]}")
+    check_arrays(staged, stage_shapes(n_x, cols), name, f"staged for {n_x} rows of {cols} inputs")
 
 
 def vq_stage(x, *, quantize, out, stream=0):
@@ -984,9 +981,7 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     if staged is not None:
         xh, scl1 = staged                                # written by x's producer
     else:
-        (xh_shape, xh_type), (scl_shape, scl_type) = stage_shapes(n_x, cols)
-        xh = _scratch(scratch, "x_halves", xh_shape, xh_type, stream)
-        scl1 = _scratch(scratch, "x_scales", scl_shape, scl_type, stream)
+        xh, scl1 = scratch_arrays(scratch, ("x_halves", "x_scales"), stage_shapes(n_x, cols), stream)
         if swiglu is None:
             vq_stage(x, quantize=quantize, out=(xh, scl1), stream=stream)
         else:

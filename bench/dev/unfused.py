@@ -47,28 +47,24 @@ def _split_attention():
     attention.sparse_attention = sparse_attention_unfused
 
 
+def _drop_argument(module, fname, keyword):
+    """module.fname called without its `keyword` argument (the fused path's), whatever the caller passes."""
+    fused = getattr(module, fname)
+
+    def unfused(*args, **kw):
+        kw.pop(keyword, None)
+        return fused(*args, **kw)
+    setattr(module, fname, unfused)
+
+
 def _split_vq():
-    norm, gemv = rms_norm.hc_rms_norm, vq_gemv.vq_gemv
-
-    def hc_rms_norm_unstaged(*args, vq=None, **kw):
-        return norm(*args, **kw)
-
-    def vq_gemv_staging(*args, staged=None, **kw):
-        return gemv(*args, **kw)
-    rms_norm.hc_rms_norm = hc_rms_norm_unstaged
-    vq_gemv.vq_gemv = vq_gemv_staging
+    _drop_argument(rms_norm, "hc_rms_norm", "vq")
+    _drop_argument(vq_gemv, "vq_gemv", "staged")
 
 
 def _split_wo_a():
-    attend, gemv = attention.sparse_attention, q4k_gemv.q4k_gemv
-
-    def sparse_attention_unstaged(*args, im_stage=None, **kw):
-        return attend(*args, **kw)
-
-    def q4k_gemv_staging(*args, staged=None, **kw):
-        return gemv(*args, **kw)
-    attention.sparse_attention = sparse_attention_unstaged
-    q4k_gemv.q4k_gemv = q4k_gemv_staging
+    _drop_argument(attention, "sparse_attention", "im_stage")
+    _drop_argument(q4k_gemv, "q4k_gemv", "staged")
 
 
 def main(argv):
