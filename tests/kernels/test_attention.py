@@ -3,12 +3,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from numba import cuda                  # the simulator swaps this global inside kernels (conftest chose the mode)
 
 from ds4lib.config import ModelConfig
 from ds4lib.formats.actquant import act_quant_fp8
 from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
 from ds4lib.ref.attention import sparse_attention as ref_attention
 from ds4lib.ref.model import ReferenceModel
+from kernels.bf16 import exp_f32_device
 from tests.kernels.tolerances import assert_matches
 
 CFG = ModelConfig.tiny()
@@ -143,23 +145,42 @@ def test_output_staged_in_the_combine_equals_im_stage(cuda_ready, start, T):
         sparse_attention(q, buf, win_idx, None, None, sink, DH ** -0.5, out=strided, im_stage=got)
 
 
-def _denominator_emulated(z, sink):
-    """The softmax's denominator per (t, h) as the value kernel forms it, in NumPy: f32(float64 sum of exp(z - max),
+@cuda.jit
+def _exp_kernel(x, out):
+    """out[i] = exp_f32_device(x[i]): the device's own FP32 exp (libdevice's on the GPU, NumPy's in the simulator),
+    so that an emulation of a kernel's sums uses the kernel's terms bit for bit on both targets."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < x.shape[0]:
+        out[i] = exp_f32_device(x[i])
+
+
+def _device_exp(cuda_mod, x):
+    x = np.ascontiguousarray(x, np.float32).reshape(-1)
+    out = cuda_mod.device_array(x.shape, np.float32)
+    _exp_kernel[max(1, -(-x.size // 128)), 128](cuda_mod.to_device(x), out)
+    return out.copy_to_host()
+
+
+def _denominator_emulated(cuda_mod, z, sink):
+    """The softmax's denominator per (t, h) as the value kernel forms it: f32(float64 sum of exp(z - max),
     lane-strided over 32 lanes, then the warp's shuffle-down tree) + exp(sink - max), with max NEG_BIG when no row
-    is valid, and 0 then."""
+    is valid, and 0 then; the sums in NumPy, the exp terms the device's own (_device_exp: libdevice's expf is not
+    NumPy's exp to the last bit)."""
     n_tok, n_heads, n_rows = z.shape
     m = z.max(axis=2)
     has = m > -np.inf
     m = np.where(has, m, np.float32(-1e30)).astype(np.float32)
+    e_all = _device_exp(cuda_mod, (z - m[:, :, None]).astype(np.float32)).reshape(z.shape).astype(np.float64)
+    e_sink = _device_exp(cuda_mod, (sink[None, :] - m).astype(np.float32)).reshape(m.shape)
     den = np.zeros((n_tok, n_heads), np.float32)
     for t in range(n_tok):
         for h in range(n_heads):
-            e = np.exp((z[t, h] - m[t, h]).astype(np.float32)).astype(np.float64)
+            e = e_all[t, h]
             v = np.array([sum(e[lane::32].tolist(), 0.0) for lane in range(32)])
             for off in (16, 8, 4, 2, 1):
                 v[:32 - off] = v[:32 - off] + v[off:]
             if has[t, h]:
-                den[t, h] = np.float32(np.float32(v[0]) + np.exp(np.float32(sink[h] - m[t, h])))
+                den[t, h] = np.float32(np.float32(v[0]) + e_sink[t, h])
     return den
 
 
@@ -183,7 +204,7 @@ def test_value_kernel_softmax_denominator_and_scores(cuda_ready):
         z = scratch[("z", (3, 4, 40), "<f4")].copy_to_host()
         den = scratch[("den", (3, 4), "<f4")].copy_to_host()
         assert np.isneginf(z[1, :, 5:]).all() and np.isfinite(z[0]).all()     # raw scores, not weights
-        want = _denominator_emulated(z, sink)
+        want = _denominator_emulated(cuda_ready, z, sink)
         np.testing.assert_array_equal(den.view(np.uint32), want.view(np.uint32))
         assert (den[2] == 0).all() and (den[:2] > 0).all()
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
