@@ -10,8 +10,8 @@ Owns:
   quantisers multiply where the reference divides), `rint_step_device` (rounding to a multiple of a power-of-two
   step by one FP32 add), `with_sign_device`.
 - `act_quant_fp8_lane_device`: act_quant_fp8's value when a warp's 32 lanes hold one block of 32 (the one definition
-  for act_quant_fp8_kernel and the fused producers of kernels.rms_norm and kernels.moe); `act_quant_fp8_lane_amax_device`
-  also gives the block's largest quantised magnitude.
+  for act_quant_fp8_kernel and the fused producers of kernels.rms_norm and kernels.moe);
+  `act_quant_fp8_lane_amax_device` also gives the block's largest quantised magnitude.
 - The codeword form of the same quantiser, for the tensor-core GEMVs that stage 8 activations a thread
   (kernels.q4k_gemv, kernels.vq_gemv): `quant8_device` (the quad's block max, act_quant_fp8's rule applied first
   when `raw`), `fp8_block_scale_device` (the power of two that turns the block's FP8-grid values into E4M3 codes
@@ -29,7 +29,8 @@ from kernels.warp import group_amax_device, quad_max_device
 
 __all__ = ["e4m3_decode_device", "e4m3_encode_device", "f16_of_e4m3_value_device", "pow2_ceil_device",
            "pow2_inverse_device", "rint_step_device", "with_sign_device", "e4m3_round_device", "e2m1_round_device",
-           "act_quant_fp8_lane_device", "act_quant_fp8_lane_amax_device", "fp8_block_scale_device", "code_word_device", "quant8_device",
+           "act_quant_fp8_lane_device", "act_quant_fp8_lane_amax_device", "fp8_block_scale_device", "code_word_device",
+           "quant8_device",
            "e4m3_encode_kernel", "E4M3_MAX", "E2M1_MAX", "INV448", "INV6", "F32_NAN", "E4M3_SUBNORMAL_STEP",
            "SIGNATURES"]
 

@@ -1231,11 +1231,16 @@ def _row_length(w, kind, name):
 
 
 # ----------------------------------------------------------------------------------------------- launchers
+def _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input):
+    """Whether FP8-grid activations of these q4_K rows suit q4k_mma_kernel (C-contiguous x; ungrouped rows)."""
+    return kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows
+
+
 def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
     """Whether q4k_gemv takes the integer tensor-core path (q4k_imma_kernel, staged by q4k_im_stage_kernel) for a
     C-contiguous x and these weights and flags: a function of the shape and flags alone (q4k_gemv's docstring)."""
     rpg = n_rows if rows_per_group is None else int(rows_per_group)
-    mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows
+    mma = _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input)
     return bool(kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg)
                 and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
 
@@ -1294,7 +1299,7 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         raise ValueError(f"q4k_gemv: out {out.shape} must be {(n_tok, n_rows)}")
     if n_tok == 0 or n_rows == 0:
         return out
-    mma = kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows and _contiguous(x)
+    mma = _contiguous(x) and _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input)
     imma = _contiguous(x) and im_path(kind, n_rows, k, rpg, quantize=quantize, fp8_input=fp8_input)
     mma = mma and not imma
     if staged is not None:

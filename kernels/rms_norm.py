@@ -48,7 +48,7 @@ from kernels.fp8 import act_quant_fp8_lane_amax_device, act_quant_fp8_lane_devic
 from kernels.hc import HC
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
-from kernels.vq_gemv import SEG_CW, check_staged, mma_geometry, stage_lane_device, stage_pad_device
+from kernels.vq_gemv import check_staged, padded_codewords, stage_lane_device, stage_pad_device
 from kernels.warp import block_sum_f64_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
@@ -356,7 +356,7 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
         check_staged(vq, n_rows, d, "hc_rms_norm")
         if n_rows and d:
             hc_rms_norm_qv_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
-                                                               mma_geometry(1, d)[2] * SEG_CW)
+                                                               padded_codewords(d))
     elif n_rows and d:
         kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
         kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)

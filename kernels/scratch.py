@@ -4,8 +4,9 @@ Owns `scratch_array`: a temporary device array taken from a caller-kept dict (ke
 steady-state calls allocate nothing and can be captured in a CUDA graph) or freshly allocated when the caller keeps
 none; `zero=True` zero-fills it when it is created (work counters that the kernels themselves reset after use).
 A launcher's scratch never outlives its call: callers may share one dict across launchers on one stream.
-Also `scratch_arrays` (several at once, from a launcher-given specification) and `check_arrays`: the check a launcher makes of operands a caller allocated to a launcher-given specification
-(the staged GEMV operands of kernels.vq_gemv and kernels.q4k_gemv).
+Also `scratch_arrays` (several at once, to a launcher-given specification of shapes and dtypes) and `check_arrays`
+(a launcher's check of operands a caller allocated to such a specification: the staged GEMV operands of
+kernels.vq_gemv and kernels.q4k_gemv).
 """
 import numpy as np
 from numba import cuda

@@ -81,7 +81,7 @@ from kernels.pdl import grid_entry_device
 from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "vq_stage", "stage_shapes",
-           "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "VQPlan",
+           "padded_codewords", "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "VQPlan",
            "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
            "vq_gemv_wide_kernel",
            "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
@@ -884,10 +884,15 @@ def scratch_bytes(n_x, cols):
     return xh[0] * 4 + scl[0] * 4
 
 
+def padded_codewords(cols):
+    """Jp: the codewords of a staged row of `cols` inputs, J = cols / 8 padded to a multiple of SEG_CW."""
+    return mma_geometry(1, cols)[2] * SEG_CW
+
+
 def stage_shapes(n_x, cols):
     """((shape, dtype) of the staged halves, (shape, dtype) of the block scales) of n_x activation rows of `cols`
     inputs: the GEMV's B operand (vq_stage_kernel's docstring), for `vq_stage` and `vq_gemv(staged=...)`."""
-    n_cwp = mma_geometry(1, cols)[2] * SEG_CW
+    n_cwp = padded_codewords(cols)
     return ((n_x * n_cwp * 4,), np.uint32), ((n_x * n_cwp // 4,), np.float32)
 
 
@@ -905,7 +910,7 @@ def vq_stage(x, *, quantize, out, stream=0):
         raise ValueError(f"vq_stage: x must be float32 [n, Kin] with Kin % 32 == 0, got {x.dtype} {tuple(x.shape)}")
     n_x, cols = (int(v) for v in x.shape)
     check_staged(out, n_x, cols, "vq_stage")
-    n_cwp = mma_geometry(1, cols)[2] * SEG_CW
+    n_cwp = padded_codewords(cols)
     if n_x:
         vq_stage_kernel[rows_grid(math.ceil(n_cwp / STAGE_THREADS), n_x), STAGE_THREADS, stream](
             x, bool(quantize), cols // VQ_DIM, n_cwp, *out)

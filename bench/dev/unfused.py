@@ -29,9 +29,6 @@ import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rope as rope  # noqa: E402
 import kernels.vq_gemv as vq_gemv  # noqa: E402
 
-SPLITS = ("attn", "vq", "wo_a")
-
-
 def _split_attention():
     fused = attention.sparse_attention
 
@@ -67,6 +64,9 @@ def _split_wo_a():
     _drop_argument(q4k_gemv, "q4k_gemv", "staged")
 
 
+SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a}
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--split", default="attn,vq,wo_a", help=f"comma-separated, of {', '.join(SPLITS)}")
@@ -75,7 +75,7 @@ def main(argv):
     if not which or any(s not in SPLITS for s in which):
         ap.error(f"--split {args.split!r}: expected a comma-separated list of {', '.join(SPLITS)}")
     for s in which:
-        {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a}[s]()
+        SPLITS[s]()
     sys.argv = [str(ROOT / "bench" / "bench_v41_decode.py")] + rest
     runpy.run_path(sys.argv[0], run_name="__main__")
 

@@ -282,6 +282,10 @@ class CudaBackend:
             d[key] = cuda.device_array(key[1], dtype, stream=self.stream)
         return d[key]
 
+    def _bufs(self, name, specs):
+        """_buf for each (shape, dtype) of a launcher's specification (e.g. kernels.vq_gemv.stage_shapes): name0, ..."""
+        return tuple(self._buf(f"{name}{i}", sh, dt) for i, (sh, dt) in enumerate(specs))
+
     def _const_arr(self, name, make, stream=None):
         """A constant array, uploaded on first use on `stream` (default the main stream): the stream that reads it
         first, so that its upload is ordered before that read."""
@@ -1013,7 +1017,7 @@ class CudaBackend:
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
-        staged = tuple(self._buf(f"x_ffn_vq{i}", sh, dt) for i, (sh, dt) in enumerate(vq_gemv.stage_shapes(T, D)))
+        staged = self._bufs("x_ffn_vq", vq_gemv.stage_shapes(T, D))
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, stream=s)
         y = self._moe(l, c, x, xq, observer, staged=staged,
                       beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
@@ -1068,9 +1072,9 @@ class CudaBackend:
         (kernels.q4k_gemv.im_path), else None: the combine kernel writes them and wo_a launches no staging."""
         cfg, lin = self.cfg, self.L[l]["attn.wo_a.weight"]
         kx, rpg = cfg.n_heads * cfg.head_dim, cfg.o_lora_rank
-        if lin.kind != "q4_K" or not q4k_gemv.im_path(lin.kind, lin.rows, lin.k, rpg, quantize=False):
+        if not q4k_gemv.im_path(lin.kind, lin.rows, lin.k, rpg, quantize=False):
             return None
-        return tuple(self._buf(f"attn_o_im{i}", sh, dt) for i, (sh, dt) in enumerate(q4k_gemv.im_stage_shapes(T, kx)))
+        return self._bufs("attn_o_im", q4k_gemv.im_stage_shapes(T, kx))
 
     def _window_rows(self, l, st, c, kvq, side=False):
         """One session's window keys kvq [T, Dh] written past the ring of layer l, and the window rows its queries

@@ -11,6 +11,7 @@ from ds4lib.formats.floats import f32_to_bf16_bits, round_bf16
 from ds4lib.ref.attention import sparse_attention as ref_attention
 from ds4lib.ref.model import ReferenceModel
 from kernels.bf16 import exp_f32_device
+from tests.kernels.filled import filled
 from tests.kernels.tolerances import assert_matches
 
 CFG = ModelConfig.tiny()
@@ -122,8 +123,7 @@ def test_output_staged_in_the_combine_equals_im_stage(cuda_ready, start, T):
     rope = (p_d, cos, sin)
 
     def staged(fill):
-        return tuple(cuda_ready.to_device(np.full(sh, fill, np.uint32).view(dt))
-                     for sh, dt in im_stage_shapes(T, 4 * DH))
+        return filled(cuda_ready, im_stage_shapes(T, 4 * DH), fill)
     outs = []
     for fused in (False, True):
         buf, win_idx = _kernel_window(cuda_ready, ring, ring_pos, kv, P, start)

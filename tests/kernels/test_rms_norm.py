@@ -3,6 +3,7 @@ import pytest
 
 from ds4lib.formats.floats import round_bf16
 from ds4lib.ref.norm import rms_norm as rms_norm_ref
+from tests.kernels.filled import filled
 
 
 def test_rms_norm_matches_ref(cuda_ready):
@@ -225,8 +226,7 @@ def test_fused_rms_norms_over_several_passes(cuda_ready):
 def _staged(cuda, T, D, fill):
     """A (halves, scales) pair for T rows of D inputs, every word set to `fill` (so that an unwritten one shows)."""
     from kernels.vq_gemv import stage_shapes
-    (sh_h, dt_h), (sh_s, dt_s) = stage_shapes(T, D)
-    return cuda.to_device(np.full(sh_h, fill, dt_h)), cuda.to_device(np.full(sh_s, fill, np.uint32).view(dt_s))
+    return filled(cuda, stage_shapes(T, D), fill)
 
 
 @pytest.mark.parametrize("T,D,threads", [(3, 96, None), (2, 1056, None), (1, 512, None), (3, 512, 32)])
