@@ -39,7 +39,9 @@ runs (kernels.mma.mma_e4m3_f16h_device: the same bits without the emulation's ad
 staged as halves once); the sub-block's factors dd and dm and the block's scale are applied in FP32 afterwards
 (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test against the
 reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched call give the
-same bits.
+same bits. With `norm` the path also applies an RMSNorm to x first (each block forms the row's scale itself,
+kernels.rms_norm.row_scale_words_device, and norms what it stages): the bits of rms_norm(..., out_q=) then this GEMV,
+without the norm's launch (the engine's q latent into wq_b).
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
@@ -71,13 +73,14 @@ from kernels.gemv import act_quant_fp8
 from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
                          mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
+from kernels.rms_norm import row_scale_words_device
 from kernels.warp import group_amax_device, quad_max_device, quad_sum_device, warp_sum_device, warp_tree_sum_device
 from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
 from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
-           "im_fits", "im_path", "im_stage", "im_stage_shapes", "im_stage_lane_device", "check_im_staged",
+           "im_fits", "im_path", "norm_path", "im_stage", "im_stage_shapes", "im_stage_lane_device", "check_im_staged",
            "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
@@ -411,8 +414,27 @@ def _x8_device(x1, base, raw, red):
                          raw, red)
 
 
+@cuda.jit(device=True, inline=True)
+def _x8_norm_device(x1, base, nw1, kb, s, red):
+    """_x8_device of rms_norm's output: the 8 activations at flat word `base` of x normed as rms_norm_kernel stores
+    them, bf16(w * (x * s)) with s the row's scale and w the norm weight's 8 values at flat word kb of nw1, then
+    act_quant_fp8's rule (quant8_device, raw)."""
+    return quant8_device(_normed_device(x1, base, nw1, kb, s, 0, 0), _normed_device(x1, base, nw1, kb, s, 0, 1),
+                         _normed_device(x1, base, nw1, kb, s, 1, 0), _normed_device(x1, base, nw1, kb, s, 1, 1),
+                         _normed_device(x1, base, nw1, kb, s, 2, 0), _normed_device(x1, base, nw1, kb, s, 2, 1),
+                         _normed_device(x1, base, nw1, kb, s, 3, 0), _normed_device(x1, base, nw1, kb, s, 3, 1),
+                         True, red)
+
+
+@cuda.jit(device=True, inline=True)
+def _normed_device(x1, base, nw1, kb, s, i, h):
+    """bf16(w * (x * s)) of half h of word i after `base` of x and kb of the norm weight (rms_norm's stored
+    value)."""
+    return round_bf16_device(f32x2_device(nw1[kb + np.uint64(i)], h) * (f32x2_device(x1[base + np.uint64(i)], h) * s))
+
+
 @cuda.jit(device=True)
-def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw):
+def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum, red, raw, norm, nw1, nscl):
     """Tokens t0..t0+nt-1, inputs k0 .. k0 + 256*n_sb - 1 of x (FP8-grid float32; x1 its flat uint64 words, kx
     floats a row) -> E4M3 codes in shared memory as the halves of their values (`codes`, uint32: 8 codes a 16-byte
     group, as f16x2 words of codes 0-1, 4-5, 2-3, 6-7: the B registers of the first f16 MMA, then the second's, so a
@@ -424,7 +446,9 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
     takes 8 inputs, the four threads of a quad one block (its max and sum over the quad). Every thread runs the
     same number of steps (the simulator's quad exchange is a block barrier): a token row at a time, its jobs in
     steps of the block, with no 64-bit division (a flat job index over rows, or a range with a run-time step, cost
-    three calls of the division routine a job)."""
+    three calls of the division routine a job). `norm`: x is rms_norm's input, token row r's scale is nscl[r] and the
+    norm weight's words are nw1 (one input group: kx is the row length); the staged values are those of
+    act_quant_fp8(rms_norm(x)) (_x8_norm_device)."""
     nblk = 8 * n_sb
     per_row = 4 * nblk                                    # a multiple of 32: whole warps are in or out
     for r in range(nt):
@@ -436,7 +460,11 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
             b = jj // 4
             part = jj % 4
             base = np.uint64(((t0 + r) * kx + k0 + 32 * b + 8 * part) // 2)
-            v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
+            if norm:
+                v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_norm_device(x1, base, nw1, np.uint64((k0 + 32 * b + 8 * part)
+                                                                                                // 2), nscl[r], red)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7, am = _x8_device(x1, base, raw, red)
             p = fp8_block_scale_device(am)
             word, sm = code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, pow2_inverse_device(p))
             sm = quad_sum_device(sm, red)
@@ -553,7 +581,7 @@ def _make_mma_kernel(decode, min_blocks):
     jit = bounded_jit(MMA_WARPS * WARP, min_blocks)
 
     @jit
-    def q4k_mma_kernel(x1, kx, w1, n_words, sps, n_slices, out_bf16, raw, part, counters, out):
+    def q4k_mma_kernel(x1, kx, w1, n_words, sps, n_slices, out_bf16, raw, norm, nw1, eps, part, counters, out):
         """q4_K GEMV / GEMM on the tensor cores for activations on the FP8 grid (act_quant_fp8 values; x1 = x [T, kx]
         as flat uint64 words), or for raw activations that it quantises itself by the same rule (`raw`).
 
@@ -572,7 +600,13 @@ def _make_mma_kernel(decode, min_blocks):
         factors dd, dm computed once per super-block, the MMA results of group c == t kept); a wider pass has each lane
         form all four for its two columns. The same operations in the same order, so a token's result does not depend
         on the tokens that share the call. Slices are added in slice order by the last block of a row block to finish
-        (counters, reset to 0 by it); a single slice writes directly."""
+        (counters, reset to 0 by it); a single slice writes directly.
+
+        `norm` (with `raw`): x is the input of rms_norm with weight nw1 (its float32 values as uint64 words) and eps,
+        and the GEMV's input is act_quant_fp8(rms_norm(x)): every block forms each token's row scale itself
+        (kernels.rms_norm.row_scale_words_device: rms_norm_kernel's sum to the bit), while its first weight words are
+        in flight, and the staging norms the values it stages (the same bits as launching rms_norm(..., out_q=)
+        first and passing out_q as FP8-grid input, without that launch)."""
         grid_entry_device()
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
@@ -581,6 +615,8 @@ def _make_mma_kernel(decode, min_blocks):
         ex = cuda.shared.array((MMA_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         red = cuda.shared.array((MMA_WARPS, WARP), np.float32)
         last = cuda.shared.array(1, np.int32)
+        nsh = cuda.shared.array((MMA_TOK, WARP), np.float64)            # the norm's warp sums, a token row each
+        nscl = cuda.shared.array(MMA_TOK, np.float32)                  # and its row scales
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -611,8 +647,14 @@ def _make_mma_kernel(decode, min_blocks):
             for cb in range(sb0, sb1, csb):
                 ce = min(sb1, cb + csb)
                 (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw)
+                if norm and cb == sb0:                          # block-uniform: the pass's row scales, once
+                    for r in range(nt):
+                        sr = row_scale_words_device(x1, np.uint64((t0 + r) * kx // 2), kx, eps, nsh[r])
+                        if tid == 0:
+                            nscl[r] = sr
                 cuda.syncthreads()
-                _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw)
+                _stage_fp8_device(x1, kx, t0, nt, QK_K * cb, ce - cb, nblk, stride, codes, scl, xsum, red[warp], raw,
+                                  norm, nw1, nscl)
                 cuda.syncthreads()
                 for sb in range(cb, ce):
                     # the next super-block's words; past the chunk, the chunk's last again (never used: the next
@@ -1163,8 +1205,8 @@ def q8_0_rows_kernel(w16, ids, out):
 
 _GEMV_SIG = "void(float32[:, :], uint64[:, :], int64, boolean, float32[:, :])"
 _Q8_SIG = "void(float32[:, :], uint16[:, :], int64, boolean, float32[:, :])"
-_MMA_SIG = ("void(uint64[:], int64, uint64[:], int64, int64, int64, boolean, boolean, float32[:, :, :], int32[:], "
-            "float32[:, :])")
+_MMA_SIG = ("void(uint64[:], int64, uint64[:], int64, int64, int64, boolean, boolean, boolean, uint64[:], float32, "
+            "float32[:, :, :], int32[:], float32[:, :])")
 _IM_SIG = "void(uint32[::1], float32[::1], int64, uint64[::1], int64, int64, boolean, float32[:, ::1])"
 SIGNATURES = {
     "q4k_gemv_t1_kernel": _GEMV_SIG,
@@ -1245,6 +1287,15 @@ def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
                 and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
 
 
+def norm_path(kind, n_rows, k, rows_per_group=None):
+    """Whether q4k_gemv(x, w, quantize=True, norm=...) can norm x in its staging: linear_q of these q4_K rows takes
+    the FP8 tensor-core path (q4k_mma_kernel: one input group, not the integer path), whose staging the norm rides
+    on. A function of the shape alone."""
+    rpg = n_rows if rows_per_group is None else int(rows_per_group)
+    return bool(_fp8_mma_fits(kind, n_rows, rpg, True, False) and k % 2 == 0
+                and not im_path(kind, n_rows, k, rpg, quantize=True))
+
+
 def im_stage_shapes(n_tok, kx):
     """(shape, dtype) of the integer path's staged digits and of its (p, sum) pairs for n_tok rows of kx inputs."""
     return ((n_tok * kx,), np.uint32), ((n_tok * kx // 16,), np.float32)
@@ -1273,7 +1324,7 @@ def im_stage(x, *, quantize, out, stream=0):
 
 
 def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=None, out=None, scratch=None,
-             stream=0, fp8_input=False, staged=None):
+             stream=0, fp8_input=False, staged=None, norm=None):
     """x [T, G*K] float32 (C-contiguous), w uint8 [N, K/256*144] (q4_K) or [N, K/32*34] (Q8_0) -> out [T, N] float32.
 
     `quantize` applies linear_q's activation rule (act_quant_fp8, block 32) to x first (into scratch);
@@ -1283,7 +1334,10 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     quantize=True (q4k_mma_kernel, or q4k_imma_kernel for long matrices: IM_FP8_MIN_*); any other x must not be passed
     with it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels (`im_path` says which).
     `staged` (only where im_path holds): the operands `im_stage(x, quantize=quantize)` would write, written by x's
-    producer; the staging launch is skipped (x still gives the shape)."""
+    producer; the staging launch is skipped (x still gives the shape).
+    `norm` = (weight [K] float32, eps) (only with quantize=True, where `norm_path` holds): x is the input of
+    kernels.rms_norm.rms_norm, and the GEMV is linear_q of its output, the bits of rms_norm(x, weight, eps, out_q=xq)
+    then q4k_gemv(xq, w, quantize=False, fp8_input=True), in one launch (q4k_mma_kernel's docstring)."""
     k = _row_length(w, kind, "q4k_gemv")
     n_rows = w.shape[0]
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2:
@@ -1302,6 +1356,14 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     mma = _contiguous(x) and _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input)
     imma = _contiguous(x) and im_path(kind, n_rows, k, rpg, quantize=quantize, fp8_input=fp8_input)
     mma = mma and not imma
+    if norm is not None:
+        nw, eps = norm
+        if not (quantize and mma and norm_path(kind, n_rows, k, rpg)):
+            raise ValueError("q4k_gemv: norm is for linear_q on the FP8 tensor-core path (norm_path, quantize=True, "
+                             "C-contiguous x), which this call does not take")
+        if tuple(nw.shape) != (k,) or nw.dtype != np.float32 or not nw.is_c_contiguous():
+            raise ValueError(f"q4k_gemv: the norm weight must be float32 [{k}] (contiguous), got {nw.dtype} "
+                             f"{tuple(nw.shape)}")
     if staged is not None:
         if not imma:
             raise ValueError("q4k_gemv: staged operands are for the integer tensor-core path (im_path), which this "
@@ -1320,11 +1382,14 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         w64 = w.view(np.uint64)
         kernel = q4k_mma_t1_kernel if n_tok == 1 else q4k_mma_kernel
         step = n_tok if n_slices == 1 else max(1, part.shape[1])          # tokens per launch
+        nw1 = w64[0] if norm is None else nw.view(np.uint64)              # (without a norm: not read)
+        eps = np.float32(0.0 if norm is None else norm[1])
         for t0 in range(0, n_tok, step):
             xs, os_ = (x, out) if step == n_tok else (x[t0:t0 + step], out[t0:t0 + step])
             kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
                 xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
-                w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), part, counters, os_)
+                w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), norm is not None, nw1, eps, part,
+                counters, os_)
     elif imma:
         kx = x.shape[1]
         if staged is not None:

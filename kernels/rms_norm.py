@@ -8,6 +8,9 @@ Owns:
   it also stages out_q as kernels.vq_gemv's B operand (the halves and block scales vq_stage_kernel writes, bit for
   bit: kernels.vq_gemv.stage_lane_device on each warp's block of 32, stage_pad_device for the padded codewords), so
   the MoE's gate / up GEMV launches no staging kernel (the ffn norm of a layer; 4.9 us a launch on the H200).
+- `row_sumsq_words_device` / `row_scale_words_device`: a row's sum of squares / scale exactly as rms_norm_kernel
+  forms them, from a block of any number of warps (the order played warp by warp): for a kernel that norms its
+  input as it stages it (kernels.q4k_gemv's `norm`), so that no norm launch runs before it.
 - `rms_norm_rope_q`: rms_norm, then kernels.rope's forward rotation of the tail (rope_pair_value_device, the pair's
   other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were.
 Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantiser's device function
@@ -43,16 +46,17 @@ from numba import cuda
 
 from ds4lib.formats.vq import VQ_DIM
 from kernels import bounded_jit
-from kernels.bf16 import round_bf16_device
+from kernels.bf16 import f32x2_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_amax_device, act_quant_fp8_lane_device
 from kernels.hc import HC
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
 from kernels.vq_gemv import check_staged, padded_codewords, stage_lane_device, stage_pad_device
-from kernels.warp import block_sum_f64_device
+from kernels.warp import block_sum_f64_device, warp_tree_sum_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
-           "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_rope_q_kernel", "SIGNATURES"]
+           "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_rope_q_kernel", "row_scale_words_device",
+           "row_sumsq_words_device", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
@@ -100,11 +104,57 @@ def _add_squares_device(xs, base, d, acc):
 
 
 @cuda.jit(device=True, inline=True)
-def _row_scale_device(acc, sh, d, eps):
-    """1 / f32(sqrt(f32(total / D) + eps)) from the thread's float64 sum of squares (every thread calls it)."""
-    total = block_sum_f64_device(acc, sh)
+def _scale_of_total_device(total, d, eps):
+    """1 / f32(sqrt(f32(total / D) + eps)) from the row's float64 sum of squares."""
     var = np.float32(total / d)
     return np.float32(1.0) / np.float32(math.sqrt(var + eps))
+
+
+@cuda.jit(device=True, inline=True)
+def _row_scale_device(acc, sh, d, eps):
+    """The row's scale from the thread's float64 sum of squares (every thread calls it)."""
+    return _scale_of_total_device(block_sum_f64_device(acc, sh), d, eps)
+
+
+@cuda.jit(device=True, inline=True)
+def row_sumsq_words_device(x1, off, d, sh):
+    """rms_norm_kernel's float64 sum of squares of a row, to the bit, from a block of any whole number of warps: the
+    row is d float32 values (d even) at flat uint64 word `off` of x1 (float32 pairs as uint64 words). rms_norm's
+    launch has n = _threads(d) threads; warp w of this block plays its warps w, w + nW, ... (nW: this block's warps),
+    lane for lane: each lane sums that thread's squares in its order (passes, then elements), then the warp's tree
+    (warp_tree_sum_device), then block_sum_f64_device's tree over the n / 32 warp sums. sh: float64 [WARP] shared,
+    free for this call. Every thread calls it; returns to every thread."""
+    lane = cuda.threadIdx.x % WARP
+    n = min(THREADS_MAX, WARP * ((d + WARP * ELEMS - 1) // (WARP * ELEMS)))     # _threads(d)
+    n_vw = n // WARP
+    n_w = cuda.blockDim.x // WARP
+    step = n * ELEMS
+    xs = cuda.local.array(ELEMS, np.float32)
+    for i in range((n_vw + n_w - 1) // n_w):            # every warp the same rounds (the simulator's shuffles are
+        vw = cuda.threadIdx.x // WARP + i * n_w         # block barriers); a warp past the last plays none
+        v = min(vw, n_vw - 1) * WARP + lane             # the thread of rms_norm's launch it plays
+        acc = 0.0
+        for base in range(0, d, step):
+            for m in range(ELEMS):                                    # loads first, clamped as _load_pass_device
+                j = min(base + m * n + v, d - 1)
+                xs[m] = f32x2_device(x1[off + np.uint64(j // 2)], j % 2)
+            for m in range(ELEMS):                                    # then _add_squares_device's sums
+                u = np.float64(xs[m]) if base + m * n + v < d else 0.0
+                acc += u * u
+        acc = warp_tree_sum_device(acc)
+        if lane == 0 and vw < n_vw:
+            sh[vw] = acc
+    cuda.syncthreads()
+    s = sh[lane] if lane < n_vw else 0.0
+    s = warp_tree_sum_device(s)
+    return cuda.shfl_sync(0xFFFFFFFF, s, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def row_scale_words_device(x1, off, d, eps, sh):
+    """The scale rms_norm_kernel forms for that row (row_sumsq_words_device's arguments), to the bit: a GEMV that
+    stages a normed input (kernels.q4k_gemv's `norm`) takes it from here and needs no norm launch before it."""
+    return _scale_of_total_device(row_sumsq_words_device(x1, off, d, sh), d, eps)
 
 
 @cuda.jit(device=True, inline=True)

@@ -39,6 +39,8 @@
 #             (a twenty-fifth session's fusion, untimed there)
 #   unfused_wo_a  the same, --split wo_a: wo_a's integer-path input staged by its own launch again, not by the
 #             attention's combine kernel (the other twenty-fifth session's fusion, untimed there)
+#   unfused_q_norm  the same, --split q_norm: the q latent's norm as its own rms_norm launch again, not in wq_b's
+#             staging (the twenty-sixth session's fusion)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -50,8 +52,8 @@
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
 # DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_ROUNDS=N runs the decode variants (decode, base, before,
-# flags, unfused, unfused_vq, unfused_wo_a: those asked for) N times in turn, files of rounds after the first named
-# *_rN (one lease's drift is as large as most single changes: compare alternating runs); summary.txt ends with every
+# flags, unfused*: those asked for) N times in turn, files of rounds after the first named *_rN (one lease's drift
+# is as large as most single changes: compare alternating runs); summary.txt ends with every
 # decode run's graph figures in the order they ran; DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
 # parts' caps (a warm machine needed 125 s for "before", 123 s for "trace" and about 300 s for all 41 engine tests).
 # The caps add up to more than one call's 560 s, and a fresh machine compiles every kernel first (~130 s; a
@@ -68,7 +70,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,unfused_vq,unfused_wo_a,vq,trace,engine,index}
+PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,unfused_vq,unfused_wo_a,unfused_q_norm,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 
 if [ -d .whl ]; then
@@ -168,6 +170,10 @@ fi
 if want unfused_wo_a; then
     run "decode, wo_a staging unfused$S" 110 unfused_wo_a.log $PY bench/dev/unfused.py --split wo_a \
         "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_wo_a$S.jsonl"
+fi
+if want unfused_q_norm; then
+    run "decode, q_norm unfused$S" 110 unfused_q_norm.log $PY bench/dev/unfused.py --split q_norm \
+        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_q_norm$S.jsonl"
 fi
 done
 if want vq; then

@@ -1,8 +1,8 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|attn,vq,wo_a --contexts 1024,65536 --rounds 3 --trace-steps 0 \
-        --graph-only --out F.jsonl
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|attn,vq,wo_a,q_norm --contexts 1024,65536 --rounds 3 \
+        --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
   attention, and the window ring's write as its own window_write launch after it. It wraps
@@ -14,6 +14,8 @@ either way, so the last greedy token must be too):
   ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`).
 - `wo_a` (the same session's): the attention output staged for wo_a's integer path by its own q4k_im_stage launch
   again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
+- `q_norm` (the twenty-sixth session's): the q latent normed by its own rms_norm launch again, not in the staging of
+  wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off).
 """
 import argparse
 import runpy
@@ -23,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import ds4lib.engine.backend_cuda as backend_cuda  # noqa: E402
 import kernels.attention as attention  # noqa: E402
 import kernels.q4k_gemv as q4k_gemv  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
@@ -64,12 +67,16 @@ def _split_wo_a():
     _drop_argument(q4k_gemv, "q4k_gemv", "staged")
 
 
-SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a}
+def _split_q_norm():
+    backend_cuda.NORM_IN_STAGING = False
+
+
+SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm}
 
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--split", default="attn,vq,wo_a", help=f"comma-separated, of {', '.join(SPLITS)}")
+    ap.add_argument("--split", default="attn,vq,wo_a,q_norm", help=f"comma-separated, of {', '.join(SPLITS)}")
     args, rest = ap.parse_known_args(argv)
     which = [s for s in args.split.split(",") if s]
     if not which or any(s not in SPLITS for s in which):

@@ -40,9 +40,9 @@ DS4_CUDA_PDL=0 keeps default edges.
 
 Two streams: what a layer needs only later runs on a side stream beside the critical path — the attention's window
 key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for one
-session's rows, the compressor, beside the query path (wq_a, q_norm, wq_b); each sub-layer's mHC mixes (read h,
-first needed by its hc_post), the attention's after the window key and compressor, beside the attention itself;
-and the shared expert (beside the routed experts) —, forked from the main stream
+session's rows, the compressor, beside the query path (wq_a, wq_b with the q_norm in its staging); each
+sub-layer's mHC mixes (read h, first needed by its hc_post), the attention's after the window key and compressor,
+beside the attention itself; and the shared expert (beside the routed experts) —, forked from the main stream
 and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds them as
 parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
 bits are the same. `CudaBackend.shared_expert_at` may fork the shared expert before the routing or keep it on the
@@ -99,6 +99,7 @@ POOL_STATES = 8                    # finished sessions' states kept for reuse, w
 _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set and logits row)
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
 SHARED_EXPERT_AT = ("side", "early", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
+NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -1051,20 +1052,20 @@ class CudaBackend:
                 self._compressor(l, st, c, x, side=True)
             if self.roles[l].ratio and self.roles[l].owns_indexer:     # the indexer's head weights read x only
                 wts = self._index_weights(l, x, side=True)
-        xq, qrq, q3 = self._query(l, c, x, xq)
+        xq, qr, q3 = self._query(l, c, x, xq)
         self._join()
         if beside is not None:
             beside()
         staged = None
         if c.rows is None:
             staged = self._im_staging(l, T)          # the output projection's operands, from the combine kernel
-            o = self._attend_session(l, st, c, x, xq, qrq, q3, kvq, None, observer, win_idx=win_idx, wts=wts,
+            o = self._attend_session(l, st, c, x, xq, qr, q3, kvq, None, observer, win_idx=win_idx, wts=wts,
                                      im_stage=staged)
         else:
             o = self._buf("attn_o_rows", (T, H, dh))
             for b, (st_b, c_b) in enumerate(c.rows):
                 r = slice(b, b + 1)
-                self._attend_session(l, st_b, c_b, x[r], xq[r], qrq[r], q3[r], kvq[r], o[r], observer)
+                self._attend_session(l, st_b, c_b, x[r], xq[r], (qr[0][r], qr[1]), q3[r], kvq[r], o[r], observer)
         return self._output(l, c, o, staged=staged)
 
     def _im_staging(self, l, T):
@@ -1085,7 +1086,7 @@ class CudaBackend:
         return attention.window_indices(st.ring_pos[l], c.pos, out=self._buf("win_idx", (c.T, W), np.int32),
                                         stream=s)
 
-    def _attend_session(self, l, st, c, x, xq, qrq, q3, kvq, out, observer, win_idx=None, wts=None, im_stage=None):
+    def _attend_session(self, l, st, c, x, xq, qr, q3, kvq, out, observer, win_idx=None, wts=None, im_stage=None):
         """One session's rows of a layer's attention: window ring written and read (`_window_rows`), compressed
         rows and top-k (`_compress`), sparse attention -> [T, H, Dh] (into `out` when given). `win_idx`: the
         window rows and the compressor's work done already, on the side stream (`_attention`); `wts`: the
@@ -1098,7 +1099,7 @@ class CudaBackend:
             win_idx = self._window_rows(l, st, c, kvq)
         cmp_keys = cmp_idx = None
         if role.ratio:
-            self._compress(l, st, c, x, qrq, observer, run_compressor=not early, wts=wts)
+            self._compress(l, st, c, x, qr, observer, run_compressor=not early, wts=wts)
             cmp_idx = c.topk[role.idx_src]
             n_view = c.view[role.kv_src]
             cmp_keys = st.ckv[role.kv_src].view(n_view) if n_view else \
@@ -1107,19 +1108,38 @@ class CudaBackend:
                             window=(kvq, c.pos, buf[:W], st.ring_pos[l]), im_stage=im_stage)
 
     def _query(self, l, c, x, xq=None):
-        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, FP8 q latent, queries [T, H, Dh])
-        (ref attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them)."""
+        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, q latent, queries [T, H, Dh]) (ref
+        attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them). The q latent
+        (`_latent`'s argument) is the q_norm's input with its weight, normed in the staging of each GEMV that reads
+        it where every reader of the layer takes kernels.q4k_gemv.norm_path (V4.1: wq_b and the indexer's wq_b;
+        no norm launch), else the FP8 values of the normed latent."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         if xq is None:
             xq = self._aq8(x, "x_attn_q")
         qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, fp8=True,
                           out=self._buf("qa", (T, cfg.q_lora_rank)))
-        qrq = self._buf("qr_q", (T, cfg.q_lora_rank))             # only the FP8 values of the normed latent are read
-        rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
-                          out_q=qrq, stream=s)
-        q = self._linear(qrq, w["attn.wq_b.weight"], quantize=False, fp8=True, out=self._buf("q", (T, H * dh)))
-        return xq, qrq, q.reshape(T, H, dh)
+        readers = [w["attn.wq_b.weight"]]
+        if self.roles[l].ratio and self.roles[l].owns_indexer:
+            readers.append(w["attn.indexer.wq_b.weight"])
+        if NORM_IN_STAGING and all(q4k_gemv.norm_path(lin.kind, lin.rows, lin.k) for lin in readers):
+            qr = (qa, w["attn.q_norm.weight"])
+        else:
+            qrq = self._buf("qr_q", (T, cfg.q_lora_rank))         # only the FP8 values of the normed latent are read
+            rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
+                              out_q=qrq, stream=s)
+            qr = (qrq, None)
+        q = self._latent(qr, w["attn.wq_b.weight"], out=self._buf("q", (T, H * dh)))
+        return xq, qr, q.reshape(T, H, dh)
+
+    def _latent(self, qr, lin, out):
+        """A linear of the normed q latent: qr = (q_norm's input, its weight) from `_query` (the GEMV norms it in its
+        staging: kernels.q4k_gemv's `norm`) or (its FP8 values, None)."""
+        x, nw = qr
+        if nw is None:
+            return self._linear(x, lin, quantize=False, fp8=True, out=out)
+        return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=True, out=out, scratch=self.scr, stream=self.stream,
+                                 norm=(nw, self.cfg.norm_eps))
 
     def _window_kv(self, l, c, xq, side=False):
         """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv); `side`: on the side
@@ -1207,7 +1227,7 @@ class CudaBackend:
         return self._linear(x, self.L[l]["attn.indexer.weights_proj.weight"], quantize=False,
                             out=self._buf("iw", (x.shape[0], self.cfg.index_n_heads)), side=side)
 
-    def _compress(self, l, st, c, x, qrq, observer, run_compressor=True, wts=None):
+    def _compress(self, l, st, c, x, qr, observer, run_compressor=True, wts=None):
         """Compressor (KV sources, `_compressor`; `run_compressor=False`: it has run already) and indexer (index
         sources) of a compressed layer; sets c.topk[l]. `wts`: the indexer's head weights (`_index_weights`) when
         they are computed already."""
@@ -1230,8 +1250,7 @@ class CudaBackend:
             return
         keys = st.idxk[role.kv_src].view(S)
         nI, di = cfg.index_n_heads, cfg.index_head_dim
-        qi = self._linear(qrq, w["attn.indexer.wq_b.weight"], quantize=False, fp8=True,
-                          out=self._buf("iq", (T, nI * di)))
+        qi = self._latent(qr, w["attn.indexer.wq_b.weight"], out=self._buf("iq", (T, nI * di)))
         qi3 = qi.reshape(T, nI, di)
         rope.rope(qi3, c.pos, cos, sin, stream=s)
         qiq = gemv.act_quant_fp4_pow2(qi3, out=self._buf("iqq", (T, nI, di)), stream=s)

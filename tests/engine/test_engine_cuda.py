@@ -61,6 +61,54 @@ def micro(tmp_path_factory):
     return cpu, cuda
 
 
+@pytest.fixture(scope="module")
+def micro_q256(tmp_path_factory):
+    """The micro model with a q rank of 256 (wq_b: q4_K rows of one super-block, the FP8 tensor-core path the q_norm
+    can ride on: kernels.q4k_gemv.norm_path) and a window-only layer 0 (no indexer, whose wq_b the base file stores
+    in FP8: a BF16 GEMV); CPU and CUDA engines."""
+    from ds4lib.quant.base_file import quantize_checkpoint
+    from ds4lib.synth import write_random_checkpoint
+    root = tmp_path_factory.mktemp("micro_q256")
+    ckpt = write_random_checkpoint(root / "ckpt", micro_config().replace(
+        q_lora_rank=256, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
+        candidate_source_layer=1), seed=1)
+    quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
+    cpu = Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER)
+    cuda = Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
+    return cpu, cuda
+
+
+def test_micro_q_norm_in_the_staging_gives_the_norm_launchs_bits(micro_q256, monkeypatch):
+    """Where every reader of the q latent takes the FP8 q4_K path (layer 0: wq_b only), `_query` launches no q_norm
+    and wq_b norms its input in its staging; layer 1, whose indexer reads the latent through a BF16 GEMV, keeps the
+    norm launch. Two decode steps give the bits of the engine with the norm launched everywhere (NORM_IN_STAGING
+    off), and the CPU reference's top-1."""
+    import ds4lib.engine.backend_cuda as bc
+    from kernels import q4k_gemv
+    cpu, cuda = micro_q256
+    w0, w1 = cuda.backend.L[0], cuda.backend.L[1]
+    assert all(q4k_gemv.norm_path(w["attn.wq_b.weight"].kind, w["attn.wq_b.weight"].rows, w["attn.wq_b.weight"].k)
+               for w in (w0, w1))
+    assert "attn.indexer.wq_b.weight" not in w0 and w1["attn.indexer.wq_b.weight"].kind == "bf16"
+    normed = []
+    real = q4k_gemv.q4k_gemv
+
+    def spy(*a, **kw):
+        if kw.get("norm") is not None:
+            normed.append(a[1].shape)
+        return real(*a, **kw)
+    monkeypatch.setattr(q4k_gemv, "q4k_gemv", spy)
+    prompt = [0, 17]
+    fused = cuda.logits(prompt, split=0)
+    assert len(normed) == 2                              # 2 steps x layer 0's wq_b
+    monkeypatch.setattr(bc, "NORM_IN_STAGING", False)
+    normed.clear()
+    launched = cuda.logits(prompt, split=0)
+    assert not normed
+    np.testing.assert_array_equal(fused, launched)
+    np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(prompt).argmax(-1))
+
+
 def test_micro_graph_keep_holds_every_scratch_dict(micro):
     """A captured graph keeps alive every array a launcher may have made for it: each scratch dict that
     `_capture_or_run` watches (the side stream's too), the RoPE tables and the caller's own buffers."""

@@ -187,6 +187,63 @@ def test_mma_fp8_input_and_block_scales(cuda_ready):
     assert_matches("gemv_f32", pre, linear_f32(xq.copy_to_host(), w), bf16=False)
 
 
+@pytest.mark.parametrize("n_tok,k,split", [(1, 1280, False), (1, 1280, True), (3, 256 * 9, True),
+                                           (10, 1280, False), (1, 256 * 33, False)])
+def test_norm_in_the_staging_equals_rms_norm_then_the_gemv(cuda_ready, monkeypatch, n_tok, k, split):
+    """q4k_gemv(x, w, norm=(nw, eps)) gives the bits of rms_norm(x, nw, eps, out_q=xq) and then the FP8-grid GEMV
+    of xq: decode (V4.1's q rank 1,280: rms_norm's 5 warps played by the GEMV block's 4), K split in slices (every
+    slice forms the scale from the whole row), a batched call of two token passes, and 33 super-blocks (two staged
+    chunks of a decode call, the scale formed once; rms_norm in two passes). The rows' magnitudes make the norm's
+    sum of squares depend on its order (tests/kernels/test_rms_norm.py's _order_shows). Without the norm weight
+    applied, or with another eps, the bits differ."""
+    import kernels.q4k_gemv as qk
+    from kernels.rms_norm import rms_norm
+    from tests.kernels.test_rms_norm import _order_shows
+    if not split:
+        monkeypatch.setattr(qk, "MMA_TARGET_BLOCKS", 1)
+    assert (qk.mma_splits(24, k // 256)[1] > 1) == split
+    rng = np.random.default_rng(n_tok + k)
+    q, _ = _q4k(rng, 24, k)
+    x = np.stack([_order_shows(rng, k)[0] for _ in range(n_tok)])
+    nw = round_bf16(1 + 0.1 * rng.standard_normal(k))
+    d_x, d_q, d_nw = cuda_ready.to_device(x), cuda_ready.to_device(q), cuda_ready.to_device(nw)
+    xq = cuda_ready.device_array(x.shape, np.float32)
+    rms_norm(d_x, d_nw, 1e-6, out_q=xq)
+    want = qk.q4k_gemv(xq, d_q, quantize=False, fp8_input=True).copy_to_host()
+    assert qk.norm_path("q4_K", 24, k)
+    scratch = {}
+    got = qk.q4k_gemv(d_x, d_q, norm=(d_nw, 1e-6), scratch=scratch).copy_to_host()
+    assert _mma_taken(scratch)
+    np.testing.assert_array_equal(got, want)
+    other = qk.q4k_gemv(d_x, d_q, norm=(d_nw, 1e12)).copy_to_host()          # about the rows' mean square
+    assert not np.array_equal(other, want)
+    plain = qk.q4k_gemv(d_x, d_q, norm=(cuda_ready.to_device(np.ones(k, np.float32)), 1e-6)).copy_to_host()
+    assert not np.array_equal(plain, want)
+
+
+def test_norm_is_refused_off_the_fp8_path(cuda_ready):
+    """norm= needs linear_q on q4k_mma_kernel: refused with quantize=False, for Q8_0 rows, grouped rows, a matrix the
+    integer path takes, and a norm weight of the wrong length."""
+    import kernels.q4k_gemv as qk
+    rng = np.random.default_rng(5)
+    q, _ = _q4k(rng, 8, 512)
+    d_q = cuda_ready.to_device(q)
+    x = cuda_ready.to_device(round_bf16(rng.standard_normal((1, 512))))
+    nw = cuda_ready.to_device(np.ones(512, np.float32))
+    with pytest.raises(ValueError, match="norm"):
+        qk.q4k_gemv(x, d_q, quantize=False, fp8_input=True, norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="norm weight"):
+        qk.q4k_gemv(x, d_q, norm=(cuda_ready.to_device(np.ones(256, np.float32)), 1e-6))
+    q8, _ = _q8(rng, 8, 512)
+    with pytest.raises(ValueError, match="norm"):
+        qk.q4k_gemv(x, cuda_ready.to_device(q8), kind="q8_0", norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="norm"):
+        qk.q4k_gemv(cuda_ready.to_device(np.zeros((1, 1024), np.float32)), d_q, rows_per_group=4, norm=(nw, 1e-6))
+    assert not qk.norm_path("q4_K", 8, 512, 4) and not qk.norm_path("q8_0", 8, 512)
+    assert not qk.norm_path("q4_K", 8192, 256 * 16)            # long FP8-grid rows take the integer path
+    assert qk.norm_path("q4_K", 32768, 1280) and qk.norm_path("q4_K", 8192, 1280)   # V4.1's wq_b, the indexer's
+
+
 # ------------------------------------------------- the integer tensor-core path (FP32 / BF16 activations)
 def _im_taken(scratch):
     return any(key[0] == "im_xd" for key in scratch)

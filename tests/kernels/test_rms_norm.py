@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+from numba import cuda                  # the simulator swaps this global inside kernels (conftest chose the mode)
 
 from ds4lib.formats.floats import round_bf16
 from ds4lib.ref.norm import rms_norm as rms_norm_ref
+from kernels.rms_norm import row_sumsq_words_device
 from tests.kernels.filled import filled
 
 
@@ -291,3 +293,82 @@ def test_fused_rms_norms_refuse_bad_arguments():
 def _host_staged(T, D):
     from kernels.vq_gemv import stage_shapes
     return tuple(np.zeros(sh, dt) for sh, dt in stage_shapes(T, D))
+
+
+@cuda.jit
+def _sumsq_kernel(x1, d, out):
+    """out[r] = row_sumsq_words_device of row r of x (x1: its float32 pairs as uint64 words), from this block."""
+    sh = cuda.shared.array(32, np.float64)
+    total = row_sumsq_words_device(x1, np.uint64(cuda.blockIdx.x * (d // 2)), d, sh)
+    if cuda.threadIdx.x == 0:
+        out[cuda.blockIdx.x] = total
+
+
+def _tree_sum(v):
+    """warp_tree_sum_device's lane-0 result over 32 float64 values (shuffle-down tree: off 16, 8, 4, 2, 1)."""
+    v = [float(a) for a in v]
+    off = 16
+    while off:
+        v = [v[i] + v[i + off] if i + off < 32 else v[i] for i in range(32)]
+        off //= 2
+    return v[0]
+
+
+def _rms_norm_sumsq(row):
+    """rms_norm_kernel's float64 sum of squares of one row, emulated in its order: n = _threads(D) threads, thread t
+    summing elements base + m * n + t (passes, then m < 8) from 0.0; each warp's shuffle tree; the tree again over
+    the warp sums (zeros past the last warp)."""
+    from kernels.rms_norm import _threads
+    d = row.size
+    n = _threads(d)
+    acc = np.zeros(n)
+    for t in range(n):
+        a = 0.0
+        for base in range(0, d, n * 8):
+            for m in range(8):
+                j = base + m * n + t
+                u = float(row[j]) if j < d else 0.0
+                a += u * u
+        acc[t] = a
+    sums = [_tree_sum(acc[w * 32:(w + 1) * 32]) for w in range(n // 32)]
+    return _tree_sum(sums + [0.0] * (32 - len(sums)))
+
+
+def _order_shows(rng, d):
+    """A BF16 row on which rms_norm's order of the float64 sum of squares gives another total than a sequential and a
+    pairwise (NumPy) sum: half its values near 2^20, half near 2^-5 * sqrt(D / 256) (their squares about the total's
+    float64 ulp, so where they meet the large partial sums matters); drawn until it does."""
+    small = 2.0 ** -5 * np.sqrt(d / 256)
+    for _ in range(100):
+        big = rng.random(d) < 0.5
+        row = round_bf16(rng.standard_normal(d) * np.where(big, 2.0 ** 20, small))
+        total = _rms_norm_sumsq(row)
+        seq = 0.0
+        for v in row:
+            seq += float(v) * float(v)
+        if seq != total and np.sum(np.square(row.astype(np.float64))) != total:
+            return row, total
+    raise AssertionError("no order-sensitive row drawn")
+
+
+@pytest.mark.parametrize("d", [1280, 256, 8448])          # 5 warps played by 4 / 1 warp / 32 warps, two passes
+def test_row_sumsq_from_any_block_is_rms_norms_sum(cuda_ready, d):
+    """row_sumsq_words_device from blocks of 1, 4 and 32 warps gives the float64 total of rms_norm_kernel's order
+    (emulated) to the bit, on rows where that total depends on the order (_order_shows); and rms_norm's output is
+    that total's scale applied (its kernel takes the same order)."""
+    from kernels.rms_norm import rms_norm
+    rng = np.random.default_rng(d)
+    rows = [_order_shows(rng, d) for _ in range(2)]
+    x = np.stack([r for r, _ in rows])
+    want = np.array([t for _, t in rows])
+    d_x = cuda_ready.to_device(x)
+    x1 = d_x.reshape(2 * d).view(np.uint64)
+    for threads in (32, 128, 1024):
+        got = cuda_ready.device_array(2, np.float64)
+        _sumsq_kernel[2, threads](x1, d, got)
+        np.testing.assert_array_equal(got.copy_to_host(), want, err_msg=f"{threads} threads")
+    w = round_bf16(1 + 0.1 * rng.standard_normal(d))
+    var = (want / d).astype(np.float32)
+    scale = (np.float32(1.0) / np.sqrt(var + np.float32(1e-6)).astype(np.float32))[:, None]
+    out = rms_norm(d_x, cuda_ready.to_device(w), 1e-6).copy_to_host()
+    np.testing.assert_array_equal(out, round_bf16(w * (x * scale)))
