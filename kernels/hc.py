@@ -26,7 +26,9 @@ projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and
   that uses it (the CUDA backend warms every shape eagerly), and share it only among launches on one stream.
 - `hc_pre`: out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]), the four exact products summed in float64.
 - `hc_post`: out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread owns a
-  column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state).
+  column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state). With `moe`
+  (hc_post_moe_kernel) y is the MoE's combine (kernels.vq_gemv.combine_group_device, formed in registers: the combine
+  launch goes), a thread taking its four columns of one token.
 
 Shapes: T tokens, S = 4 streams, D hidden; fn [24, S*D], base [24], scale [3]; h [T, S, D].
 """
@@ -40,9 +42,10 @@ from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.ticket import take_ticket_device
+from kernels.vq_gemv import COMBINE_COLS, check_combine, combine_group_device
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
-           "hc_pre_kernel", "hc_post_kernel", "SIGNATURES"]
+           "hc_pre_kernel", "hc_post_kernel", "hc_post_moe_kernel", "SIGNATURES"]
 
 HC = 4                        # streams (hc_mult)
 N_MIX = (2 + HC) * HC         # 24 mixes: pre, post, comb
@@ -247,6 +250,20 @@ def hc_pre_kernel(h, pre, out):
         t += cuda.gridDim.y
 
 
+@cuda.jit(device=True, inline=True)
+def _post_column_device(yv, h, post, comb, out, t, k):
+    """out[t, j, k] = bf16(post[t, j] yv + sum_i comb[t, i, j] h[t, i, k]) for the four streams j (hc_post's
+    arithmetic: the products exact in float64, added in stream order)."""
+    col = cuda.local.array(HC, np.float64)
+    for i in range(HC):
+        col[i] = np.float64(h[t, i, k])
+    for j in range(HC):
+        acc = 0.0
+        for i in range(HC):
+            acc += np.float64(comb[t, i, j]) * col[i]
+        out[t, j, k] = round_bf16_device(mul_rn_device(post[t, j], yv) + np.float32(acc))
+
+
 @bounded_jit(THREADS)
 def hc_post_kernel(y, h, post, comb, out):
     """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d), laid out
@@ -256,18 +273,32 @@ def hc_post_kernel(y, h, post, comb, out):
     k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if k >= d:
         return
-    col = cuda.local.array(HC, np.float64)
     t = cuda.blockIdx.y
     while t < n_tok:
-        for i in range(HC):
-            col[i] = np.float64(h[t, i, k])
-        yv = y[t, k]
-        for j in range(HC):
-            acc = 0.0
-            for i in range(HC):
-                acc += np.float64(comb[t, i, j]) * col[i]
-            out[t, j, k] = round_bf16_device(mul_rn_device(post[t, j], yv) + np.float32(acc))
+        _post_column_device(y[t, k], h, post, comb, out, t, k)
         t += cuda.gridDim.y
+
+
+@bounded_jit(THREADS)
+def hc_post_moe_kernel(ye, ids, shared, h, post, comb, out):
+    """hc_post_kernel of y = moe_combine(ye, ids, shared), y formed in registers (kernels.vq_gemv.combine_group_device,
+    the combine kernel's arithmetic) and never written: a thread takes the combine's four columns of one token."""
+    grid_entry_device()
+    n_tok, n_s, d = h.shape
+    n_grp = (d + COMBINE_COLS - 1) // COMBINE_COLS
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= n_tok * n_grp:
+        return
+    t = i // n_grp
+    d0 = COMBINE_COLS * (i % n_grp)
+    y0, y1, y2, y3 = combine_group_device(ye, ids, shared, t, d0, d)
+    _post_column_device(y0, h, post, comb, out, t, d0)
+    if d0 + 1 < d:
+        _post_column_device(y1, h, post, comb, out, t, d0 + 1)
+    if d0 + 2 < d:
+        _post_column_device(y2, h, post, comb, out, t, d0 + 2)
+    if d0 + 3 < d:
+        _post_column_device(y3, h, post, comb, out, t, d0 + 3)
 
 
 SIGNATURES = {
@@ -279,6 +310,8 @@ SIGNATURES = {
                            "float32[:, :, :])",
     "hc_pre_kernel": "void(float32[:, :, :], float32[:, :], float32[:, :])",
     "hc_post_kernel": "void(float32[:, :], float32[:, :, :], float32[:, :], float32[:, :, :], float32[:, :, :])",
+    "hc_post_moe_kernel": "void(float32[:, :], int32[:, :], float32[:, :], float32[:, :, :], float32[:, :], "
+                          "float32[:, :, :], float32[:, :, :])",
 }
 
 
@@ -329,13 +362,25 @@ def hc_pre(h, pre, out=None, stream=0):
     return out
 
 
-def hc_post(y, h, post, comb, out=None, stream=0):
-    """Expand: y [T, D], h [T, 4, D], post [T, 4], comb [T, 4, 4] -> out [T, 4, D] (may be h itself)."""
+def hc_post(y, h, post, comb, out=None, moe=None, stream=0):
+    """Expand: y [T, D], h [T, 4, D], post [T, 4], comb [T, 4, 4] -> out [T, 4, D] (may be h itself). `moe` = (ye,
+    ids, shared) of kernels.vq_gemv.moe_combine, with y None: y is that combine, formed in the same kernel and not
+    written (one launch where the combine and hc_post took two; the same bits)."""
     n_tok, _, d = _check_state(h, "hc_post")
-    if tuple(y.shape) != (n_tok, d) or tuple(post.shape) != (n_tok, HC) or tuple(comb.shape) != (n_tok, HC, HC):
-        raise ValueError(f"hc_post: y {y.shape}, post {post.shape}, comb {comb.shape} do not fit h {h.shape}")
+    if moe is not None:
+        if y is not None:
+            raise ValueError("hc_post: give y or moe, not both")
+        if check_combine(*moe, "hc_post") != (n_tok, d):
+            raise ValueError(f"hc_post: moe terms of {check_combine(*moe, 'hc_post')} do not fit h {h.shape}")
+    elif tuple(y.shape) != (n_tok, d):
+        raise ValueError(f"hc_post: y {y.shape} does not fit h {h.shape}")
+    if tuple(post.shape) != (n_tok, HC) or tuple(comb.shape) != (n_tok, HC, HC):
+        raise ValueError(f"hc_post: post {post.shape}, comb {comb.shape} do not fit h {h.shape}")
     if out is None:
         out = cuda.device_array((n_tok, HC, d), np.float32, stream=stream)
-    if n_tok * d:
+    if n_tok * d and moe is not None:
+        n = n_tok * -(-d // COMBINE_COLS)
+        hc_post_moe_kernel[-(-n // THREADS), THREADS, stream](*moe, h, post, comb, out)
+    elif n_tok * d:
         hc_post_kernel[rows_grid((d + THREADS - 1) // THREADS, n_tok), THREADS, stream](y, h, post, comb, out)
     return out

@@ -81,7 +81,8 @@ from kernels.pdl import grid_entry_device
 from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "vq_stage", "stage_shapes",
-           "padded_codewords", "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "VQPlan",
+           "padded_codewords", "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "check_combine",
+           "combine_group_device", "VQPlan",
            "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
            "vq_gemv_wide_kernel",
            "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
@@ -697,22 +698,16 @@ def _combine_group_device(ye, r, d0, d_len):
     return (ye[r, d0], ye[r, min(d0 + 1, d_len - 1)], ye[r, min(d0 + 2, d_len - 1)], ye[r, min(d0 + 3, d_len - 1)])
 
 
-@bounded_jit(COMBINE_THREADS)
-def moe_combine_kernel(ye, ids, shared, out):
-    """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d]). A thread takes
-    COMBINE_COLS consecutive columns of one token: the expert order is found once for them (a selection over the
-    token's K ids per step), and each column adds its terms in that order. Up to COMBINE_K_FAST experts the ids
-    and the order live in registers and every expert's columns are loaded before the first add (one memory round
-    trip, not one per expert); more take the order one expert at a time."""
-    grid_entry_device()
-    n_tok, d_len = out.shape
+@cuda.jit(device=True, inline=True)
+def combine_group_device(ye, ids, shared, t, d0, d_len):
+    """moe_combine's outputs for token t's columns d0 .. d0 + 3: bf16(sum over k in ascending ids[t, k] of ye[t*K + k,
+    d] + shared[t, d]), each column adding its terms in that order (columns past d_len are computed from column
+    d_len - 1 and must not be stored). The expert order is found once for the four columns (a selection over the
+    token's K ids per step). Up to COMBINE_K_FAST experts the ids and the order live in registers and every expert's
+    columns are loaded before the first add (one memory round trip, not one per expert); more take the order one
+    expert at a time. The one definition of the combine's arithmetic (moe_combine_kernel, kernels.hc's hc_post of
+    the MoE's terms)."""
     k_act = ids.shape[1]
-    n_grp = (d_len + COMBINE_COLS - 1) // COMBINE_COLS
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= n_tok * n_grp:
-        return
-    t = i // n_grp
-    d0 = COMBINE_COLS * (i % n_grp)
     y0 = y1 = y2 = y3 = np.float32(0.0)
     if k_act <= COMBINE_K_FAST:
         idv = cuda.local.array(COMBINE_K_FAST, np.int32)       # constant indices only: registers
@@ -755,13 +750,31 @@ def moe_combine_kernel(ye, ids, shared, out):
             y2 += a2
             y3 += a3
             prev = best
-    out[t, d0] = round_bf16_device(y0 + shared[t, d0])
+    s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
+    return (round_bf16_device(y0 + s0), round_bf16_device(y1 + s1), round_bf16_device(y2 + s2),
+            round_bf16_device(y3 + s3))
+
+
+@bounded_jit(COMBINE_THREADS)
+def moe_combine_kernel(ye, ids, shared, out):
+    """out[t, d] = bf16(sum over k in ascending ids[t, k] of ye[t*K + k, d] + shared[t, d]). A thread takes
+    COMBINE_COLS consecutive columns of one token (combine_group_device)."""
+    grid_entry_device()
+    n_tok, d_len = out.shape
+    n_grp = (d_len + COMBINE_COLS - 1) // COMBINE_COLS
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i >= n_tok * n_grp:
+        return
+    t = i // n_grp
+    d0 = COMBINE_COLS * (i % n_grp)
+    v0, v1, v2, v3 = combine_group_device(ye, ids, shared, t, d0, d_len)
+    out[t, d0] = v0
     if d0 + 1 < d_len:
-        out[t, d0 + 1] = round_bf16_device(y1 + shared[t, d0 + 1])
+        out[t, d0 + 1] = v1
     if d0 + 2 < d_len:
-        out[t, d0 + 2] = round_bf16_device(y2 + shared[t, d0 + 2])
+        out[t, d0 + 2] = v2
     if d0 + 3 < d_len:
-        out[t, d0 + 3] = round_bf16_device(y3 + shared[t, d0 + 3])
+        out[t, d0 + 3] = v3
 
 
 _VQ_SIG = ("void(uint32[::1], float32[::1], int64, int64, int32[::1], int32[:, ::1], int32[::1], uint64[::1], "
@@ -1016,13 +1029,19 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     return out
 
 
-def moe_combine(ye, ids, shared, out=None, stream=0):
-    """ye float32 [T*K, D] (routed expert outputs, routing weight applied), ids int32 [T, K], shared [T, D] (the
-    shared expert) -> out [T, D] BF16 values: routed terms in ascending expert id, then the shared expert."""
+def check_combine(ye, ids, shared, name):
+    """Refuses (a ValueError naming `name`) MoE terms that do not fit: ye [T*K, D], ids [T, K], shared [T, D]."""
     n_tok, k_act = tuple(ids.shape)
     d_len = shared.shape[1]
     if tuple(ye.shape) != (n_tok * k_act, d_len) or tuple(shared.shape) != (n_tok, d_len):
-        raise ValueError(f"moe_combine: ye {ye.shape}, ids {ids.shape}, shared {shared.shape} do not fit")
+        raise ValueError(f"{name}: ye {ye.shape}, ids {ids.shape}, shared {shared.shape} do not fit")
+    return n_tok, d_len
+
+
+def moe_combine(ye, ids, shared, out=None, stream=0):
+    """ye float32 [T*K, D] (routed expert outputs, routing weight applied), ids int32 [T, K], shared [T, D] (the
+    shared expert) -> out [T, D] BF16 values: routed terms in ascending expert id, then the shared expert."""
+    n_tok, d_len = check_combine(ye, ids, shared, "moe_combine")
     if out is None:
         out = cuda.device_array((n_tok, d_len), np.float32, stream=stream)
     n = n_tok * math.ceil(d_len / COMBINE_COLS)

@@ -41,6 +41,8 @@
 #             attention's combine kernel (the other twenty-fifth session's fusion, untimed there)
 #   unfused_q_norm  the same, --split q_norm: the q latent's norm as its own rms_norm launch again, not in wq_b's
 #             staging (the twenty-sixth session's fusion)
+#   unfused_combine  the same, --split combine: the MoE's combine as its own launch again, not in the ffn's hc_post
+#             (the same session's)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -70,7 +72,8 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-PARTS=${DS4_PARTS:-tests,decode,base,before,flags,unfused,unfused_vq,unfused_wo_a,unfused_q_norm,vq,trace,engine,index}
+UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine
+PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 
 if [ -d .whl ]; then
@@ -174,6 +177,10 @@ fi
 if want unfused_q_norm; then
     run "decode, q_norm unfused$S" 110 unfused_q_norm.log $PY bench/dev/unfused.py --split q_norm \
         "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_q_norm$S.jsonl"
+fi
+if want unfused_combine; then
+    run "decode, MoE combine unfused$S" 110 unfused_combine.log $PY bench/dev/unfused.py --split combine \
+        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_combine$S.jsonl"
 fi
 done
 if want vq; then

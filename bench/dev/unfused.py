@@ -1,7 +1,7 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|attn,vq,wo_a,q_norm --contexts 1024,65536 --rounds 3 \
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|attn,vq,... --contexts 1024,65536 --rounds 3 \
         --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
@@ -16,6 +16,8 @@ either way, so the last greedy token must be too):
   again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
 - `q_norm` (the twenty-sixth session's): the q latent normed by its own rms_norm launch again, not in the staging of
   wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off).
+- `combine` (the same session's): the MoE's combine as its own moe_combine launch again, not formed in the ffn's
+  hc_post (ds4lib.engine.backend_cuda.COMBINE_IN_POST off).
 """
 import argparse
 import runpy
@@ -71,12 +73,17 @@ def _split_q_norm():
     backend_cuda.NORM_IN_STAGING = False
 
 
-SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm}
+def _split_combine():
+    backend_cuda.COMBINE_IN_POST = False
+
+
+SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
+          "combine": _split_combine}
 
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--split", default="attn,vq,wo_a,q_norm", help=f"comma-separated, of {', '.join(SPLITS)}")
+    ap.add_argument("--split", default="attn,vq,wo_a,q_norm,combine", help=f"comma-separated, of {', '.join(SPLITS)}")
     args, rest = ap.parse_known_args(argv)
     which = [s for s in args.split.split(",") if s]
     if not which or any(s not in SPLITS for s in which):

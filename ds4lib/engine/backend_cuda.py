@@ -100,6 +100,7 @@ _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set a
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
 SHARED_EXPERT_AT = ("side", "early", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
 NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
+COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -1020,12 +1021,16 @@ class CudaBackend:
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
         staged = self._bufs("x_ffn_vq", vq_gemv.stage_shapes(T, D))
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, stream=s)
-        y = self._moe(l, c, x, xq, observer, staged=staged,
-                      beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
-                                                 **kw))
-        if observer:
-            observer(l, "moe_out", y.copy_to_host())
-        hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
+        terms = self._moe(l, c, x, xq, observer, staged=staged,
+                          beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"],
+                                                     out=mix_f, **kw))
+        if observer or not COMBINE_IN_POST:               # the combine on its own (the observer reads its output)
+            y = vq_gemv.moe_combine(*terms, out=self._buf("moe_y", (T, D)), stream=s)
+            if observer:
+                observer(l, "moe_out", y.copy_to_host())
+            hc.hc_post(y, h, mix_f[1], mix_f[2], out=h, stream=s)
+        else:
+            hc.hc_post(None, h, mix_f[1], mix_f[2], out=h, moe=terms, stream=s)
         c.pre = mix_f[0]
         if observer:
             observer(l, "block_out", h.copy_to_host())
@@ -1281,8 +1286,9 @@ class CudaBackend:
         written by the norm that made xq, else staged by the gate / up call): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
-        the side stream from the fork on, the expert-major combine. The side stream's work reads only xq, h and
-        weights, and writes only its own buffers and scratch: the routing may run beside it ("early")."""
+        the side stream from the fork on -> the combine's terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
+        which the caller's hc_post forms (`_layer`). The side stream's work reads only xq, h and weights, and writes
+        only its own buffers and scratch: the routing may run beside it ("early")."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
@@ -1326,7 +1332,7 @@ class CudaBackend:
             ye_h = ye[0].copy_to_host().reshape(T, K, D)
             observer(l, "ye", ye_h / np.where(wts == 0, 1, wts)[:, :, None])
             observer(l, "ysh", ysh.copy_to_host())
-        return vq_gemv.moe_combine(ye[0], ids, ysh, out=self._buf("moe_y", (T, D)), stream=s)
+        return ye[0], ids, ysh
 
     def _shared_expert(self, l, T, xq, side):
         """Layer l's shared expert over xq [T, D] (act_quant_fp8 values) -> [T, D]: gate and up in one GEMV, SwiGLU

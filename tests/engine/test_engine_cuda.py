@@ -109,6 +109,30 @@ def test_micro_q_norm_in_the_staging_gives_the_norm_launchs_bits(micro_q256, mon
     np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(prompt).argmax(-1))
 
 
+def test_micro_combine_in_post_gives_the_combine_launchs_bits(micro, monkeypatch):
+    """The ffn's hc_post forms the MoE's combine itself (no moe_combine launch, once a layer): two decode steps give
+    the bits of the engine with the combine launched (COMBINE_IN_POST off)."""
+    import ds4lib.engine.backend_cuda as bc
+    from kernels import hc
+    _, cuda = micro
+    fused = []
+    real = hc.hc_post
+
+    def spy(*a, **kw):
+        if kw.get("moe") is not None:
+            fused.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(hc, "hc_post", spy)
+    prompt = [0, 17]
+    one = cuda.logits(prompt, split=0)
+    assert len(fused) == 2 * cuda.cfg.n_layers                  # 2 steps x layers
+    monkeypatch.setattr(bc, "COMBINE_IN_POST", False)
+    fused.clear()
+    two = cuda.logits(prompt, split=0)
+    assert not fused
+    np.testing.assert_array_equal(one, two)
+
+
 def test_micro_graph_keep_holds_every_scratch_dict(micro):
     """A captured graph keeps alive every array a launcher may have made for it: each scratch dict that
     `_capture_or_run` watches (the side stream's too), the RoPE tables and the caller's own buffers."""

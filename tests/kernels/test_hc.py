@@ -67,6 +67,39 @@ def test_hc_pre_post_blocks_step_over_tokens_past_the_grid(cuda_ready, monkeypat
     np.testing.assert_array_equal(got.copy_to_host(), ref_post(y, h, post, comb))
 
 
+@pytest.mark.parametrize("T,D,k_act", [(1, 5120, 6), (3, 66, 6), (2, 40, 10)])
+def test_hc_post_of_the_moe_terms_equals_combine_then_post(cuda_ready, T, D, k_act):
+    """hc_post(None, h, ..., moe=(ye, ids, shared)) gives the bits of moe_combine then hc_post, in place on h as the
+    engine calls it: V4.1's width and 6 experts, a width ending in a partial group of the combine's four columns,
+    and more experts than the combine keeps in registers (its one-at-a-time path). The expert terms carry +-2^30 at
+    two experts, so a wrong order of the adds shows; mismatched terms and y with moe are refused."""
+    import kernels.hc as hc
+    from kernels.vq_gemv import moe_combine
+    rng = np.random.default_rng(T * D + k_act)
+    ids = np.stack([rng.choice(4 * k_act, k_act, replace=False) for _ in range(T)]).astype(np.int32)
+    ye = round_bf16(rng.standard_normal((T * k_act, D)) * np.exp2(rng.integers(-8, 8, (T * k_act, D))))
+    for t, c in np.ndindex(T, D):
+        a, b = rng.choice(k_act, 2, replace=False)
+        ye[t * k_act + a, c], ye[t * k_act + b, c] = 2.0 ** 30, -2.0 ** 30
+    ysh = round_bf16(rng.standard_normal((T, D)))
+    h = round_bf16(rng.standard_normal((T, 4, D)))
+    post = rng.uniform(0.1, 2.0, (T, 4)).astype(np.float32)
+    comb = rng.uniform(0.0, 1.0, (T, 4, 4)).astype(np.float32)
+    terms = tuple(cuda_ready.to_device(a) for a in (ye, ids, ysh))
+    d_post, d_comb = cuda_ready.to_device(post), cuda_ready.to_device(comb)
+    y = moe_combine(*terms)
+    want = hc.hc_post(y, cuda_ready.to_device(h), d_post, d_comb).copy_to_host()
+    d_h = cuda_ready.to_device(h)
+    hc.hc_post(None, d_h, d_post, d_comb, out=d_h, moe=terms)
+    np.testing.assert_array_equal(d_h.copy_to_host(), want)
+    np.testing.assert_array_equal(want, ref_post(y.copy_to_host(), h, post, comb))
+    with pytest.raises(ValueError, match="not both"):
+        hc.hc_post(y, d_h, d_post, d_comb, moe=terms)
+    with pytest.raises(ValueError, match="do not fit"):
+        narrow = cuda_ready.to_device(np.ascontiguousarray(ysh[:, :-1]))
+        hc.hc_post(None, d_h, d_post, d_comb, moe=(terms[0], terms[1], narrow))
+
+
 def _two_kernels(cuda, h, fn, base, scale):
     """hc_mixes' two-kernel path (partial, then finish), launched directly whatever T."""
     from kernels.hc import (COLS_PER_BLOCK, FIN_THREADS, HC, N_ACC, THREADS, hc_mix_finish_kernel,
