@@ -67,8 +67,8 @@ from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit
 from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
-from kernels.fp8 import (code_word_device, fp8_block_scale_device, pow2_inverse_device, quant8_device,
-                         rint_step_device)
+from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
+                         quant8_device, rint_step_device)
 from kernels.gemv import act_quant_fp8
 from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
                          mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
@@ -79,9 +79,9 @@ from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arr
 from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
-           "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_im_stage_kernel",
-           "im_fits", "im_path", "norm_path", "im_stage", "im_stage_shapes", "im_stage_lane_device", "check_im_staged",
-           "mma_splits", "mma_part_rows", "mma_part_bytes",
+           "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_imma_t1s_kernel",
+           "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "im_stage_shapes",
+           "im_stage_lane_device", "check_im_staged", "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -985,15 +985,16 @@ def _im_copy_device(src, o, n4, dst):
         dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
 
 
-def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
+def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False):
     """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
     `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
-    registers (bench/dev/q4k_probe.py compares variants)."""
+    registers (bench/dev/q4k_probe.py compares variants); `stage` (with decode): the output also staged for the next
+    GEMV (a kernel of its own: the staging's code cost the one-token kernel 8 registers and spills in its loop)."""
     jit = bounded_jit(IM_WARPS * WARP, min_blocks)
     four = batch == 4
 
     @jit
-    def q4k_imma_kernel(xd, ps, kx, w1, n_words, rows_per_group, out_bf16, out):
+    def q4k_imma_kernel(xd, ps, kx, w1, n_words, rows_per_group, out_bf16, out, sxd, sps, pairs):
         """q4_K GEMV / GEMM on the tensor cores' integer MMA for FP32 activations staged by q4k_im_stage_kernel (xd,
         ps; kx inputs a token): out[tok, n] = sum over k of W[n, k] x[tok, grp(n) * K + k], FP32 (BF16-rounded if
         out_bf16). Block b: rows 16b .. 16b+15 (one group: rows_per_group a multiple of 16 or all rows); warp w: the
@@ -1006,7 +1007,13 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
         token the terms go into p_c over sub-blocks 2c, 2c+1 in super-block order, the quarter's value is (p_0 + p_1)
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
-        operations in the same order, so a token's result does not depend on the tokens beside it."""
+        operations in the same order, so a token's result does not depend on the tokens beside it.
+
+        `stage` (a one-token kernel of its own): the output is also staged as the next GEMV's integer-path operands,
+        what im_stage(out, quantize=True) writes into (sxd, sps): blocks 2i and 2i + 1 hold the rows of one block of
+        32 outputs, and the second of the two to finish (a ticket from pairs[i], kernels.ticket's pattern; put back
+        to 0 by it) quantises the 32 values by act_quant_fp8's rule and stages them, one a lane of its first warp
+        (im_stage_lane_device): the staging launch before that GEMV goes (wo_a's output for wo_b)."""
         grid_entry_device()
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
@@ -1111,10 +1118,29 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS):
                     v = (qsum[0, col, r] + qsum[1, col, r]) + (qsum[2, col, r] + qsum[3, col, r])
                     out[t0 + col, r0 + r] = round_bf16_device(v) if out_bf16 else v
             cuda.syncthreads()
+        if decode and stage:                            # the barrier above follows the output's stores
+            _stage_pair_device(out, sxd, sps, pairs)
     return q4k_imma_kernel
 
 
+@cuda.jit(device=True)
+def _stage_pair_device(out, sxd, sps, pairs):
+    """q4k_imma_kernel's `stage` (its docstring), after the block's output stores and a barrier."""
+    last = cuda.shared.array(1, np.int32)
+    if cuda.threadIdx.x == 0:
+        last[0] = 1 if take_ticket_device(pairs, cuda.blockIdx.x // 2) == 1 else 0
+    cuda.syncthreads()
+    if last[0] == 1 and cuda.threadIdx.x < WARP:
+        blk = cuda.blockIdx.x // 2
+        lane = cuda.threadIdx.x
+        q = act_quant_fp8_lane_device(out[0, 32 * blk + lane])        # the warp's block of 32
+        im_stage_lane_device(q, blk, lane, True, sxd, sps)
+        if lane == 0:
+            pairs[blk] = 0
+
+
 q4k_imma_t1_kernel = _make_im_kernel(True)
+q4k_imma_t1s_kernel = _make_im_kernel(True, stage=True)     # and the output staged for the next GEMV (stage_out)
 q4k_imma_kernel = _make_im_kernel(False, min_blocks=2)   # its p[16] needs registers
 
 
@@ -1207,7 +1233,8 @@ _GEMV_SIG = "void(float32[:, :], uint64[:, :], int64, boolean, float32[:, :])"
 _Q8_SIG = "void(float32[:, :], uint16[:, :], int64, boolean, float32[:, :])"
 _MMA_SIG = ("void(uint64[:], int64, uint64[:], int64, int64, int64, boolean, boolean, boolean, uint64[:], float32, "
             "float32[:, :, :], int32[:], float32[:, :])")
-_IM_SIG = "void(uint32[::1], float32[::1], int64, uint64[::1], int64, int64, boolean, float32[:, ::1])"
+_IM_SIG = ("void(uint32[::1], float32[::1], int64, uint64[::1], int64, int64, boolean, float32[:, ::1], uint32[::1], "
+           "float32[::1], int32[::1])")
 SIGNATURES = {
     "q4k_gemv_t1_kernel": _GEMV_SIG,
     "q4k_gemv_t4_kernel": _GEMV_SIG,
@@ -1218,6 +1245,7 @@ SIGNATURES = {
     "q4k_mma_t1_kernel": _MMA_SIG,
     "q4k_imma_kernel": _IM_SIG,
     "q4k_imma_t1_kernel": _IM_SIG,
+    "q4k_imma_t1s_kernel": _IM_SIG,
     "q4k_im_stage_kernel": "void(uint64[::1], int64, int64, boolean, uint32[::1], float32[::1])",
     "q4k_rows_kernel": "void(uint8[:, :], int64[:], float32[:, :])",
     "q8_0_rows_kernel": "void(uint16[:, :], int64[:], float32[:, :])",
@@ -1296,6 +1324,13 @@ def norm_path(kind, n_rows, k, rows_per_group=None):
                 and not im_path(kind, n_rows, k, rpg, quantize=True))
 
 
+def stage_out_path(kind, n_rows, k, rows_per_group=None, n_tok=1, *, quantize, fp8_input=False):
+    """Whether a q4k_gemv call can stage its output for the next GEMV (`stage_out`): one token on the integer path's
+    one-token kernel, whole blocks of 32 rows. A function of the shape and flags alone."""
+    return bool(n_tok == 1 and n_rows % 32 == 0 and k <= IM_SMEM_WORDS
+                and im_path(kind, n_rows, k, rows_per_group, quantize=quantize, fp8_input=fp8_input))
+
+
 def im_stage_shapes(n_tok, kx):
     """(shape, dtype) of the integer path's staged digits and of its (p, sum) pairs for n_tok rows of kx inputs."""
     return ((n_tok * kx,), np.uint32), ((n_tok * kx // 16,), np.float32)
@@ -1324,7 +1359,7 @@ def im_stage(x, *, quantize, out, stream=0):
 
 
 def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=None, out=None, scratch=None,
-             stream=0, fp8_input=False, staged=None, norm=None):
+             stream=0, fp8_input=False, staged=None, norm=None, stage_out=None):
     """x [T, G*K] float32 (C-contiguous), w uint8 [N, K/256*144] (q4_K) or [N, K/32*34] (Q8_0) -> out [T, N] float32.
 
     `quantize` applies linear_q's activation rule (act_quant_fp8, block 32) to x first (into scratch);
@@ -1337,7 +1372,10 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     producer; the staging launch is skipped (x still gives the shape).
     `norm` = (weight [K] float32, eps) (only with quantize=True, where `norm_path` holds): x is the input of
     kernels.rms_norm.rms_norm, and the GEMV is linear_q of its output, the bits of rms_norm(x, weight, eps, out_q=xq)
-    then q4k_gemv(xq, w, quantize=False, fp8_input=True), in one launch (q4k_mma_kernel's docstring)."""
+    then q4k_gemv(xq, w, quantize=False, fp8_input=True), in one launch (q4k_mma_kernel's docstring).
+    `stage_out` (where `stage_out_path` holds: a one-token integer-path call): the (digits, pairs) that
+    im_stage(out, quantize=True) would write, written by this call (q4k_imma_kernel's `stage`), for the next GEMV's
+    `staged` (wo_a's output into wo_b: one staging launch fewer)."""
     k = _row_length(w, kind, "q4k_gemv")
     n_rows = w.shape[0]
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2:
@@ -1364,6 +1402,11 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         if tuple(nw.shape) != (k,) or nw.dtype != np.float32 or not nw.is_c_contiguous():
             raise ValueError(f"q4k_gemv: the norm weight must be float32 [{k}] (contiguous), got {nw.dtype} "
                              f"{tuple(nw.shape)}")
+    if stage_out is not None:
+        if not (imma and stage_out_path(kind, n_rows, k, rpg, n_tok, quantize=quantize, fp8_input=fp8_input)):
+            raise ValueError("q4k_gemv: stage_out is for one-token integer-path calls of a multiple of 32 rows "
+                             "(stage_out_path), which this call is not")
+        check_im_staged(stage_out, 1, n_rows, "q4k_gemv (stage_out)")
     if staged is not None:
         if not imma:
             raise ValueError("q4k_gemv: staged operands are for the integer tensor-core path (im_path), which this "
@@ -1399,8 +1442,15 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
                               out=scratch_arrays(scratch, ("im_xd", "im_ps"), im_stage_shapes(n_tok, kx), stream))
         w64 = w.view(np.uint64)
         kernel = q4k_imma_t1_kernel if n_tok == 1 and k <= IM_SMEM_WORDS else q4k_imma_kernel
+        if stage_out is None:
+            sxd, sps, pairs = xd, ps, _scratch(scratch, "im_no_pairs", (1,), np.int32, stream)       # (not read)
+        else:
+            kernel = q4k_imma_t1s_kernel
+            sxd, sps = stage_out
+            pairs = _scratch(scratch, "im_pairs", (n_rows // 32,), np.int32, stream, zero=True)
         kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](
-            xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out)
+            xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out, sxd, sps,
+            pairs)
     elif kind == "q4_K" and n_tok == 1 and _contiguous(x):
         w64 = w.view(np.uint64)
         q4k_gemv_deep_kernel[grid, WARP * WARPS_PER_BLOCK, stream](

@@ -43,6 +43,8 @@
 #             staging (the twenty-sixth session's fusion)
 #   unfused_combine  the same, --split combine: the MoE's combine as its own launch again, not in the ffn's hc_post
 #             (the same session's)
+#   unfused_wo_b  the same, --split wo_b: wo_b's integer-path input staged by its own launch again, not by wo_a's
+#             kernel (the same session's)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -72,7 +74,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine
+UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 
@@ -181,6 +183,10 @@ fi
 if want unfused_combine; then
     run "decode, MoE combine unfused$S" 110 unfused_combine.log $PY bench/dev/unfused.py --split combine \
         "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_combine$S.jsonl"
+fi
+if want unfused_wo_b; then
+    run "decode, wo_b staging unfused$S" 110 unfused_wo_b.log $PY bench/dev/unfused.py --split wo_b \
+        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_wo_b$S.jsonl"
 fi
 done
 if want vq; then

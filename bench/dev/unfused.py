@@ -1,8 +1,8 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|attn,vq,... --contexts 1024,65536 --rounds 3 \
-        --trace-steps 0 --graph-only --out F.jsonl
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|attn,vq,... --contexts 1024,65536 \
+        --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
   attention, and the window ring's write as its own window_write launch after it. It wraps
@@ -18,6 +18,8 @@ either way, so the last greedy token must be too):
   wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off).
 - `combine` (the same session's): the MoE's combine as its own moe_combine launch again, not formed in the ffn's
   hc_post (ds4lib.engine.backend_cuda.COMBINE_IN_POST off).
+- `wo_b` (the same session's): wo_b's integer-path operands staged by their own q4k_im_stage launch again, not by
+  wo_a's kernel (ds4lib.engine.backend_cuda.STAGE_WO_B off).
 """
 import argparse
 import runpy
@@ -77,13 +79,17 @@ def _split_combine():
     backend_cuda.COMBINE_IN_POST = False
 
 
+def _split_wo_b():
+    backend_cuda.STAGE_WO_B = False
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
-          "combine": _split_combine}
+          "combine": _split_combine, "wo_b": _split_wo_b}
 
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--split", default="attn,vq,wo_a,q_norm,combine", help=f"comma-separated, of {', '.join(SPLITS)}")
+    ap.add_argument("--split", default=",".join(SPLITS), help=f"comma-separated, of {', '.join(SPLITS)}")
     args, rest = ap.parse_known_args(argv)
     which = [s for s in args.split.split(",") if s]
     if not which or any(s not in SPLITS for s in which):

@@ -101,6 +101,7 @@ BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache vi
 SHARED_EXPERT_AT = ("side", "early", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
 NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
 COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
+STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -307,19 +308,21 @@ class CudaBackend:
         self._rope_cap = cap
 
     # ------------------------------------------------------------------ linears
-    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False, staged=None):
+    def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False, staged=None,
+                stage_out=None):
         """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference.
         `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize).
         `side`: on the side stream with its scratch (between `_fork` and `_join`). `staged`: x's integer-path
-        operands, written by its producer (`_im_staging`)."""
+        operands, written by its producer (`_im_staging`); `stage_out`: the output's, for the next linear
+        (kernels.q4k_gemv's `stage_out`)."""
         s, T = (self.side if side else self.stream), x.shape[0]
         if out is None:
             out = self._buf(f"lin{id(lin)}", (T, lin.rows))
         if lin.kind in ("q4_K", "q8_0"):
             return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=quantize, out_bf16=bf16, rows_per_group=rpg,
                                      out=out, scratch=self.scr_side if side else self.scr, stream=s,
-                                     fp8_input=fp8 and not quantize, staged=staged)
-        if staged is not None:
+                                     fp8_input=fp8 and not quantize, staged=staged, stage_out=stage_out)
+        if staged is not None or stage_out is not None:
             raise ValueError(f"_linear: staged operands for {lin.kind} weights")
         if quantize:                                     # each stream its own buffer: the two may overlap
             x = gemv.act_quant_fp8(x, out=self._buf("lin_xq_side" if side else "lin_xq", tuple(x.shape)), stream=s)
@@ -1177,12 +1180,20 @@ class CudaBackend:
 
     def _output(self, l, c, o, staged=None):
         """Attention output [T, H, Dh], already rotated back by `_attend` -> [T, D]: wo_a per group, wo_b (ref
-        output_projection). `staged`: o's integer-path operands for wo_a, written by the attention (`_im_staging`)."""
+        output_projection). `staged`: o's integer-path operands for wo_a, written by the attention (`_im_staging`).
+        One token whose wo_a and wo_b both take the integer path (kernels.q4k_gemv.stage_out_path; V4.1): wo_a
+        stages its output as wo_b's operands itself (`stage_out`), and wo_b launches no staging."""
         cfg, w = self.cfg, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
-        u = self._linear(o.reshape(T, H * dh), w["attn.wo_a.weight"], quantize=False, rpg=cfg.o_lora_rank,
-                         out=self._buf("wo_a", (T, cfg.o_groups * cfg.o_lora_rank)), staged=staged)
-        return self._linear(u, w["attn.wo_b.weight"], quantize=True, out=self._buf("attn_y", (T, cfg.dim)))
+        wo_a, wo_b = w["attn.wo_a.weight"], w["attn.wo_b.weight"]
+        n_u = cfg.o_groups * cfg.o_lora_rank
+        st_b = None
+        if STAGE_WO_B and q4k_gemv.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cfg.o_lora_rank, T, quantize=False) \
+                and q4k_gemv.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True):
+            st_b = self._bufs("wo_b_im", q4k_gemv.im_stage_shapes(T, n_u))
+        u = self._linear(o.reshape(T, H * dh), wo_a, quantize=False, rpg=cfg.o_lora_rank,
+                         out=self._buf("wo_a", (T, n_u)), staged=staged, stage_out=st_b)
+        return self._linear(u, wo_b, quantize=True, out=self._buf("attn_y", (T, cfg.dim)), staged=st_b)
 
     def _compressor(self, l, st, c, x, side=False):
         """The compressor of layer l (a KV source) over x [T, D]: its projections, the pooled latents of the groups

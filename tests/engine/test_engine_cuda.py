@@ -64,14 +64,15 @@ def micro(tmp_path_factory):
 @pytest.fixture(scope="module")
 def micro_q256(tmp_path_factory):
     """The micro model with a q rank of 256 (wq_b: q4_K rows of one super-block, the FP8 tensor-core path the q_norm
-    can ride on: kernels.q4k_gemv.norm_path) and a window-only layer 0 (no indexer, whose wq_b the base file stores
-    in FP8: a BF16 GEMV); CPU and CUDA engines."""
+    can ride on: kernels.q4k_gemv.norm_path), a window-only layer 0 (no indexer, whose wq_b the base file stores
+    in FP8: a BF16 GEMV), and 8 heads of 64 with an output rank of 128 (wo_a: 256 q4_K rows of one super-block a
+    group, the integer path; wo_b: 32 rows of one super-block); CPU and CUDA engines."""
     from ds4lib.quant.base_file import quantize_checkpoint
     from ds4lib.synth import write_random_checkpoint
     root = tmp_path_factory.mktemp("micro_q256")
     ckpt = write_random_checkpoint(root / "ckpt", micro_config().replace(
         q_lora_rank=256, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
-        candidate_source_layer=1), seed=1)
+        candidate_source_layer=1, n_heads=8, head_dim=64, o_lora_rank=128), seed=1)
     quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
     cpu = Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER)
     cuda = Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
@@ -107,6 +108,37 @@ def test_micro_q_norm_in_the_staging_gives_the_norm_launchs_bits(micro_q256, mon
     assert not normed
     np.testing.assert_array_equal(fused, launched)
     np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(prompt).argmax(-1))
+
+
+def test_micro_wo_a_stages_wo_b_with_the_staging_launchs_bits(micro_q256, monkeypatch):
+    """Where wo_a and wo_b both take the integer path for one token (here with wo_b let onto it: the micro model's 32
+    rows are far below IM_FP8_MIN_ROWS), wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no
+    staging: two decode steps give the bits of the engine with the staging launched (STAGE_WO_B off)."""
+    import ds4lib.engine.backend_cuda as bc
+    import kernels.q4k_gemv as qk
+    _, cuda = micro_q256
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 32)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 1)
+    w = cuda.backend.L[0]
+    wo_a, wo_b = w["attn.wo_a.weight"], w["attn.wo_b.weight"]
+    assert qk.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cuda.cfg.o_lora_rank, quantize=False)
+    assert qk.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True)
+    staged = []
+    real = qk.q4k_gemv
+
+    def spy(*a, **kw):
+        if kw.get("stage_out") is not None:
+            staged.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(qk, "q4k_gemv", spy)
+    prompt = [0, 17]
+    one = cuda.logits(prompt, split=0)
+    assert len(staged) == 2 * cuda.cfg.n_layers                 # 2 steps x layers
+    monkeypatch.setattr(bc, "STAGE_WO_B", False)
+    staged.clear()
+    two = cuda.logits(prompt, split=0)
+    assert not staged
+    np.testing.assert_array_equal(one, two)
 
 
 def test_micro_combine_in_post_gives_the_combine_launchs_bits(micro, monkeypatch):

@@ -176,11 +176,12 @@ def test_hc_empty(cuda_ready):
 
 
 def test_last_block_tickets_are_acquire_release_atomics_without_sc_fences():
-    """Compiled for sm_90: the two last-block kernels (hc's fused mixes, q4_K's split rows) take their ticket with
-    kernels.ticket's acquire-release atomic, once a block, and keep no sequentially consistent fence
-    (`membar.gl` / `fence.sc`, what cuda.threadfence emits)."""
+    """Compiled for sm_90: the three last-block kernels (hc's fused mixes, q4_K's split rows, the integer path's
+    output staged by the second block of a pair) take their ticket with kernels.ticket's acquire-release atomic, once
+    a block, and keep no sequentially consistent fence (`membar.gl` / `fence.sc`, what cuda.threadfence emits)."""
     from kernels.ticket import TICKET_PTX
     from tests.kernels.compile_sm90 import ptx_counts
-    r = ptx_counts(["hc:hc_mix_fused_kernel", "q4k_gemv:q4k_mma_kernel"], [TICKET_PTX, "membar.gl", "fence.sc"])
+    names = ["hc:hc_mix_fused_kernel", "q4k_gemv:q4k_mma_kernel", "q4k_gemv:q4k_imma_t1s_kernel"]
+    r = ptx_counts(names, [TICKET_PTX, "membar.gl", "fence.sc"])
     got = {t: (v["sm90"], v[TICKET_PTX], v["membar.gl"], v["fence.sc"]) for t, v in r.items()}
-    assert got == {"hc:hc_mix_fused_kernel": (True, 1, 0, 0), "q4k_gemv:q4k_mma_kernel": (True, 1, 0, 0)}, got
+    assert got == {n: (True, 1, 0, 0) for n in names}, got

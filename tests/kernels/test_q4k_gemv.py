@@ -385,6 +385,45 @@ def test_staged_operands_skip_the_im_staging(cuda_ready):
                  rows_per_group=3, staged=_im_staged(cuda_ready, 3, 512))
 
 
+@pytest.mark.parametrize("out_bf16", [True, False])
+def test_stage_out_equals_im_stage_of_the_output(cuda_ready, out_bf16):
+    """A one-token integer-path call with stage_out (wo_a's grouped rows, as the engine calls it for wo_b) gives the
+    output of the call without it, and the (digits, pairs) im_stage(out, quantize=True) writes, bit for bit, for 96
+    rows (three blocks of 32, each staged by the second of its two 16-row blocks); twice in a row with one scratch
+    (the pair tickets are put back to zero); the rows' scales differ by up to 2^15, so each block of 32 is quantised
+    on its own scale. Refused: two tokens, rows not a multiple of 32, a call off the integer path, and
+    operands of the wrong shape."""
+    from kernels.q4k_gemv import im_stage, q4k_gemv, stage_out_path
+    rng = np.random.default_rng(33 + out_bf16)
+    G, R, Kg = 2, 48, 512
+    w = rng.standard_normal((G * R, Kg)) * 0.05 * np.exp2(rng.integers(-8, 8, (G * R, 1)))
+    q = quantize_q4k(w.astype(np.float32))
+    x = rng.standard_normal((1, G * Kg)).astype(np.float32)
+    d_x, d_q = cuda_ready.to_device(x), cuda_ready.to_device(q)
+    assert stage_out_path("q4_K", G * R, Kg, R, quantize=False)
+    assert not stage_out_path("q4_K", G * R, Kg, R, 2, quantize=False)
+    assert not stage_out_path("q4_K", 48, Kg, 16, quantize=False)
+    want = q4k_gemv(d_x, d_q, quantize=False, out_bf16=out_bf16, rows_per_group=R)
+    want_st = im_stage(want, quantize=True, out=_im_staged(cuda_ready, 1, G * R))
+    scratch = {}
+    for _ in range(2):
+        st = _im_staged(cuda_ready, 1, G * R, fill=0x5A5A5A5A)
+        got = q4k_gemv(d_x, d_q, quantize=False, out_bf16=out_bf16, rows_per_group=R, stage_out=st, scratch=scratch)
+        np.testing.assert_array_equal(got.copy_to_host().view(np.uint32), want.copy_to_host().view(np.uint32))
+        for a, b in zip(st, want_st):
+            np.testing.assert_array_equal(a.copy_to_host().view(np.uint32), b.copy_to_host().view(np.uint32))
+    with pytest.raises(ValueError, match="stage_out"):
+        q4k_gemv(cuda_ready.to_device(np.repeat(x, 2, 0)), d_q, quantize=False, rows_per_group=R,
+                 stage_out=_im_staged(cuda_ready, 1, G * R))
+    q48, _ = _q4k(rng, 48, Kg)
+    with pytest.raises(ValueError, match="stage_out"):
+        q4k_gemv(cuda_ready.to_device(np.ascontiguousarray(np.tile(x, (1, 3))[:, :3 * Kg])),
+                 cuda_ready.to_device(q48), quantize=False, rows_per_group=16,
+                 stage_out=_im_staged(cuda_ready, 1, 48))
+    with pytest.raises(ValueError, match="stage_out"):
+        q4k_gemv(d_x, d_q, quantize=False, rows_per_group=R, stage_out=_im_staged(cuda_ready, 1, 64))
+
+
 def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
     """Matrices of at least IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row take the integer path for
     FP8-grid activations too (linear_q: raw x quantised in its staging by act_quant_fp8's rule, or fp8_input): the
