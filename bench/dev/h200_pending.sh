@@ -164,30 +164,14 @@ if want flags; then
     run "decode, indexer flags on$S" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" \
         --out "$OUT/decode_flags$S.jsonl"
 fi
-if want unfused; then
-    run "decode, attention launches unfused$S" 110 unfused.log $PY bench/dev/unfused.py --split attn \
-        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused$S.jsonl"
-fi
-if want unfused_vq; then
-    run "decode, VQ staging unfused$S" 110 unfused_vq.log $PY bench/dev/unfused.py --split vq "${AB_DECODE[@]:1}" \
-        --out "$OUT/decode_unfused_vq$S.jsonl"
-fi
-if want unfused_wo_a; then
-    run "decode, wo_a staging unfused$S" 110 unfused_wo_a.log $PY bench/dev/unfused.py --split wo_a \
-        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_wo_a$S.jsonl"
-fi
-if want unfused_q_norm; then
-    run "decode, q_norm unfused$S" 110 unfused_q_norm.log $PY bench/dev/unfused.py --split q_norm \
-        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_q_norm$S.jsonl"
-fi
-if want unfused_combine; then
-    run "decode, MoE combine unfused$S" 110 unfused_combine.log $PY bench/dev/unfused.py --split combine \
-        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_combine$S.jsonl"
-fi
-if want unfused_wo_b; then
-    run "decode, wo_b staging unfused$S" 110 unfused_wo_b.log $PY bench/dev/unfused.py --split wo_b \
-        "${AB_DECODE[@]:1}" --out "$OUT/decode_unfused_wo_b$S.jsonl"
-fi
+for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
+        "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging"; do
+    read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
+    if want "$part"; then
+        run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \
+            "${AB_DECODE[@]:1}" --out "$OUT/decode_$part$S.jsonl"
+    fi
+done
 done
 if want vq; then
     probes "" ""

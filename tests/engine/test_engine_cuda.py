@@ -79,42 +79,51 @@ def micro_q256(tmp_path_factory):
     return cpu, cuda
 
 
+PROMPT = [0, 17]
+
+
+def _fused_then_launched(monkeypatch, cuda, module, fname, keyword, flag, per_step):
+    """Two decode steps of PROMPT with a fused path, then with the backend's `flag` off (the launches it replaces):
+    the logits must be equal bit for bit. Calls of module.fname with `keyword` are counted: per_step a step with the
+    flag on, none off. Returns the logits."""
+    import ds4lib.engine.backend_cuda as bc
+    calls = []
+    real = getattr(module, fname)
+
+    def spy(*a, **kw):
+        if kw.get(keyword) is not None:
+            calls.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(module, fname, spy)
+    fused = cuda.logits(PROMPT, split=0)
+    assert len(calls) == len(PROMPT) * per_step
+    monkeypatch.setattr(bc, flag, False)
+    calls.clear()
+    launched = cuda.logits(PROMPT, split=0)
+    assert not calls
+    np.testing.assert_array_equal(fused, launched)
+    return fused
+
+
 def test_micro_q_norm_in_the_staging_gives_the_norm_launchs_bits(micro_q256, monkeypatch):
     """Where every reader of the q latent takes the FP8 q4_K path (layer 0: wq_b only), `_query` launches no q_norm
     and wq_b norms its input in its staging; layer 1, whose indexer reads the latent through a BF16 GEMV, keeps the
     norm launch. Two decode steps give the bits of the engine with the norm launched everywhere (NORM_IN_STAGING
     off), and the CPU reference's top-1."""
-    import ds4lib.engine.backend_cuda as bc
     from kernels import q4k_gemv
     cpu, cuda = micro_q256
     w0, w1 = cuda.backend.L[0], cuda.backend.L[1]
     assert all(q4k_gemv.norm_path(w["attn.wq_b.weight"].kind, w["attn.wq_b.weight"].rows, w["attn.wq_b.weight"].k)
                for w in (w0, w1))
     assert "attn.indexer.wq_b.weight" not in w0 and w1["attn.indexer.wq_b.weight"].kind == "bf16"
-    normed = []
-    real = q4k_gemv.q4k_gemv
-
-    def spy(*a, **kw):
-        if kw.get("norm") is not None:
-            normed.append(a[1].shape)
-        return real(*a, **kw)
-    monkeypatch.setattr(q4k_gemv, "q4k_gemv", spy)
-    prompt = [0, 17]
-    fused = cuda.logits(prompt, split=0)
-    assert len(normed) == 2                              # 2 steps x layer 0's wq_b
-    monkeypatch.setattr(bc, "NORM_IN_STAGING", False)
-    normed.clear()
-    launched = cuda.logits(prompt, split=0)
-    assert not normed
-    np.testing.assert_array_equal(fused, launched)
-    np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(prompt).argmax(-1))
+    fused = _fused_then_launched(monkeypatch, cuda, q4k_gemv, "q4k_gemv", "norm", "NORM_IN_STAGING", 1)   # layer 0
+    np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(PROMPT).argmax(-1))
 
 
 def test_micro_wo_a_stages_wo_b_with_the_staging_launchs_bits(micro_q256, monkeypatch):
     """Where wo_a and wo_b both take the integer path for one token (here with wo_b let onto it: the micro model's 32
     rows are far below IM_FP8_MIN_ROWS), wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no
     staging: two decode steps give the bits of the engine with the staging launched (STAGE_WO_B off)."""
-    import ds4lib.engine.backend_cuda as bc
     import kernels.q4k_gemv as qk
     _, cuda = micro_q256
     monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 32)
@@ -123,46 +132,15 @@ def test_micro_wo_a_stages_wo_b_with_the_staging_launchs_bits(micro_q256, monkey
     wo_a, wo_b = w["attn.wo_a.weight"], w["attn.wo_b.weight"]
     assert qk.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cuda.cfg.o_lora_rank, quantize=False)
     assert qk.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True)
-    staged = []
-    real = qk.q4k_gemv
-
-    def spy(*a, **kw):
-        if kw.get("stage_out") is not None:
-            staged.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(qk, "q4k_gemv", spy)
-    prompt = [0, 17]
-    one = cuda.logits(prompt, split=0)
-    assert len(staged) == 2 * cuda.cfg.n_layers                 # 2 steps x layers
-    monkeypatch.setattr(bc, "STAGE_WO_B", False)
-    staged.clear()
-    two = cuda.logits(prompt, split=0)
-    assert not staged
-    np.testing.assert_array_equal(one, two)
+    _fused_then_launched(monkeypatch, cuda, qk, "q4k_gemv", "stage_out", "STAGE_WO_B", cuda.cfg.n_layers)
 
 
 def test_micro_combine_in_post_gives_the_combine_launchs_bits(micro, monkeypatch):
     """The ffn's hc_post forms the MoE's combine itself (no moe_combine launch, once a layer): two decode steps give
     the bits of the engine with the combine launched (COMBINE_IN_POST off)."""
-    import ds4lib.engine.backend_cuda as bc
     from kernels import hc
     _, cuda = micro
-    fused = []
-    real = hc.hc_post
-
-    def spy(*a, **kw):
-        if kw.get("moe") is not None:
-            fused.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(hc, "hc_post", spy)
-    prompt = [0, 17]
-    one = cuda.logits(prompt, split=0)
-    assert len(fused) == 2 * cuda.cfg.n_layers                  # 2 steps x layers
-    monkeypatch.setattr(bc, "COMBINE_IN_POST", False)
-    fused.clear()
-    two = cuda.logits(prompt, split=0)
-    assert not fused
-    np.testing.assert_array_equal(one, two)
+    _fused_then_launched(monkeypatch, cuda, hc, "hc_post", "moe", "COMBINE_IN_POST", cuda.cfg.n_layers)
 
 
 def test_micro_graph_keep_holds_every_scratch_dict(micro):
