@@ -82,22 +82,23 @@ def micro_q256(tmp_path_factory):
 PROMPT = [0, 17]
 
 
-def _fused_then_launched(monkeypatch, cuda, module, fname, keyword, flag, per_step):
-    """Two decode steps of PROMPT with a fused path, then with the backend's `flag` off (the launches it replaces):
-    the logits must be equal bit for bit. Calls of module.fname with `keyword` are counted: per_step a step with the
-    flag on, none off. Returns the logits."""
+def _fused_then_launched(monkeypatch, cuda, spies, flags):
+    """Two decode steps of PROMPT with fused paths, then with the backend's `flags` off (the launches they replace):
+    the logits must be equal bit for bit. spies = [(module, function name, {keyword: calls a step})]: the calls of
+    each function with each keyword are counted, that many a step with the flags on, none off. Returns the logits."""
     import ds4lib.engine.backend_cuda as bc
     calls = []
-    real = getattr(module, fname)
-
-    def spy(*a, **kw):
-        if kw.get(keyword) is not None:
-            calls.append(1)
-        return real(*a, **kw)
-    monkeypatch.setattr(module, fname, spy)
+    want = {}
+    for module, fname, per_step in spies:
+        def spy(*a, _real=getattr(module, fname), _keys=tuple(per_step), **kw):
+            calls.extend(k for k in _keys if kw.get(k) is not None)
+            return _real(*a, **kw)
+        monkeypatch.setattr(module, fname, spy)
+        want.update({k: len(PROMPT) * n for k, n in per_step.items()})
     fused = cuda.logits(PROMPT, split=0)
-    assert len(calls) == len(PROMPT) * per_step
-    monkeypatch.setattr(bc, flag, False)
+    assert {k: calls.count(k) for k in want} == want
+    for flag in flags:
+        monkeypatch.setattr(bc, flag, False)
     calls.clear()
     launched = cuda.logits(PROMPT, split=0)
     assert not calls
@@ -105,42 +106,37 @@ def _fused_then_launched(monkeypatch, cuda, module, fname, keyword, flag, per_st
     return fused
 
 
-def test_micro_q_norm_in_the_staging_gives_the_norm_launchs_bits(micro_q256, monkeypatch):
-    """Where every reader of the q latent takes the FP8 q4_K path (layer 0: wq_b only), `_query` launches no q_norm
-    and wq_b norms its input in its staging; layer 1, whose indexer reads the latent through a BF16 GEMV, keeps the
-    norm launch. Two decode steps give the bits of the engine with the norm launched everywhere (NORM_IN_STAGING
-    off), and the CPU reference's top-1."""
-    from kernels import q4k_gemv
+def test_micro_fused_launches_give_the_launches_bits(micro_q256, monkeypatch):
+    """Three fusions against the launches they replace, on one model. Where every reader of the q latent takes the
+    FP8 q4_K path (layer 0: wq_b only), `_query` launches no q_norm and wq_b norms its input in its staging; layer
+    1, whose indexer reads the latent through a BF16 GEMV, keeps the norm launch. Where wo_a and wo_b both take the
+    integer path for one token (here with wo_b's shape let onto it, as V4.1's 5,120 x 8,192 is: the micro model's
+    32 rows are far below IM_FP8_MIN_ROWS), wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no
+    staging. The ffn's hc_post forms the MoE's combine itself (no moe_combine launch). Two decode steps give the
+    bits of the engine with all of them launched (NORM_IN_STAGING, STAGE_WO_B and COMBINE_IN_POST off), and the CPU
+    reference's top-1."""
+    import kernels.hc as hc
+    import kernels.q4k_gemv as qk
     cpu, cuda = micro_q256
     w0, w1 = cuda.backend.L[0], cuda.backend.L[1]
-    assert all(q4k_gemv.norm_path(w["attn.wq_b.weight"].kind, w["attn.wq_b.weight"].rows, w["attn.wq_b.weight"].k)
-               for w in (w0, w1))
+    real_im_path, wo_b_shape = qk.im_path, (w0["attn.wo_b.weight"].rows, w0["attn.wo_b.weight"].k)
+
+    def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
+        if kind == "q4_K" and (n_rows, k) == wo_b_shape and rows_per_group in (None, n_rows) and quantize:
+            return True
+        return real_im_path(kind, n_rows, k, rows_per_group, quantize=quantize, fp8_input=fp8_input)
+    monkeypatch.setattr(qk, "im_path", im_path)
+    for w in (w0, w1):
+        wq_b, wo_a, wo_b = w["attn.wq_b.weight"], w["attn.wo_a.weight"], w["attn.wo_b.weight"]
+        assert qk.norm_path(wq_b.kind, wq_b.rows, wq_b.k)
+        assert qk.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cuda.cfg.o_lora_rank, quantize=False)
+        assert qk.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True)
     assert "attn.indexer.wq_b.weight" not in w0 and w1["attn.indexer.wq_b.weight"].kind == "bf16"
-    fused = _fused_then_launched(monkeypatch, cuda, q4k_gemv, "q4k_gemv", "norm", "NORM_IN_STAGING", 1)   # layer 0
+    n_l = cuda.cfg.n_layers
+    fused = _fused_then_launched(monkeypatch, cuda, [(qk, "q4k_gemv", {"norm": 1, "stage_out": n_l}),
+                                                     (hc, "hc_post", {"moe": n_l})],
+                                 ("NORM_IN_STAGING", "STAGE_WO_B", "COMBINE_IN_POST"))
     np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(PROMPT).argmax(-1))
-
-
-def test_micro_wo_a_stages_wo_b_with_the_staging_launchs_bits(micro_q256, monkeypatch):
-    """Where wo_a and wo_b both take the integer path for one token (here with wo_b let onto it: the micro model's 32
-    rows are far below IM_FP8_MIN_ROWS), wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no
-    staging: two decode steps give the bits of the engine with the staging launched (STAGE_WO_B off)."""
-    import kernels.q4k_gemv as qk
-    _, cuda = micro_q256
-    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 32)
-    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 1)
-    w = cuda.backend.L[0]
-    wo_a, wo_b = w["attn.wo_a.weight"], w["attn.wo_b.weight"]
-    assert qk.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cuda.cfg.o_lora_rank, quantize=False)
-    assert qk.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True)
-    _fused_then_launched(monkeypatch, cuda, qk, "q4k_gemv", "stage_out", "STAGE_WO_B", cuda.cfg.n_layers)
-
-
-def test_micro_combine_in_post_gives_the_combine_launchs_bits(micro, monkeypatch):
-    """The ffn's hc_post forms the MoE's combine itself (no moe_combine launch, once a layer): two decode steps give
-    the bits of the engine with the combine launched (COMBINE_IN_POST off)."""
-    from kernels import hc
-    _, cuda = micro
-    _fused_then_launched(monkeypatch, cuda, hc, "hc_post", "moe", "COMBINE_IN_POST", cuda.cfg.n_layers)
 
 
 def test_micro_graph_keep_holds_every_scratch_dict(micro):
