@@ -1119,8 +1119,8 @@ class CudaBackend:
         """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, q latent, queries [T, H, Dh]) (ref
         attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them). The q latent
         (`_latent`'s argument) is the q_norm's input with its weight, normed in the staging of each GEMV that reads
-        it where every reader of the layer takes kernels.q4k_gemv.norm_path (V4.1: wq_b and the indexer's wq_b;
-        no norm launch), else the FP8 values of the normed latent."""
+        it where every reader of the layer takes kernels.q4k_gemv.norm_path (no norm launch; V4.1: the 32 layers
+        without an indexer, whose wq_b alone reads it), else the FP8 values of the normed latent."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         if xq is None:
