@@ -42,7 +42,7 @@ from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.ticket import take_ticket_device
-from kernels.vq_gemv import COMBINE_COLS, check_combine, combine_group_device
+from kernels.vq_gemv import COMBINE_COLS, check_combine, combine_group_device, combine_slot_device
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
            "hc_pre_kernel", "hc_post_kernel", "hc_post_moe_kernel", "SIGNATURES"]
@@ -285,12 +285,9 @@ def hc_post_moe_kernel(ye, ids, shared, h, post, comb, out):
     the combine kernel's arithmetic) and never written: a thread takes the combine's four columns of one token."""
     grid_entry_device()
     n_tok, n_s, d = h.shape
-    n_grp = (d + COMBINE_COLS - 1) // COMBINE_COLS
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= n_tok * n_grp:
+    live, t, d0 = combine_slot_device(n_tok, d)
+    if not live:
         return
-    t = i // n_grp
-    d0 = COMBINE_COLS * (i % n_grp)
     y0, y1, y2, y3 = combine_group_device(ye, ids, shared, t, d0, d)
     _post_column_device(y0, h, post, comb, out, t, d0)
     if d0 + 1 < d:
@@ -313,8 +310,6 @@ SIGNATURES = {
     "hc_post_moe_kernel": "void(float32[:, :], int32[:, :], float32[:, :], float32[:, :, :], float32[:, :], "
                           "float32[:, :, :], float32[:, :, :])",
 }
-
-
 
 
 def _check_state(h, name):

@@ -82,7 +82,7 @@ from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arr
 
 __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_gemv", "vq_stage", "stage_shapes",
            "padded_codewords", "check_staged", "stage_lane_device", "stage_pad_device", "moe_combine", "check_combine",
-           "combine_group_device", "VQPlan",
+           "combine_group_device", "combine_slot_device", "VQPlan",
            "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
            "vq_gemv_wide_kernel",
            "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
@@ -699,6 +699,16 @@ def _combine_group_device(ye, r, d0, d_len):
 
 
 @cuda.jit(device=True, inline=True)
+def combine_slot_device(n_tok, d_len):
+    """This thread's slot of a combine over n_tok tokens of d_len columns, a thread per COMBINE_COLS consecutive
+    columns of one token: (live, t, d0), live False for the threads past the last slot (they must return). The one
+    mapping of moe_combine_kernel and kernels.hc's hc_post of the MoE's terms."""
+    n_grp = (d_len + COMBINE_COLS - 1) // COMBINE_COLS
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    return i < n_tok * n_grp, i // n_grp, COMBINE_COLS * (i % n_grp)
+
+
+@cuda.jit(device=True, inline=True)
 def combine_group_device(ye, ids, shared, t, d0, d_len):
     """moe_combine's outputs for token t's columns d0 .. d0 + 3: bf16(sum over k in ascending ids[t, k] of ye[t*K + k,
     d] + shared[t, d]), each column adding its terms in that order (columns past d_len are computed from column
@@ -761,12 +771,9 @@ def moe_combine_kernel(ye, ids, shared, out):
     COMBINE_COLS consecutive columns of one token (combine_group_device)."""
     grid_entry_device()
     n_tok, d_len = out.shape
-    n_grp = (d_len + COMBINE_COLS - 1) // COMBINE_COLS
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i >= n_tok * n_grp:
+    live, t, d0 = combine_slot_device(n_tok, d_len)
+    if not live:
         return
-    t = i // n_grp
-    d0 = COMBINE_COLS * (i % n_grp)
     v0, v1, v2, v3 = combine_group_device(ye, ids, shared, t, d0, d_len)
     out[t, d0] = v0
     if d0 + 1 < d_len:
