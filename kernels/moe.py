@@ -3,11 +3,13 @@
 Owns:
 - `route`: logits = x W_gate^T (FP32 GEMV of the BF16 gate, kernels.gemv), then one block per token: its
   threads compute s = sqrt(softplus(logits / gate_temp)) for every expert and the selection score s + bias
-  (+ a sidecar delta) into shared memory (all of a thread's loads issued before its arithmetic: one warp
-  scoring 384 experts one dependent load after another took 15.6 us on the H200), then its first warp takes
-  the top-k by (selection score descending, lower expert id first), weights = s at the chosen ids divided by
-  (their sum + 1e-20) (sum in selection order) times route_scale. Each lane holds E/32 experts; the k
-  rounds are warp arg-max reductions.
+  (+ a sidecar delta), each thread for the E/THREADS experts it holds in registers (all of a thread's loads
+  issued before its arithmetic: one warp scoring 384 experts one dependent load after another took 15.6 us on the
+  H200), then the block takes the top-k by (selection score descending, lower expert id first), weights = s at the
+  chosen ids divided by (their sum + 1e-20) (sum in selection order) times route_scale. A round is a block
+  arg-max: each thread's best untaken expert, a warp shuffle reduction, the warps' bests through shared memory
+  (one barrier a round). The first warp alone scanning E/32 experts a lane took ~360 dependent instructions a
+  round.
   With a VQ plan (one token only), the same block also writes the expert-major work list kernels.vq_gemv.vq_plan
   would make of the chosen ids (K distinct ids: K tiles of one pair each, experts ascending; lane k places pair k
   at its id's rank), so decode launches no plan kernel.
@@ -38,9 +40,10 @@ __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swigl
 
 WARP = 32
 THREADS = 128
-E_PER_LANE = 16               # experts per lane: E <= 512
-E_MAX = WARP * E_PER_LANE
-E_PER_BLOCK_THREAD = E_MAX // THREADS     # experts scored per thread of a routing block
+THREADS_LOG2 = 7
+E_MAX = 512                   # experts a router takes
+E_PER_BLOCK_THREAD = E_MAX // THREADS     # experts scored and held per thread of a routing block
+N_WARPS = THREADS // WARP
 K_MAX = 16
 QUANT_BLOCK = 32              # act_quant_fp8's block
 NEG_INF = np.float32(-np.inf)
@@ -70,22 +73,57 @@ def _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles):
         n_tiles[0] = top_k
 
 
+@cuda.jit(device=True, inline=True)
+def _block_best_device(v, e, sh_v, sh_e, buf, warp, lane):
+    """The best (larger value, then lower id) of every thread's candidate (v, e) in the block: a warp's xor-shuffle
+    arg-max, its lane 0 posting the warp's best to buf's row of sh_v / sh_e, one barrier, then every thread takes the
+    best of the N_WARPS posts in warp order. The order is total on distinct ids, so the result is the one arg-max
+    whatever the reduction's tree. buf alternates between rounds: a post of the next round cannot overwrite one a
+    slower warp has yet to read (it read this round's before the next round's barrier)."""
+    off = WARP // 2
+    while off > 0:
+        v2 = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+        e2 = cuda.shfl_xor_sync(0xFFFFFFFF, e, off)
+        if _better_device(v, e, v2, e2):
+            v = v2
+            e = e2
+        off //= 2
+    if lane == 0:
+        sh_v[buf, warp] = v
+        sh_e[buf, warp] = e
+    cuda.syncthreads()
+    bv = sh_v[buf, 0]
+    be = sh_e[buf, 0]
+    for w in range(1, N_WARPS):
+        if _better_device(bv, be, sh_v[buf, w], sh_e[buf, w]):
+            bv = sh_v[buf, w]
+            be = sh_e[buf, w]
+    return bv, be
+
+
 @cuda.jit(cache=True)
 def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                       weights, has_plan, pairs, tiles, n_tiles):
-    """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]. The block's threads score
-    the experts (thread i: experts i, i + THREADS, ..., their loads issued before any arithmetic) into shared
-    memory; then the first warp takes the top-k, each lane holding experts lane + 32 j. has_plan (T = 1 only):
-    also pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids."""
+    """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]. Thread i scores experts
+    i, i + THREADS, ... (their loads issued before any arithmetic) and keeps their selection scores in registers;
+    each of the K rounds takes the block's best untaken expert (_block_best_device: a round is a few dependent
+    steps on every warp at once, where one warp scanning 16 experts a lane took ~360 instructions a round). has_plan
+    (T = 1 only): also pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids."""
     grid_entry_device()
     tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
     t = cuda.blockIdx.x
     n_tok, n_exp = logits.shape
-    sh_sel = cuda.shared.array(E_MAX, np.float32)
     sh_raw = cuda.shared.array(E_MAX, np.float32)
-    xs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
+    sh_v = cuda.shared.array((2, N_WARPS), np.float32)
+    sh_e = cuda.shared.array((2, N_WARPS), np.int32)
+    got_id = cuda.shared.array(K_MAX, np.int32)
+    got_w = cuda.shared.array(K_MAX, np.float32)
+    xs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)     # constant indices only: registers
     bs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
     ds = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
+    sel = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
     for i in range(E_PER_BLOCK_THREAD):          # loads first: in bounds whatever e, so none waits on another
         ec = min(tid + THREADS * i, n_exp - 1)
         xs[i] = logits[t, ec]
@@ -93,6 +131,7 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
         ds[i] = delta[ec]
     for i in range(E_PER_BLOCK_THREAD):
         e = tid + THREADS * i
+        sel[i] = NEG_INF
         if e < n_exp:
             x = xs[i] / gate_temp
             sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
@@ -101,41 +140,29 @@ def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_sc
             v = sc + bs[i]
             if has_delta:
                 v = v + ds[i]
-            sh_sel[e] = v
+            sel[i] = v
             sh_raw[e] = sc
-    cuda.syncthreads()
-    if tid >= WARP:
-        return                                     # warp-uniform: the first warp selects
-    lane = tid
-    sel = cuda.local.array(E_PER_LANE, np.float32)     # constant indices only: registers
-    for j in range(E_PER_LANE):
-        e = lane + WARP * j
-        sel[j] = sh_sel[e] if e < n_exp else NEG_INF
-    got_id = cuda.shared.array(K_MAX, np.int32)
-    got_w = cuda.shared.array(K_MAX, np.float32)
-    taken = np.uint32(0)
-    for i in range(top_k):
+    taken = np.uint32(0)                         # bit i: expert tid + THREADS i chosen (or past n_exp)
+    for i in range(E_PER_BLOCK_THREAD):
+        if tid + THREADS * i >= n_exp:
+            taken |= np.uint32(1) << np.uint32(i)
+    for r in range(top_k):
         bv = NEG_INF
         be = np.int32(0x7FFFFFFF)
-        for j in range(E_PER_LANE):
-            e = lane + WARP * j
-            if e < n_exp and ((taken >> np.uint32(j)) & np.uint32(1)) == 0 and _better_device(bv, be, sel[j], e):
-                bv = sel[j]
-                be = np.int32(e)
-        off = WARP // 2
-        while off > 0:
-            v2 = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
-            e2 = cuda.shfl_xor_sync(0xFFFFFFFF, be, off)
-            if _better_device(bv, be, v2, e2):
-                bv = v2
-                be = e2
-            off //= 2
-        if lane == be % WARP:
-            taken |= np.uint32(1) << np.uint32(be // WARP)
-        if lane == 0:
-            got_w[i] = sh_raw[be]
-            got_id[i] = be
-    cuda.syncwarp(0xFFFFFFFF)
+        for i in range(E_PER_BLOCK_THREAD):
+            e = np.int32(tid + THREADS * i)
+            if ((taken >> np.uint32(i)) & np.uint32(1)) == 0 and _better_device(bv, be, sel[i], e):
+                bv = sel[i]
+                be = e
+        bv, be = _block_best_device(bv, be, sh_v, sh_e, r & 1, warp, lane)   # the barrier orders sh_raw's stores
+        if be < n_exp and (be & (THREADS - 1)) == tid:    # NaN scores are never chosen: be past n_exp if all are
+            taken |= np.uint32(1) << np.uint32(be >> THREADS_LOG2)
+        if tid == 0:
+            got_id[r] = be
+            got_w[r] = sh_raw[min(be, n_exp - 1)]
+    cuda.syncthreads()
+    if tid >= WARP:
+        return                                     # warp-uniform: the first warp writes
     if lane == 0:
         total = np.float32(0.0)
         for i in range(top_k):
@@ -206,8 +233,6 @@ SIGNATURES = {
 }
 
 
-
-
 def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta=None, normalise=True,
           plan=None, out=None, scratch=None, stream=0):
     """x [T, D] float32, gate_w [E, D] uint16 BF16 bits, gate_bias [E] float32 (+ bias_delta [E]) ->
@@ -217,8 +242,8 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
     routing kernel fills as vq_plan(ids, E) would (plan.ids is not read; give the plan ids = out[1])."""
     n_tok = x.shape[0]
     n_exp = gate_w.shape[0]
-    if n_exp > WARP * E_PER_LANE or not 0 < top_k <= min(K_MAX, n_exp) or tuple(gate_bias.shape) != (n_exp,):
-        raise ValueError(f"route: {n_exp} experts (<= {WARP * E_PER_LANE}), top_k {top_k} (<= {K_MAX}), "
+    if n_exp > E_MAX or not 0 < top_k <= min(K_MAX, n_exp) or tuple(gate_bias.shape) != (n_exp,):
+        raise ValueError(f"route: {n_exp} experts (<= {E_MAX}), top_k {top_k} (<= {K_MAX}), "
                          f"bias {gate_bias.shape}")
     if bias_delta is not None and tuple(bias_delta.shape) != (n_exp,):
         raise ValueError(f"route: bias_delta must be [{n_exp}]")

@@ -13,19 +13,22 @@ CFG = ModelConfig.tiny()
 
 @pytest.mark.parametrize("T,E,delta", [(1, CFG.n_routed_experts, False),   # decode
                                        (2, 40, True),                       # ragged: 40 experts, sidecar bias
-                                       (1, 384, True)])                     # V4.1's 384: 3 per scoring thread
+                                       (1, 384, True),                      # V4.1's 384: 3 per scoring thread
+                                       (2, 512, False)])                    # the most: 4 a thread
 def test_route_matches_ref(cuda_ready, T, E, delta):
+    """Ids exact, ties to the lower id (within a warp, and across warps and a thread's experts: 3, 7 and 200)."""
     from kernels.moe import route
     rng = np.random.default_rng(E)
     D, K = CFG.dim, CFG.n_activated_experts
     x = round_bf16(rng.standard_normal((T, D)))
     gate = round_bf16(rng.standard_normal((E, D)) * 0.05)
-    gate[7] = gate[3]                                             # exact ties: lower id first
+    tied = [3, 7, 200] if E > 200 else [3, 7]                     # 200: thread 72 (warp 2), its second expert
+    gate[tied] = gate[3]                                          # exact ties: lower id first
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
-    bias[7] = bias[3] = 5.0                                       # ... and both chosen first
+    bias[tied] = 5.0                                              # ... and all chosen first
     bd = (rng.standard_normal(E) * 0.05).astype(np.float32) if delta else None
     if bd is not None:
-        bd[7] = bd[3]                                             # the tie kept under the sidecar delta
+        bd[tied] = bd[3]                                          # the tie kept under the sidecar delta
     want = ref_route(x, gate, bias, CFG, K, bias_delta=bd)
     scores, ids, w = route(cuda_ready.to_device(x), cuda_ready.to_device(f32_to_bf16_bits(gate)),
                            cuda_ready.to_device(bias), K, CFG.route_scale,
@@ -33,7 +36,7 @@ def test_route_matches_ref(cuda_ready, T, E, delta):
     assert_matches("router_scores", scores.copy_to_host(), want.scores, bf16=False)
     np.testing.assert_array_equal(ids.copy_to_host(), want.ids)
     assert_matches("router_weights", w.copy_to_host(), want.weights, bf16=False)
-    assert (want.ids[:, :2] == [3, 7]).all()
+    assert (want.ids[:, :len(tied)] == tied).all()
 
 
 @pytest.mark.parametrize("routed", [True, False])
