@@ -75,6 +75,10 @@ def _args(argv=None):
                         "stream before the routed experts; the same bits")
     p.add_argument("--graph-only", action="store_true",
                    help="time graph replay only, not eager launches (A/B runs of the served path; GPU only)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts a layer (default: the config's 384). Fewer keep every decode step's bytes (K "
+                        "experts of a layer, still cold) and shrink the resident payload: 160 fits an 80 GB H100, "
+                        "for A/B runs there; figures of record use the default on the H200")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
@@ -597,6 +601,8 @@ def main():
     from ds4lib.quant.plan import parse_bits_plan
     lines = []
     cfg = small_config() if SIM else ModelConfig.v41_flash()
+    if ARGS.experts is not None:
+        cfg = cfg.replace(n_routed_experts=ARGS.experts)        # checked as any config is
     plan = parse_bits_plan(ARGS.bits, cfg)
     print(f"roofline: {ARGS.roofline_gib:g} GiB buffers", file=sys.stderr, flush=True)
     roof = measure_roofline(ARGS.roofline_gib)
@@ -607,7 +613,7 @@ def main():
     parts = weight_bytes_per_token(W, cfg)
     run = {"kind": "run", "machine": _machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": _commit(), "config": "micro (simulator)" if SIM else "v41-flash",
-        "n_layers": cfg.n_layers, "bits_plan": f"{plan.spec}: {plan.n13} of {cfg.n_layers} layers 13-bit",
+        "n_layers": cfg.n_layers, "n_routed_experts": cfg.n_routed_experts, "bits_plan": f"{plan.spec}: {plan.n13} of {cfg.n_layers} layers 13-bit",
         "bits": list(plan.bits[:cfg.n_layers]), "weight_bytes": W.nbytes, "generation_s": round(gen, 2),
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,

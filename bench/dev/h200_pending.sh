@@ -5,8 +5,9 @@
 #   bash bench/dev/h200_pending.sh            # on the device, from the repository root
 #
 # The V4.1 decode parts (decode, base, before, flags, trace) hold 110 GB of synthetic weights: they need the H200
-# (pass needs_h200 to the run); on an H100 (78 GiB) they stop at once on CUDA_ERROR_OUT_OF_MEMORY, and only the test
-# parts mean anything there.
+# (pass needs_h200 to the run); on an H100 (78 GiB) they stop at once on CUDA_ERROR_OUT_OF_MEMORY unless
+# DS4_BENCH_ARGS="--experts 160" shrinks each layer's resident experts (the same bytes a step: an A/B there, not a
+# figure of record).
 #
 # What to send with the call (bench/dev/h200_stage.sh prepares all of it, and undoes it afterwards with --undo):
 # - carry [".whl"]. Build it first with `pip download --no-deps -d .whl gguf llguidance` (the device has no index).
@@ -117,9 +118,12 @@ swap_in() {
 swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/$f" "$f"; done; }
 have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | head -1)" ]; }
 
-DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0)
+# DS4_BENCH_ARGS: more arguments of every decode run, e.g. "--experts 160" (an H100's A/B: bench_v41_decode.py)
+read -r -a BENCH_ARGS <<< "${DS4_BENCH_ARGS:-}"
+DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 "${BENCH_ARGS[@]}")
 [ "${DS4_GRAPH_ONLY:-0}" = 1 ] && DECODE+=(--graph-only)   # the tree's decode without its eager runs (~60 s less)
-AB_DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only)   # variants
+AB_DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only
+           "${BENCH_ARGS[@]}")   # variants
 FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
 sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
@@ -188,7 +192,7 @@ print({'compared': len(fs), 'differ': bad}); sys.exit(1 if bad or not fs else 0)
 fi
 if want trace; then
     run "trace (DS4_CUDA_PDL=0)" "${DS4_TRACE_CAP:-90}" trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py \
-        --contexts 1024 --rounds 1 --trace-steps 2 --out "$OUT/trace_pdl0.jsonl"
+        --contexts 1024 --rounds 1 --trace-steps 2 "${BENCH_ARGS[@]}" --out "$OUT/trace_pdl0.jsonl"
 fi
 if want engine; then
     run engine "${DS4_ENGINE_CAP:-150}" pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
