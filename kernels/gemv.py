@@ -38,7 +38,8 @@ from kernels.pdl import grid_entry_device
 from kernels.warp import group_amax_device, warp_tree_sum_device
 
 __all__ = ["gemv", "act_quant_fp8", "act_quant_fp4_pow2", "act_quant_fp4_e4m3", "gemv_t1_kernel", "gemv_t4_kernel",
-           "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "split_for", "act_quant_fp8_kernel",
+           "gemv_f32w_t1_kernel", "gemv_f32w_t4_kernel", "gemv_rows_t1_device", "split_for", "launch_geometry",
+           "act_quant_fp8_kernel",
            "act_quant_fp4_pow2_kernel", "act_quant_fp4_e4m3_kernel", "SIGNATURES"]
 
 WARP = 32
@@ -66,14 +67,13 @@ def _dot_f32_device(w, x64, t, j, xw0):
     return f32x2_device(w, 0) * f32x2_device(a, 0) + f32x2_device(w, 1) * f32x2_device(a, 1)
 
 
-def _make_gemv_kernel(tt, dot, per_word):
-    """A GEMV kernel for `tt` tokens per pass and weight words of `per_word` elements combined by `dot`. `split`
-    warps share a row: warp s of the row takes the steps s, s + split, ... (a step = UNROLL words per lane), the
-    warps' shuffle-tree sums meet in shared memory and are added in warp order. Launch bounds: without them ptxas
-    issued each load nearer its use (sm_90 SASS: bench/dev/sass_probe.py's load batches)."""
-    @bounded_jit(WARP * BLOCK_WARPS)
-    def gemv_kernel(x64, w64, rows_per_group, split, out_bf16, out):
-        grid_entry_device()
+def _make_gemv_rows_device(tt, dot, per_word):
+    """A block's rows of a GEMV (blocks of BLOCK_WARPS warps) for `tt` tokens per pass and weight words of
+    `per_word` elements combined by `dot`. `split` warps share a row: warp s of the row takes the steps s, s + split,
+    ... (a step = UNROLL words per lane), the warps' shuffle-tree sums meet in shared memory and are added in warp
+    order. Every thread of the block must call it (its barriers)."""
+    @cuda.jit(device=True, inline=True)
+    def gemv_rows_device(x64, w64, rows_per_group, split, out_bf16, out):
         red = cuda.shared.array((BLOCK_WARPS, TOKENS_WIDE), np.float32)
         lane = cuda.threadIdx.x % WARP
         wib = cuda.threadIdx.x // WARP                   # warp in block
@@ -121,6 +121,16 @@ def _make_gemv_kernel(tt, dot, per_word):
                         out[t0 + i, row] = round_bf16_device(v) if out_bf16 else v
             if split > 1:
                 cuda.syncthreads()                       # red is read before the next pass overwrites it
+    return gemv_rows_device
+
+
+def _make_gemv_kernel(rows_device):
+    """The GEMV kernel of a block's rows (`_make_gemv_rows_device`). Launch bounds: without them ptxas issued each
+    load nearer its use (sm_90 SASS: bench/dev/sass_probe.py's load batches)."""
+    @bounded_jit(WARP * BLOCK_WARPS)
+    def gemv_kernel(x64, w64, rows_per_group, split, out_bf16, out):
+        grid_entry_device()
+        rows_device(x64, w64, rows_per_group, split, out_bf16, out)
     return gemv_kernel
 
 
@@ -134,10 +144,11 @@ def split_for(n_rows, n_words):
     return split
 
 
-gemv_t1_kernel = _make_gemv_kernel(1, _dot_bf16_device, 4)
-gemv_t4_kernel = _make_gemv_kernel(TOKENS_WIDE, _dot_bf16_device, 4)
-gemv_f32w_t1_kernel = _make_gemv_kernel(1, _dot_f32_device, 2)
-gemv_f32w_t4_kernel = _make_gemv_kernel(TOKENS_WIDE, _dot_f32_device, 2)
+gemv_rows_t1_device = _make_gemv_rows_device(1, _dot_bf16_device, 4)     # BF16 weights, one token (the router's)
+gemv_t1_kernel = _make_gemv_kernel(gemv_rows_t1_device)
+gemv_t4_kernel = _make_gemv_kernel(_make_gemv_rows_device(TOKENS_WIDE, _dot_bf16_device, 4))
+gemv_f32w_t1_kernel = _make_gemv_kernel(_make_gemv_rows_device(1, _dot_f32_device, 2))
+gemv_f32w_t4_kernel = _make_gemv_kernel(_make_gemv_rows_device(TOKENS_WIDE, _dot_f32_device, 2))
 
 
 # ----------------------------------------------------------------------------------- quantise-dequantise
@@ -228,11 +239,16 @@ def gemv(x, w, *, out_bf16=True, rows_per_group=None, out=None, stream=0):
     else:
         kernel = gemv_f32w_t1_kernel if x.shape[0] == 1 else gemv_f32w_t4_kernel
     w64 = w.view(np.uint64)
-    split = split_for(n_rows, w64.shape[1])
-    rows_per_block = BLOCK_WARPS // split
-    grid = (n_rows + rows_per_block - 1) // rows_per_block
-    kernel[grid, WARP * BLOCK_WARPS, stream](x.view(np.uint64), w64, rpg, split, bool(out_bf16), out)
+    grid, threads, split = launch_geometry(n_rows, w64.shape[1])
+    kernel[grid, threads, stream](x.view(np.uint64), w64, rpg, split, bool(out_bf16), out)
     return out
+
+
+def launch_geometry(n_rows, n_words):
+    """(blocks, threads a block, split) of a GEMV launch over n_rows rows of n_words 8-byte weight words."""
+    split = split_for(n_rows, n_words)
+    rows_per_block = BLOCK_WARPS // split
+    return (n_rows + rows_per_block - 1) // rows_per_block, WARP * BLOCK_WARPS, split
 
 
 def _act_quant(kernel, block, name, x, out, stream):

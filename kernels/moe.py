@@ -10,6 +10,9 @@ Owns:
   arg-max: each thread's best untaken expert, a warp shuffle reduction, the warps' bests through shared memory
   (one barrier a round). The first warp alone scanning E/32 experts a lane took ~360 dependent instructions a
   round.
+  One token (decode) takes one launch, `route_gemv_kernel`: the gate's GEMV blocks (kernels.gemv's device function)
+  write the logits, and the last block to draw a ticket routes (the same device functions, the same bits; a launch
+  fewer a MoE layer on the decode step's critical path; ROUTE_IN_GEMV switches it off for A/B runs).
   With a VQ plan (one token only), the same block also writes the expert-major work list kernels.vq_gemv.vq_plan
   would make of the chosen ids (K distinct ids: K tiles of one pair each, experts ascending; lane k places pair k
   at its id's rank), so decode launches no plan kernel.
@@ -29,22 +32,22 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import bounded_jit
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_device
-from kernels.gemv import gemv
+from kernels.gemv import BLOCK_WARPS as GEMV_BLOCK_WARPS, gemv, gemv_rows_t1_device, launch_geometry
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
+from kernels.ticket import take_ticket_device
 
-__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "swiglu_kernel", "swiglu_q_kernel",
-           "SIGNATURES"]
+__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route_gemv_kernel", "route_in_gemv",
+           "swiglu_kernel", "swiglu_q_kernel", "SIGNATURES"]
 
 WARP = 32
 THREADS = 128
-THREADS_LOG2 = 7
 E_MAX = 512                   # experts a router takes
-E_PER_BLOCK_THREAD = E_MAX // THREADS     # experts scored and held per thread of a routing block
-N_WARPS = THREADS // WARP
 K_MAX = 16
+ROUTE_IN_GEMV = True          # decode (T = 1): the gate's GEMV and the routing in one launch (route_gemv_kernel)
 QUANT_BLOCK = 32              # act_quant_fp8's block
 NEG_INF = np.float32(-np.inf)
 
@@ -73,108 +76,149 @@ def _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles):
         n_tiles[0] = top_k
 
 
-@cuda.jit(device=True, inline=True)
-def _block_best_device(v, e, sh_v, sh_e, buf, warp, lane):
-    """The best (larger value, then lower id) of every thread's candidate (v, e) in the block: a warp's xor-shuffle
-    arg-max, its lane 0 posting the warp's best to buf's row of sh_v / sh_e, one barrier, then every thread takes the
-    best of the N_WARPS posts in warp order. The order is total on distinct ids, so the result is the one arg-max
-    whatever the reduction's tree. buf alternates between rounds: a post of the next round cannot overwrite one a
-    slower warp has yet to read (it read this round's before the next round's barrier)."""
-    off = WARP // 2
-    while off > 0:
-        v2 = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-        e2 = cuda.shfl_xor_sync(0xFFFFFFFF, e, off)
-        if _better_device(v, e, v2, e2):
-            v = v2
-            e = e2
-        off //= 2
-    if lane == 0:
-        sh_v[buf, warp] = v
-        sh_e[buf, warp] = e
-    cuda.syncthreads()
-    bv = sh_v[buf, 0]
-    be = sh_e[buf, 0]
-    for w in range(1, N_WARPS):
-        if _better_device(bv, be, sh_v[buf, w], sh_e[buf, w]):
-            bv = sh_v[buf, w]
-            be = sh_e[buf, w]
-    return bv, be
+def _make_route_block_device(threads):
+    """The routing of token t by a block of `threads` threads (a power of two, 32 .. E_MAX): scores [T, E], ids
+    [T, K], weights [T, K] and, with has_plan, the VQ plan of the ids. Thread i scores experts i, i + threads, ...
+    (their loads issued before any arithmetic) and keeps their selection scores in registers; each of the K rounds
+    takes the block's best untaken expert (best_device: a round is a few dependent steps on every warp at once, where
+    one warp scanning 16 experts a lane took ~360 instructions a round). Every thread of the block must call it (its
+    barriers); the choice and the weights do not depend on `threads`."""
+    per = E_MAX // threads                       # experts a thread holds
+    n_warps = threads // WARP
+    log2 = threads.bit_length() - 1
+
+    @cuda.jit(device=True, inline=True)
+    def best_device(v, e, sh_v, sh_e, buf, warp, lane):
+        """The best (larger value, then lower id) of every thread's candidate (v, e): a warp's xor-shuffle arg-max,
+        its lane 0 posting the warp's best to buf's row of sh_v / sh_e, one barrier, then every thread takes the best
+        of the warps' posts in warp order. The order is total on distinct ids, so the result is the one arg-max
+        whatever the reduction's tree. buf alternates between rounds: a post of the next round cannot overwrite one
+        a slower warp has yet to read (it read this round's before the next round's barrier)."""
+        off = WARP // 2
+        while off > 0:
+            v2 = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            e2 = cuda.shfl_xor_sync(0xFFFFFFFF, e, off)
+            if _better_device(v, e, v2, e2):
+                v = v2
+                e = e2
+            off //= 2
+        if lane == 0:
+            sh_v[buf, warp] = v
+            sh_e[buf, warp] = e
+        cuda.syncthreads()
+        bv = sh_v[buf, 0]
+        be = sh_e[buf, 0]
+        for w in range(1, n_warps):
+            if _better_device(bv, be, sh_v[buf, w], sh_e[buf, w]):
+                bv = sh_v[buf, w]
+                be = sh_e[buf, w]
+        return bv, be
+
+    @cuda.jit(device=True, inline=True)
+    def route_block_device(logits, t, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
+                           weights, has_plan, pairs, tiles, n_tiles):
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        n_exp = logits.shape[1]
+        sh_raw = cuda.shared.array(E_MAX, np.float32)
+        sh_v = cuda.shared.array((2, n_warps), np.float32)
+        sh_e = cuda.shared.array((2, n_warps), np.int32)
+        got_id = cuda.shared.array(K_MAX, np.int32)
+        got_w = cuda.shared.array(K_MAX, np.float32)
+        xs = cuda.local.array(per, np.float32)       # constant indices only: registers
+        bs = cuda.local.array(per, np.float32)
+        ds = cuda.local.array(per, np.float32)
+        sel = cuda.local.array(per, np.float32)
+        for i in range(per):                         # loads first: in bounds whatever e, so none waits on another
+            ec = min(tid + threads * i, n_exp - 1)
+            xs[i] = logits[t, ec]
+            bs[i] = bias[ec]
+            ds[i] = delta[ec]
+        for i in range(per):
+            e = tid + threads * i
+            sel[i] = NEG_INF
+            if e < n_exp:
+                x = xs[i] / gate_temp
+                sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
+                sc = np.float32(math.sqrt(sp))
+                scores[t, e] = sc
+                v = sc + bs[i]
+                if has_delta:
+                    v = v + ds[i]
+                sel[i] = v
+                sh_raw[e] = sc
+        taken = np.uint32(0)                         # bit i: expert tid + threads i chosen (or past n_exp)
+        for i in range(per):
+            if tid + threads * i >= n_exp:
+                taken |= np.uint32(1) << np.uint32(i)
+        for r in range(top_k):
+            bv = NEG_INF
+            be = np.int32(0x7FFFFFFF)
+            for i in range(per):
+                e = np.int32(tid + threads * i)
+                if ((taken >> np.uint32(i)) & np.uint32(1)) == 0 and _better_device(bv, be, sel[i], e):
+                    bv = sel[i]
+                    be = e
+            bv, be = best_device(bv, be, sh_v, sh_e, r & 1, warp, lane)     # its barrier orders sh_raw's stores
+            if be < n_exp and (be & (threads - 1)) == tid:   # NaN scores are never chosen: be past n_exp if all are
+                taken |= np.uint32(1) << np.uint32(be >> log2)
+            if tid == 0:
+                got_id[r] = be
+                got_w[r] = sh_raw[min(be, n_exp - 1)]
+        cuda.syncthreads()
+        if tid < WARP:                               # warp-uniform: the first warp writes
+            if lane == 0:
+                total = np.float32(0.0)
+                for i in range(top_k):
+                    total += got_w[i]
+                for i in range(top_k):
+                    w = got_w[i]
+                    if normalise and top_k > 1:
+                        w = w / (total + np.float32(1e-20))
+                    ids[t, i] = got_id[i]
+                    weights[t, i] = w * route_scale
+            if has_plan:
+                _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles)
+    return route_block_device
+
+
+_route_block_device = _make_route_block_device(THREADS)
+_route_gemv_block_device = _make_route_block_device(WARP * GEMV_BLOCK_WARPS)
 
 
 @cuda.jit(cache=True)
 def route_topk_kernel(logits, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                       weights, has_plan, pairs, tiles, n_tiles):
-    """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]. Thread i scores experts
-    i, i + THREADS, ... (their loads issued before any arithmetic) and keeps their selection scores in registers;
-    each of the K rounds takes the block's best untaken expert (_block_best_device: a round is a few dependent
-    steps on every warp at once, where one warp scanning 16 experts a lane took ~360 instructions a round). has_plan
-    (T = 1 only): also pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids."""
+    """One block of THREADS per token: scores [T, E], ids [T, K] int32, weights [T, K]; has_plan (T = 1 only): also
+    pairs [K], tiles [K, 3], n_tiles [1] as vq_plan_kernel writes them for these ids (_make_route_block_device)."""
     grid_entry_device()
-    tid = cuda.threadIdx.x
-    lane = tid % WARP
-    warp = tid // WARP
-    t = cuda.blockIdx.x
-    n_tok, n_exp = logits.shape
-    sh_raw = cuda.shared.array(E_MAX, np.float32)
-    sh_v = cuda.shared.array((2, N_WARPS), np.float32)
-    sh_e = cuda.shared.array((2, N_WARPS), np.int32)
-    got_id = cuda.shared.array(K_MAX, np.int32)
-    got_w = cuda.shared.array(K_MAX, np.float32)
-    xs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)     # constant indices only: registers
-    bs = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
-    ds = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
-    sel = cuda.local.array(E_PER_BLOCK_THREAD, np.float32)
-    for i in range(E_PER_BLOCK_THREAD):          # loads first: in bounds whatever e, so none waits on another
-        ec = min(tid + THREADS * i, n_exp - 1)
-        xs[i] = logits[t, ec]
-        bs[i] = bias[ec]
-        ds[i] = delta[ec]
-    for i in range(E_PER_BLOCK_THREAD):
-        e = tid + THREADS * i
-        sel[i] = NEG_INF
-        if e < n_exp:
-            x = xs[i] / gate_temp
-            sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
-            sc = np.float32(math.sqrt(sp))
-            scores[t, e] = sc
-            v = sc + bs[i]
-            if has_delta:
-                v = v + ds[i]
-            sel[i] = v
-            sh_raw[e] = sc
-    taken = np.uint32(0)                         # bit i: expert tid + THREADS i chosen (or past n_exp)
-    for i in range(E_PER_BLOCK_THREAD):
-        if tid + THREADS * i >= n_exp:
-            taken |= np.uint32(1) << np.uint32(i)
-    for r in range(top_k):
-        bv = NEG_INF
-        be = np.int32(0x7FFFFFFF)
-        for i in range(E_PER_BLOCK_THREAD):
-            e = np.int32(tid + THREADS * i)
-            if ((taken >> np.uint32(i)) & np.uint32(1)) == 0 and _better_device(bv, be, sel[i], e):
-                bv = sel[i]
-                be = e
-        bv, be = _block_best_device(bv, be, sh_v, sh_e, r & 1, warp, lane)   # the barrier orders sh_raw's stores
-        if be < n_exp and (be & (THREADS - 1)) == tid:    # NaN scores are never chosen: be past n_exp if all are
-            taken |= np.uint32(1) << np.uint32(be >> THREADS_LOG2)
-        if tid == 0:
-            got_id[r] = be
-            got_w[r] = sh_raw[min(be, n_exp - 1)]
+    _route_block_device(logits, cuda.blockIdx.x, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise,
+                        scores, ids, weights, has_plan, pairs, tiles, n_tiles)
+
+
+@bounded_jit(WARP * GEMV_BLOCK_WARPS)
+def route_gemv_kernel(x64, w64, split, logits, counter, bias, delta, has_delta, gate_temp, top_k, route_scale,
+                      normalise, scores, ids, weights, has_plan, pairs, tiles, n_tiles):
+    """The gate's GEMV of one token (kernels.gemv's one-token BF16 blocks: logits [1, E], FP32) and its routing in
+    one launch: every block writes its rows' logits, and the block that draws the last ticket of `counter` (int32
+    [1], zero on entry; left zero) routes the token with route_topk_kernel's device function. The same device
+    functions as the two launches, so the same bits. Memory order: kernels.ticket's last-block pattern (a barrier
+    after the logits' stores, thread 0's acquire-release ticket, a barrier before the last block's loads)."""
+    grid_entry_device()
+    last = cuda.shared.array(1, np.int32)
+    gemv_rows_t1_device(x64, w64, logits.shape[1], split, False, logits)
     cuda.syncthreads()
-    if tid >= WARP:
-        return                                     # warp-uniform: the first warp writes
-    if lane == 0:
-        total = np.float32(0.0)
-        for i in range(top_k):
-            total += got_w[i]
-        for i in range(top_k):
-            w = got_w[i]
-            if normalise and top_k > 1:
-                w = w / (total + np.float32(1e-20))
-            ids[t, i] = got_id[i]
-            weights[t, i] = w * route_scale
-    if has_plan:
-        _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles)
+    if cuda.threadIdx.x == 0:
+        ticket = take_ticket_device(counter, 0)
+        last[0] = 1 if ticket == cuda.gridDim.x - 1 else 0
+        if ticket == cuda.gridDim.x - 1:
+            counter[0] = 0                       # every block has drawn: no other access in this launch
+    cuda.syncthreads()
+    if last[0] == 0:
+        return                                   # block-uniform
+    _route_gemv_block_device(logits, 0, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores,
+                             ids, weights, has_plan, pairs, tiles, n_tiles)
 
 
 @cuda.jit(device=True, inline=True)
@@ -227,6 +271,9 @@ def swiglu_q_kernel(g, u, w, has_w, limit, out, out_q):
 SIGNATURES = {
     "route_topk_kernel": "void(float32[:, :], float32[:], float32[:], boolean, float32, int64, float32, boolean, "
                          "float32[:, :], int32[:, :], float32[:, :], boolean, int32[:], int32[:, :], int32[:])",
+    "route_gemv_kernel": "void(uint64[:, :], uint64[:, ::1], int64, float32[:, :], int32[:], float32[:], float32[:], "
+                         "boolean, float32, int64, float32, boolean, float32[:, :], int32[:, :], float32[:, :], "
+                         "boolean, int32[:], int32[:, :], int32[:])",
     "swiglu_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :])",
     "swiglu_q_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :], "
                        "float32[:, :])",
@@ -256,8 +303,7 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
                cuda.device_array((n_tok, top_k), np.float32, stream=stream))
     if n_tok == 0:
         return out
-    logits = gemv(x, gate_w, out_bf16=False, out=_scratch(scratch, "logits", (n_tok, n_exp), np.float32, stream),
-                  stream=stream)
+    logits = _scratch(scratch, "logits", (n_tok, n_exp), np.float32, stream)
     has_delta = bias_delta is not None
     delta = bias_delta if has_delta else gate_bias
     if has_plan:
@@ -265,10 +311,26 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
     else:
         pairs = n_tiles = _scratch(scratch, "no_plan", (1,), np.int32, stream)         # never written
         tiles = _scratch(scratch, "no_plan_tiles", (1, 3), np.int32, stream)
-    route_topk_kernel[n_tok, THREADS, stream](
-        logits, gate_bias, delta, has_delta, np.float32(gate_temp), int(top_k), np.float32(route_scale),
-        bool(normalise), *out, has_plan, pairs, tiles, n_tiles)
+    args = (gate_bias, delta, has_delta, np.float32(gate_temp), int(top_k), np.float32(route_scale), bool(normalise),
+            *out, has_plan, pairs, tiles, n_tiles)
+    if n_tok == 1 and ROUTE_IN_GEMV and route_in_gemv(x, gate_w):
+        w64 = gate_w.view(np.uint64)
+        grid, threads, split = launch_geometry(n_exp, w64.shape[1])
+        counter = _scratch(scratch, "route_counter", (1,), np.int32, stream, zero=True)
+        route_gemv_kernel[grid, threads, stream](x.view(np.uint64), w64, split, logits, counter, *args)
+        return out
+    gemv(x, gate_w, out_bf16=False, out=logits, stream=stream)
+    route_topk_kernel[n_tok, THREADS, stream](logits, *args)
     return out
+
+
+def route_in_gemv(x, gate_w):
+    """Whether `route` of x takes the one-launch kernel (route_gemv_kernel): one token of float32 (C-contiguous) and
+    a BF16 gate [E, K] (K % 4 == 0) that x fits; anything else takes kernels.gemv then route_topk_kernel (whose
+    gemv refuses what does not fit)."""
+    return (x.ndim == 2 and x.shape[0] == 1 and x.dtype == np.float32 and x.is_c_contiguous()
+            and gate_w.ndim == 2 and gate_w.dtype == np.uint16 and gate_w.is_c_contiguous()
+            and x.shape[1] == gate_w.shape[1] and gate_w.shape[1] % 4 == 0)
 
 
 def _check_plan(plan, n_tok, n_exp, top_k):

@@ -46,6 +46,8 @@
 #             (the same session's)
 #   unfused_wo_b  the same, --split wo_b: wo_b's integer-path input staged by its own launch again, not by wo_a's
 #             kernel (the same session's)
+#   unfused_route  the same, --split route: the router's top-k as its own launch again, not in the gate GEMV's last
+#             block (the twenty-seventh session's)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -75,7 +77,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b
+UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 
@@ -169,7 +171,8 @@ if want flags; then
         --out "$OUT/decode_flags$S.jsonl"
 fi
 for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
-        "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging"; do
+        "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging" \
+        "unfused_route route router top-k"; do
     read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
     if want "$part"; then
         run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \

@@ -1,7 +1,7 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|attn,vq,... --contexts 1024,65536 \
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|attn,vq,... --contexts 1024,65536 \
         --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
@@ -20,6 +20,8 @@ either way, so the last greedy token must be too):
   hc_post (ds4lib.engine.backend_cuda.COMBINE_IN_POST off).
 - `wo_b` (the same session's): wo_b's integer-path operands staged by their own q4k_im_stage launch again, not by
   wo_a's kernel (ds4lib.engine.backend_cuda.STAGE_WO_B off).
+- `route` (the twenty-seventh session's): the router's top-k as its own route_topk launch after the gate's GEMV
+  again, not in the GEMV's last block (kernels.moe.ROUTE_IN_GEMV off).
 """
 import argparse
 import runpy
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import ds4lib.engine.backend_cuda as backend_cuda  # noqa: E402
 import kernels.attention as attention  # noqa: E402
+import kernels.moe as moe  # noqa: E402
 import kernels.q4k_gemv as q4k_gemv  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rope as rope  # noqa: E402
@@ -83,8 +86,12 @@ def _split_wo_b():
     backend_cuda.STAGE_WO_B = False
 
 
+def _split_route():
+    moe.ROUTE_IN_GEMV = False
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
-          "combine": _split_combine, "wo_b": _split_wo_b}
+          "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route}
 
 
 def main(argv):

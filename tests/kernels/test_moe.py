@@ -122,6 +122,44 @@ def test_route_writes_the_vq_plan_of_one_token(cuda_ready, E, K):
     np.testing.assert_array_equal(plan.tiles.copy_to_host(), want_plan.tiles.copy_to_host())
 
 
+@pytest.mark.parametrize("E,K,delta", [(CFG.n_routed_experts, CFG.n_activated_experts, False),   # 8 rows a block
+                                       (384, 6, True)])      # V4.1: a row a block, 384 blocks under one ticket
+def test_route_in_the_gate_gemv_equals_gemv_then_route(cuda_ready, monkeypatch, E, K, delta):
+    """One token: route_gemv_kernel (the gate's GEMV, the last block routing) gives the bits of kernels.gemv then
+    route_topk_kernel (scores, ids, weights, the plan and the logits), twice in a row (its ticket counter is left
+    zero for the next call)."""
+    import kernels.moe as moe
+    from kernels.vq_gemv import TILE_MAX, vq_plan
+    rng = np.random.default_rng(E + K)
+    D = 512
+    x = cuda_ready.to_device(round_bf16(rng.standard_normal((1, D))).astype(np.float32))
+    gate = cuda_ready.to_device(f32_to_bf16_bits(round_bf16(rng.standard_normal((E, D)) * 0.05)))
+    bias = cuda_ready.to_device((rng.standard_normal(E) * 0.1).astype(np.float32))
+    bd = cuda_ready.to_device((rng.standard_normal(E) * 0.05).astype(np.float32)) if delta else None
+    ids0 = cuda_ready.to_device(np.arange(K, dtype=np.int32).reshape(1, K))
+    assert moe.route_in_gemv(x, gate)
+
+    def run(fused):
+        monkeypatch.setattr(moe, "ROUTE_IN_GEMV", fused)
+        key = ("logits", (1, E), np.dtype(np.float32).str)
+        scratch = {}
+        plan = vq_plan(ids0, E, tile_rows=min(K, TILE_MAX))
+        got = []
+        for _ in range(2):
+            scratch[key] = cuda_ready.to_device(np.full((1, E), np.nan, np.float32))    # routing too early shows
+            out = moe.route(x, gate, bias, K, CFG.route_scale, bias_delta=bd, plan=plan, scratch=scratch)
+            got.append([a.copy_to_host() for a in (*out, plan.pairs, plan.tiles, plan.n_tiles)]
+                       + [scratch[key].copy_to_host()])
+        if fused:
+            assert int(scratch[("route_counter", (1,), np.dtype(np.int32).str)].copy_to_host()[0]) == 0
+        return got
+    want, got = run(False), run(True)
+    for g_call, w_call in zip(got, want):
+        for g, w in zip(g_call, w_call):
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    assert len(set(want[0][1][0])) == K                     # K distinct experts chosen
+
+
 def test_fused_moe_steps_refuse_bad_arguments(cuda_ready):
     """Checked before any launch."""
     from kernels.moe import route, swiglu
