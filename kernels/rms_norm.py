@@ -25,6 +25,11 @@ thread, then over the block in a fixed tree: shuffles within each warp, then the
 shuffle tree (every warp computes it, so no second barrier). The order depends only on D (n is a function of D).
 The hc forms load h [4, D] and pre [4] instead of x and form each x element as hc_pre_kernel does (the four exact
 float64 products added in stream order, rounded to FP32 then BF16), with the same threads and order as rms_norm.
+Few rows (decode) take ELEMS blocks a row (`_split`): every block loads the whole row and forms the same sum and
+scale with the same threads (so the same bits), and block p stores only element m = p of each thread's pass
+(reloaded: the held values would cost registers past the 64 of a 1,024-thread bound): the stores, the quantiser
+and the VQ staging, most of the kernel's instructions, spread over ELEMS SMs (one block of 640 threads took ~6 us a
+call at D = 5,120 on the H200, issue-bound on its one SM).
 The quantised output: for each pass element m, a warp's 32 lanes hold the 32 contiguous elements
 base + m * n + 32 * warp + lane, which with D % 32 == 0 is exactly one quantisation block, entirely inside or
 entirely past the row; its amax is a shuffle reduction, and act_quant_fp8_kernel's operations follow.
@@ -55,12 +60,14 @@ from kernels.vq_gemv import check_staged, padded_codewords, stage_lane_device, s
 from kernels.warp import block_sum_f64_device, warp_tree_sum_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
-           "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_rope_q_kernel", "row_scale_words_device",
-           "row_sumsq_words_device", "SIGNATURES"]
+           "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
+           "hc_rms_norm_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel",
+           "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
+SPLIT_BLOCKS_MAX = 64           # blocks a call up to which a one-pass row takes ELEMS blocks (_split; 0: never)
 
 
 def _row_jit():
@@ -79,6 +86,21 @@ def _load_pass_device(x, w, row, base, d, xs, ws):
         j = min(base + m * cuda.blockDim.x + cuda.threadIdx.x, d - 1)
         xs[m] = x[row, j]
         ws[m] = w[j]
+
+
+@cuda.jit(device=True, inline=True)
+def _load_hc_elem_device(h, pv, w, row, j):
+    """(x, w) of element j (in the row) of x = hc_pre(h, pre): x = bf16(f32(sum_i pre[i] h[row, i, j])) with pv the
+    row's pre in float64, the products exact and added in stream order from 0.0 (hc_pre_kernel's operations)."""
+    acc = 0.0
+    for i in range(HC):
+        acc += pv[i] * np.float64(h[row, i, j])
+    return round_bf16_device(np.float32(acc)), w[j]
+
+
+@cuda.jit(device=True, inline=True)
+def _load_x_elem_device(x, pv, w, row, j):
+    return x[row, j], w[j]
 
 
 @cuda.jit(device=True, inline=True)
@@ -158,39 +180,34 @@ def row_scale_words_device(x1, off, d, eps, sh):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_pass_device(xs, ws, scale, row, base, d, out):
-    for m in range(ELEMS):
-        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
-        if j < d:
-            out[row, j] = round_bf16_device(ws[m] * (xs[m] * scale))
+def _store_x_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+    """out[row, j] of element j (the thread's; not stored past the row)."""
+    if j < d:
+        out[row, j] = round_bf16_device(wv * (xv * scale))
 
 
 @cuda.jit(device=True, inline=True)
-def _store_q_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
-    """_store_pass_device and act_quant_fp8 of the stored values (D % 32 == 0: a warp's block is whole)."""
-    for m in range(ELEMS):
-        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
-        y = round_bf16_device(ws[m] * (xs[m] * scale))
-        q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))     # every lane: a warp-wide reduction
-        if j < d:
-            out[row, j] = y
-            out_q[row, j] = q
+def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+    """_store_x_elem_device and act_quant_fp8 of the stored value: every lane of the warp calls it with the 32
+    contiguous elements of one quantisation block (D % 32 == 0: a warp's block is whole)."""
+    y = round_bf16_device(wv * (xv * scale))
+    q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))     # every lane: a warp-wide reduction
+    if j < d:
+        out[row, j] = y
+        out_q[row, j] = q
 
 
 @cuda.jit(device=True, inline=True)
-def _store_qv_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
-    """_store_q_pass_device, and the quantised values staged as the VQ GEMV's B operand (xh, scl1: the halves and
+def _store_qv_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+    """_store_q_elem_device, and the quantised value staged as the VQ GEMV's B operand (xh, scl1: the halves and
     scales vq_stage_kernel would write from out_q; kernels.vq_gemv.stage_lane_device)."""
     lane = cuda.threadIdx.x % WARP
-    blk0 = (base + cuda.threadIdx.x - lane) // QUANT_BLOCK          # the warp's block of the first element
-    for m in range(ELEMS):
-        j = base + m * cuda.blockDim.x + cuda.threadIdx.x
-        y = round_bf16_device(ws[m] * (xs[m] * scale))
-        q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
-        stage_lane_device(q, amq, blk0 + m * (cuda.blockDim.x // QUANT_BLOCK), lane, j < d, row, n_cwp, xh, scl1)
-        if j < d:
-            out[row, j] = y
-            out_q[row, j] = q
+    y = round_bf16_device(wv * (xv * scale))
+    q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
+    stage_lane_device(q, amq, (j - lane) // QUANT_BLOCK, lane, j < d, row, n_cwp, xh, scl1)
+    if j < d:
+        out[row, j] = y
+        out_q[row, j] = q
 
 
 @cuda.jit(device=True, inline=True)
@@ -219,25 +236,21 @@ def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
     _load_pass_device(x, w, row, base, d, xs, ws)
 
 
-@cuda.jit(device=True, inline=True)
-def _store_x_pass_device(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp):
-    _store_pass_device(xs, ws, scale, row, base, d, out)
-
-
-def _make_norm_kernel(hc_in, quant, vq=False):
+def _make_norm_kernel(hc_in, quant, vq=False, split=1):
     """The row kernel of rms_norm (x [T, D]) or hc_rms_norm (`hc_in`: h [T, 4, D] and pre [T, 4] collapsed per
     element), with act_quant_fp8 of the output into out_q (`quant`), and with `vq` (quant only) also out_q staged as
     the VQ GEMV's B operand. Arguments (src, pre, w, eps, out, out_q), with `vq` then (xh, scl1, n_cwp); the forms
     without pre / out_q take and ignore a dummy. One body, the loads and stores chosen at build time."""
     prep = _load_pre_device if hc_in else _no_pre_device
     load = _load_hc_pass_device if hc_in else _load_x_pass_device
-    store = _store_qv_pass_device if vq else _store_q_pass_device if quant else _store_x_pass_device
+    load_one = _load_hc_elem_device if hc_in else _load_x_elem_device
+    store = _store_qv_elem_device if vq else _store_q_elem_device if quant else _store_x_elem_device
     pad = _stage_pad_device if vq else _no_pad_device
     jit = _row_jit()
 
     @cuda.jit(device=True, inline=True)
     def body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
-        row = cuda.blockIdx.x
+        row = cuda.blockIdx.x // split
         d = src.shape[src.ndim - 1]
         step = cuda.blockDim.x * ELEMS
         sh = cuda.shared.array(WARP, np.float64)
@@ -250,11 +263,22 @@ def _make_norm_kernel(hc_in, quant, vq=False):
             load(src, pv, w, row, base, d, xs, ws)
             acc = _add_squares_device(xs, base, d, acc)
         scale = _row_scale_device(acc, sh, d, eps)
-        for base in range(0, d, step):
-            if step < d:                          # several passes: reload (one pass kept its values in registers)
-                load(src, pv, w, row, base, d, xs, ws)
-            store(xs, ws, scale, row, base, d, out, out_q, xh, scl1, n_cwp)
-        pad(row, d, xh, scl1, n_cwp)
+        if split == 1:
+            for base in range(0, d, step):
+                if step < d:                      # several passes: reload (one pass kept its values in registers)
+                    load(src, pv, w, row, base, d, xs, ws)
+                for m in range(ELEMS):
+                    store(xs[m], ws[m], scale, row, base + m * cuda.blockDim.x + cuda.threadIdx.x, d, out, out_q,
+                          xh, scl1, n_cwp)
+            pad(row, d, xh, scl1, n_cwp)
+        else:                                     # one pass (_split's rule): the block's element m = part, reloaded
+            part = cuda.blockIdx.x % split
+            j = part * cuda.blockDim.x + cuda.threadIdx.x
+            prep(pre, row, pv)                    # again: not held across the block sum (registers)
+            xv, wv = load_one(src, pv, w, row, min(j, d - 1))
+            store(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp)
+            if part == 0:
+                pad(row, d, xh, scl1, n_cwp)
 
     if vq:
         @jit
@@ -274,6 +298,12 @@ rms_norm_q_kernel = _make_norm_kernel(False, True)         # and out_q[r] = act_
 hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pre), formed in registers
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 hc_rms_norm_qv_kernel = _make_norm_kernel(True, True, vq=True)   # and out_q staged for kernels.vq_gemv
+# the same, ELEMS blocks a row (r = blockIdx.x // ELEMS; one pass): the launchers' choice for few rows (_split)
+rms_norm_split_kernel = _make_norm_kernel(False, False, split=ELEMS)
+rms_norm_q_split_kernel = _make_norm_kernel(False, True, split=ELEMS)
+hc_rms_norm_split_kernel = _make_norm_kernel(True, False, split=ELEMS)
+hc_rms_norm_q_split_kernel = _make_norm_kernel(True, True, split=ELEMS)
+hc_rms_norm_qv_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS)
 
 
 def _make_rope_q_kernel():
@@ -322,19 +352,27 @@ rms_norm_rope_q_kernel = _make_rope_q_kernel()
 SIGNATURES = {
     "rms_norm_rope_q_kernel": "void(float32[:, :], float32[:], float32, int64[:], float32[:, :], float32[:, :], "
                               "float32[:, :], float32[:, :])",
-    "rms_norm_kernel": "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
-    "rms_norm_q_kernel": "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
-    "hc_rms_norm_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])",
-    "hc_rms_norm_q_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], "
-                            "float32[:, :])",
-    "hc_rms_norm_qv_kernel": "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], "
-                             "float32[:, :], uint32[:], float32[:], int64)",
 }
+_X_SIG = "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])"
+_HC_SIG = "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])"
+_HCV_SIG = ("void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :], uint32[:], "
+            "float32[:], int64)")
+for _s in ("", "_split"):
+    SIGNATURES.update({f"rms_norm{_s}_kernel": _X_SIG, f"rms_norm_q{_s}_kernel": _X_SIG,
+                       f"hc_rms_norm{_s}_kernel": _HC_SIG, f"hc_rms_norm_q{_s}_kernel": _HC_SIG,
+                       f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG})
 
 
 def _threads(d):
     """Threads of a row's block: one pass of ELEMS elements each up to THREADS_MAX (a function of D only)."""
     return min(THREADS_MAX, WARP * -(-d // (WARP * ELEMS)))
+
+
+def _split(n_rows, d):
+    """Blocks a row of the norm kernels: ELEMS when one pass covers a row and the call's blocks stay within
+    SPLIT_BLOCKS_MAX (decode, short verify calls), else 1 (module docstring)."""
+    one_pass = _threads(d) * ELEMS >= d
+    return ELEMS if one_pass and n_rows * ELEMS <= SPLIT_BLOCKS_MAX else 1
 
 
 def _outputs(name, n_rows, d, w, out, out_q, stream):
@@ -360,9 +398,13 @@ def rms_norm(x, w, eps, out=None, out_q=None, stream=0):
     n_rows, d = tuple(x.shape)
     out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
     if n_rows and d:
-        kernel = rms_norm_kernel if out_q is None else rms_norm_q_kernel
-        kernel[n_rows, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: not read)
-                                            out if out_q is None else out_q)
+        split = _split(n_rows, d)
+        if split > 1:
+            kernel = rms_norm_split_kernel if out_q is None else rms_norm_q_split_kernel
+        else:
+            kernel = rms_norm_kernel if out_q is None else rms_norm_q_kernel
+        kernel[n_rows * split, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: unread)
+                                                    out if out_q is None else out_q)
     return out
 
 
@@ -404,10 +446,16 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
         if out_q is None:
             raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")
         check_staged(vq, n_rows, d, "hc_rms_norm")
+    split = _split(n_rows, d)
+    if vq is not None:
         if n_rows and d:
-            hc_rms_norm_qv_kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
-                                                               padded_codewords(d))
+            kernel = hc_rms_norm_qv_split_kernel if split > 1 else hc_rms_norm_qv_kernel
+            kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
+                                                        padded_codewords(d))
     elif n_rows and d:
-        kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
-        kernel[n_rows, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
+        if split > 1:
+            kernel = hc_rms_norm_split_kernel if out_q is None else hc_rms_norm_q_split_kernel
+        else:
+            kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
+        kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out

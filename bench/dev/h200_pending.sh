@@ -48,6 +48,7 @@
 #             kernel (the same session's)
 #   unfused_route  the same, --split route: the router's top-k as its own launch again, not in the gate GEMV's last
 #             block (the twenty-seventh session's)
+#   unfused_norm  the same, --split norm: the decode step's norms in one block a row again (the same session's)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -77,7 +78,7 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route
+UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route,unfused_norm
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 
@@ -172,7 +173,7 @@ if want flags; then
 fi
 for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
         "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging" \
-        "unfused_route route router top-k"; do
+        "unfused_route route router top-k" "unfused_norm norm one-block norms"; do
     read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
     if want "$part"; then
         run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \

@@ -1,7 +1,7 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|attn,vq,... --contexts 1024,65536 \
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|attn,vq,... --contexts 1024,65536 \
         --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
@@ -22,6 +22,8 @@ either way, so the last greedy token must be too):
   wo_a's kernel (ds4lib.engine.backend_cuda.STAGE_WO_B off).
 - `route` (the twenty-seventh session's): the router's top-k as its own route_topk launch after the gate's GEMV
   again, not in the GEMV's last block (kernels.moe.ROUTE_IN_GEMV off).
+- `norm` (the same session's): the decode step's norms in one block a row again, not ELEMS blocks a row
+  (kernels.rms_norm.SPLIT_BLOCKS_MAX = 0).
 """
 import argparse
 import runpy
@@ -90,8 +92,13 @@ def _split_route():
     moe.ROUTE_IN_GEMV = False
 
 
+def _split_norm():
+    rms_norm.SPLIT_BLOCKS_MAX = 0
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
-          "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route}
+          "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route,
+          "norm": _split_norm}
 
 
 def main(argv):

@@ -75,8 +75,10 @@ def test_sm90_ptx_keeps_the_row_in_registers():
 
 
 NORM_ROW_KERNELS = ("rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel", "hc_rms_norm_q_kernel",
-                    "rms_norm_rope_q_kernel")
-LAYER_NORM_KERNELS = ("rms_norm_q_kernel", "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel")   # every layer's
+                    "rms_norm_rope_q_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
+                    "hc_rms_norm_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel")
+LAYER_NORM_KERNELS = ("rms_norm_q_kernel", "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel",   # every layer's
+                      "rms_norm_q_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel")
 
 
 def test_row_launcher_reaches_threads_max():
@@ -260,6 +262,34 @@ def test_hc_rms_norm_stages_the_vq_operand_as_vq_stage(cuda_ready, T, D, threads
                                       err_msg=name)
     halves = want_vq[0].copy_to_host()
     assert (halves & 0x8000).any() and (halves & 0x7FFF).any()         # negative and nonzero codes were staged
+
+
+@pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
+def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
+    """Few rows take the split kernels, ELEMS blocks a row (rms_norm._split), each storing its share of the
+    elements: every output of the five forms (out, out_q, the VQ staging with its padded codewords) equals the
+    one-block kernels', into outputs filled with NaN so that an element no block stores shows."""
+    import kernels.rms_norm as rn
+    rng = np.random.default_rng(50 + D)
+    h, pre, w = _hc_case(rng, T, D)
+    d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
+    d_x = cuda_ready.to_device(round_bf16(rng.standard_normal((T, D)) * 3))
+
+    def run(blocks_max):
+        monkeypatch.setattr(rn, "SPLIT_BLOCKS_MAX", blocks_max)
+        assert rn._split(T, D) == (rn.ELEMS if blocks_max else 1)
+        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(7)]
+        vq = _staged(cuda_ready, T, D, 0xFFFFFFFF)
+        rn.rms_norm(d_x, d_w, 1e-6, out=outs[0])
+        rn.rms_norm(d_x, d_w, 1e-6, out=outs[1], out_q=outs[2])
+        rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[3])
+        rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[4], out_q=outs[5], vq=vq)
+        return [o.copy_to_host().view(np.uint32) for o in outs[:6]] + [a.copy_to_host().view(np.uint32) for a in vq]
+    blocks_max = rn.SPLIT_BLOCKS_MAX
+    want, got = run(0), run(blocks_max)
+    for i, (g, e) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, e, err_msg=f"output {i}")
+    assert not np.isnan(got[5].view(np.float32)).any()
 
 
 def test_fused_rms_norms_refuse_bad_arguments():
