@@ -25,7 +25,7 @@ thread, then over the block in a fixed tree: shuffles within each warp, then the
 shuffle tree (every warp computes it, so no second barrier). The order depends only on D (n is a function of D).
 The hc forms load h [4, D] and pre [4] instead of x and form each x element as hc_pre_kernel does (the four exact
 float64 products added in stream order, rounded to FP32 then BF16), with the same threads and order as rms_norm.
-Few rows (decode) take ELEMS blocks a row (`_split`): every block loads the whole row and forms the same sum and
+A decode step's row takes ELEMS blocks (`_split`): every block loads the whole row and forms the same sum and
 scale with the same threads (so the same bits), and block p stores only element m = p of each thread's pass
 (reloaded: the held values would cost registers past the 64 of a 1,024-thread bound): the stores, the quantiser
 and the VQ staging, most of the kernel's instructions, spread over ELEMS SMs (one block of 640 threads took ~6 us a
@@ -67,7 +67,7 @@ __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
-SPLIT_BLOCKS_MAX = 64           # blocks a call up to which a one-pass row takes ELEMS blocks (_split; 0: never)
+SPLIT_ROWS_MAX = 1              # rows a call up to which a one-pass row takes ELEMS blocks (_split; 0: never)
 
 
 def _row_jit():
@@ -369,10 +369,11 @@ def _threads(d):
 
 
 def _split(n_rows, d):
-    """Blocks a row of the norm kernels: ELEMS when one pass covers a row and the call's blocks stay within
-    SPLIT_BLOCKS_MAX (decode, short verify calls), else 1 (module docstring)."""
+    """Blocks a row of the norm kernels: ELEMS when one pass covers a row and the call has at most SPLIT_ROWS_MAX
+    rows (a decode step), else 1 (module docstring). One row only: the engine's warm-up (ds4lib.engine.warmup) then
+    meets both forms, the split one in its decode steps and the one-block one in its prefill and batched steps."""
     one_pass = _threads(d) * ELEMS >= d
-    return ELEMS if one_pass and n_rows * ELEMS <= SPLIT_BLOCKS_MAX else 1
+    return ELEMS if one_pass and n_rows <= SPLIT_ROWS_MAX else 1
 
 
 def _outputs(name, n_rows, d, w, out, out_q, stream):

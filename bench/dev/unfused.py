@@ -23,7 +23,7 @@ either way, so the last greedy token must be too):
 - `route` (the twenty-seventh session's): the router's top-k as its own route_topk launch after the gate's GEMV
   again, not in the GEMV's last block (kernels.moe.ROUTE_IN_GEMV off).
 - `norm` (the same session's): the decode step's norms in one block a row again, not ELEMS blocks a row
-  (kernels.rms_norm.SPLIT_BLOCKS_MAX = 0).
+  (kernels.rms_norm.SPLIT_ROWS_MAX = 0).
 """
 import argparse
 import runpy
@@ -93,7 +93,7 @@ def _split_route():
 
 
 def _split_norm():
-    rms_norm.SPLIT_BLOCKS_MAX = 0
+    rms_norm.SPLIT_ROWS_MAX = 0
 
 
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,

@@ -266,7 +266,7 @@ def test_hc_rms_norm_stages_the_vq_operand_as_vq_stage(cuda_ready, T, D, threads
 
 @pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
 def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
-    """Few rows take the split kernels, ELEMS blocks a row (rms_norm._split), each storing its share of the
+    """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share of the
     elements: every output of the five forms (out, out_q, the VQ staging with its padded codewords) equals the
     one-block kernels', into outputs filled with NaN so that an element no block stores shows."""
     import kernels.rms_norm as rn
@@ -275,9 +275,9 @@ def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, 
     d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
     d_x = cuda_ready.to_device(round_bf16(rng.standard_normal((T, D)) * 3))
 
-    def run(blocks_max):
-        monkeypatch.setattr(rn, "SPLIT_BLOCKS_MAX", blocks_max)
-        assert rn._split(T, D) == (rn.ELEMS if blocks_max else 1)
+    def run(rows_max):
+        monkeypatch.setattr(rn, "SPLIT_ROWS_MAX", rows_max)
+        assert rn._split(T, D) == (rn.ELEMS if rows_max else 1)
         outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(7)]
         vq = _staged(cuda_ready, T, D, 0xFFFFFFFF)
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[0])
@@ -285,8 +285,7 @@ def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, 
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[3])
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[4], out_q=outs[5], vq=vq)
         return [o.copy_to_host().view(np.uint32) for o in outs[:6]] + [a.copy_to_host().view(np.uint32) for a in vq]
-    blocks_max = rn.SPLIT_BLOCKS_MAX
-    want, got = run(0), run(blocks_max)
+    want, got = run(0), run(T)
     for i, (g, e) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(g, e, err_msg=f"output {i}")
     assert not np.isnan(got[5].view(np.float32)).any()
