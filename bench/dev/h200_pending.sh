@@ -110,15 +110,18 @@ run() {
     else note "FAIL  $name ${dt}s rc=$rc"; fi
 }
 
-# swap_in [DIR] / swap_out: the "before" files (of $AB, or DIR) over the tree's, and back
+# swap_in [DIR] / swap_out: the "before" files (of $AB, or DIR) over the tree's, and back. Copies keep their mtimes
+# (cp -p): numba's cache entry of a kernel holds its file's mtime and size, so a restored tree file with a new mtime
+# recompiled its module in every run after a swap (110 s a run on the H100, the twenty-seventh session), while with
+# the old mtime the tree's cache directory (kernels/__init__.py: one a source version) still serves it
 BACKUP=/tmp/ab_backup
 swap_in() {
     local dir=${1:-$AB}
     rm -rf "$BACKUP"; mkdir -p "$BACKUP"
     (cd "$dir" && find . -type f) | while read -r f; do
-        mkdir -p "$BACKUP/$(dirname "$f")"; cp "$f" "$BACKUP/$f"; cp "$dir/$f" "$f"; done
+        mkdir -p "$BACKUP/$(dirname "$f")"; cp -p "$f" "$BACKUP/$f"; cp -p "$dir/$f" "$f"; done
 }
-swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp "$BACKUP/$f" "$f"; done; }
+swap_out() { (cd "$BACKUP" && find . -type f) | while read -r f; do cp -p "$BACKUP/$f" "$f"; done; }
 have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | head -1)" ]; }
 
 # DS4_BENCH_ARGS: more arguments of every decode run, e.g. "--experts 160" (an H100's A/B: bench_v41_decode.py)
