@@ -61,7 +61,7 @@ from kernels.warp import block_sum_f64_device, warp_tree_sum_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
            "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
-           "hc_rms_norm_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel",
+           "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel",
            "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device", "SIGNATURES"]
 
 WARP = 32
@@ -298,10 +298,10 @@ rms_norm_q_kernel = _make_norm_kernel(False, True)         # and out_q[r] = act_
 hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pre), formed in registers
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 hc_rms_norm_qv_kernel = _make_norm_kernel(True, True, vq=True)   # and out_q staged for kernels.vq_gemv
-# the same, ELEMS blocks a row (r = blockIdx.x // ELEMS; one pass): the launchers' choice for few rows (_split)
+# the same, ELEMS blocks a row (r = blockIdx.x // ELEMS; one pass): the launchers' choice for a decode step's row
+# (_split); hc_rms_norm without out_q (no decode caller) keeps the one-block kernel
 rms_norm_split_kernel = _make_norm_kernel(False, False, split=ELEMS)
 rms_norm_q_split_kernel = _make_norm_kernel(False, True, split=ELEMS)
-hc_rms_norm_split_kernel = _make_norm_kernel(True, False, split=ELEMS)
 hc_rms_norm_q_split_kernel = _make_norm_kernel(True, True, split=ELEMS)
 hc_rms_norm_qv_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS)
 
@@ -359,8 +359,8 @@ _HCV_SIG = ("void(float32[:, :, :], float32[:, :], float32[:], float32, float32[
             "float32[:], int64)")
 for _s in ("", "_split"):
     SIGNATURES.update({f"rms_norm{_s}_kernel": _X_SIG, f"rms_norm_q{_s}_kernel": _X_SIG,
-                       f"hc_rms_norm{_s}_kernel": _HC_SIG, f"hc_rms_norm_q{_s}_kernel": _HC_SIG,
-                       f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG})
+                       f"hc_rms_norm_q{_s}_kernel": _HC_SIG, f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG})
+SIGNATURES["hc_rms_norm_kernel"] = _HC_SIG
 
 
 def _threads(d):
@@ -454,9 +454,9 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
             kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
                                                         padded_codewords(d))
     elif n_rows and d:
-        if split > 1:
-            kernel = hc_rms_norm_split_kernel if out_q is None else hc_rms_norm_q_split_kernel
-        else:
-            kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel
+        if out_q is None:
+            split = 1
+        kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_split_kernel if split > 1 else \
+            hc_rms_norm_q_kernel
         kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out

@@ -14,7 +14,7 @@ CFG = ModelConfig.tiny()
 @pytest.mark.parametrize("T,E,delta", [(1, CFG.n_routed_experts, False),   # decode
                                        (2, 40, True),                       # ragged: 40 experts, sidecar bias
                                        (1, 384, True),                      # V4.1's 384: 3 per scoring thread
-                                       (2, 512, False)])                    # the most: 4 a thread
+                                       (1, 512, False)])                    # the most: 4 a thread
 def test_route_matches_ref(cuda_ready, T, E, delta):
     """Ids exact, ties to the lower id (within a warp, and across warps and a thread's experts: 3, 7 and 200)."""
     from kernels.moe import route
@@ -123,7 +123,7 @@ def test_route_writes_the_vq_plan_of_one_token(cuda_ready, E, K):
 
 
 @pytest.mark.parametrize("E,K,delta", [(CFG.n_routed_experts, CFG.n_activated_experts, False),   # 8 rows a block
-                                       (384, 6, True)])      # V4.1: a row a block, 384 blocks under one ticket
+                                       (384, 6, True)])      # V4.1's experts: 48 blocks under one ticket
 def test_route_in_the_gate_gemv_equals_gemv_then_route(cuda_ready, monkeypatch, E, K, delta):
     """One token: route_gemv_kernel (the gate's GEMV, the last block routing) gives the bits of kernels.gemv then
     route_topk_kernel (scores, ids, weights, the plan and the logits), twice in a row (its ticket counter is left
@@ -145,7 +145,7 @@ def test_route_in_the_gate_gemv_equals_gemv_then_route(cuda_ready, monkeypatch, 
         scratch = {}
         plan = vq_plan(ids0, E, tile_rows=min(K, TILE_MAX))
         got = []
-        for _ in range(2):
+        for _ in range(2 if fused else 1):
             scratch[key] = cuda_ready.to_device(np.full((1, E), np.nan, np.float32))    # routing too early shows
             out = moe.route(x, gate, bias, K, CFG.route_scale, bias_delta=bd, plan=plan, scratch=scratch)
             got.append([a.copy_to_host() for a in (*out, plan.pairs, plan.tiles, plan.n_tiles)]
@@ -154,8 +154,8 @@ def test_route_in_the_gate_gemv_equals_gemv_then_route(cuda_ready, monkeypatch, 
             assert int(scratch[("route_counter", (1,), np.dtype(np.int32).str)].copy_to_host()[0]) == 0
         return got
     want, got = run(False), run(True)
-    for g_call, w_call in zip(got, want):
-        for g, w in zip(g_call, w_call):
+    for g_call in got:
+        for g, w in zip(g_call, want[0]):
             np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
     assert len(set(want[0][1][0])) == K                     # K distinct experts chosen
 

@@ -76,7 +76,7 @@ def test_sm90_ptx_keeps_the_row_in_registers():
 
 NORM_ROW_KERNELS = ("rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel", "hc_rms_norm_q_kernel",
                     "rms_norm_rope_q_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
-                    "hc_rms_norm_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel")
+                    "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel")
 LAYER_NORM_KERNELS = ("rms_norm_q_kernel", "hc_rms_norm_q_kernel", "rms_norm_rope_q_kernel",   # every layer's
                       "rms_norm_q_split_kernel", "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel")
 
@@ -266,9 +266,10 @@ def test_hc_rms_norm_stages_the_vq_operand_as_vq_stage(cuda_ready, T, D, threads
 
 @pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
 def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
-    """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share of the
-    elements: every output of the five forms (out, out_q, the VQ staging with its padded codewords) equals the
-    one-block kernels', into outputs filled with NaN so that an element no block stores shows."""
+    """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share
+    of the elements: every output of the four split forms (out, out_q, the VQ staging with its padded codewords)
+    equals the one-block kernels', into outputs filled with NaN so that an element no block stores shows
+    (hc_rms_norm without out_q keeps one block)."""
     import kernels.rms_norm as rn
     rng = np.random.default_rng(50 + D)
     h, pre, w = _hc_case(rng, T, D)
