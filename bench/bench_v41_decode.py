@@ -613,7 +613,8 @@ def main():
     parts = weight_bytes_per_token(W, cfg)
     run = {"kind": "run", "machine": _machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": _commit(), "config": "micro (simulator)" if SIM else "v41-flash",
-        "n_layers": cfg.n_layers, "n_routed_experts": cfg.n_routed_experts, "bits_plan": f"{plan.spec}: {plan.n13} of {cfg.n_layers} layers 13-bit",
+        "n_layers": cfg.n_layers, "n_routed_experts": cfg.n_routed_experts,
+        "bits_plan": f"{plan.spec}: {plan.n13} of {cfg.n_layers} layers 13-bit",
         "bits": list(plan.bits[:cfg.n_layers]), "weight_bytes": W.nbytes, "generation_s": round(gen, 2),
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,

@@ -41,7 +41,7 @@ from kernels import bounded_jit, rows_grid
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
-from kernels.ticket import take_ticket_device
+from kernels.ticket import last_block_device
 from kernels.vq_gemv import COMBINE_COLS, check_combine, combine_group_device, combine_slot_device
 
 __all__ = ["hc_mixes", "hc_pre", "hc_post", "hc_mix_partial_kernel", "hc_mix_finish_kernel", "hc_mix_fused_kernel",
@@ -210,17 +210,9 @@ def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, nor
     tid = cuda.threadIdx.x
     n_tok = h2.shape[0]
     n_blk = cuda.gridDim.x
-    last = cuda.shared.array(1, np.int32)
     parts = cuda.shared.array((FUSED_T_MAX, N_ACC, FIN_PARTS), np.float64)
     _mix_partial_device(h2, fn, cols, partial)
-    cuda.syncthreads()                           # the block's partials, then its ticket (kernels.ticket)
-    if tid == 0:
-        ticket = take_ticket_device(counter, 0)
-        last[0] = 1 if ticket == n_blk - 1 else 0
-        if ticket == n_blk - 1:
-            counter[0] = 0                       # every block has drawn: no other access in this launch
-    cuda.syncthreads()
-    if last[0] == 0:
+    if not last_block_device(counter, 0, n_blk):     # the block's partials, then its ticket (kernels.ticket)
         return                                   # block-uniform
     n_pairs = N_ACC * FIN_PARTS
     for i in range(tid, n_tok * n_pairs, THREADS):

@@ -38,7 +38,7 @@ from kernels.fp8 import act_quant_fp8_lane_device
 from kernels.gemv import BLOCK_WARPS as GEMV_BLOCK_WARPS, gemv, gemv_rows_t1_device, launch_geometry
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
-from kernels.ticket import take_ticket_device
+from kernels.ticket import last_block_device
 
 __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route_gemv_kernel", "route_in_gemv",
            "swiglu_kernel", "swiglu_q_kernel", "SIGNATURES"]
@@ -206,16 +206,8 @@ def route_gemv_kernel(x64, w64, split, logits, counter, bias, delta, has_delta, 
     functions as the two launches, so the same bits. Memory order: kernels.ticket's last-block pattern (a barrier
     after the logits' stores, thread 0's acquire-release ticket, a barrier before the last block's loads)."""
     grid_entry_device()
-    last = cuda.shared.array(1, np.int32)
     gemv_rows_t1_device(x64, w64, logits.shape[1], split, False, logits)
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        ticket = take_ticket_device(counter, 0)
-        last[0] = 1 if ticket == cuda.gridDim.x - 1 else 0
-        if ticket == cuda.gridDim.x - 1:
-            counter[0] = 0                       # every block has drawn: no other access in this launch
-    cuda.syncthreads()
-    if last[0] == 0:
+    if not last_block_device(counter, 0, cuda.gridDim.x):
         return                                   # block-uniform
     _route_gemv_block_device(logits, 0, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores,
                              ids, weights, has_plan, pairs, tiles, n_tiles)
@@ -313,7 +305,7 @@ def route(x, gate_w, gate_bias, top_k, route_scale, *, gate_temp=1.0, bias_delta
         tiles = _scratch(scratch, "no_plan_tiles", (1, 3), np.int32, stream)
     args = (gate_bias, delta, has_delta, np.float32(gate_temp), int(top_k), np.float32(route_scale), bool(normalise),
             *out, has_plan, pairs, tiles, n_tiles)
-    if n_tok == 1 and ROUTE_IN_GEMV and route_in_gemv(x, gate_w):
+    if ROUTE_IN_GEMV and route_in_gemv(x, gate_w):
         w64 = gate_w.view(np.uint64)
         grid, threads, split = launch_geometry(n_exp, w64.shape[1])
         counter = _scratch(scratch, "route_counter", (1,), np.int32, stream, zero=True)
@@ -328,8 +320,8 @@ def route_in_gemv(x, gate_w):
     """Whether `route` of x takes the one-launch kernel (route_gemv_kernel): one token of float32 (C-contiguous) and
     a BF16 gate [E, K] (K % 4 == 0) that x fits; anything else takes kernels.gemv then route_topk_kernel (whose
     gemv refuses what does not fit)."""
-    return (x.ndim == 2 and x.shape[0] == 1 and x.dtype == np.float32 and x.is_c_contiguous()
-            and gate_w.ndim == 2 and gate_w.dtype == np.uint16 and gate_w.is_c_contiguous()
+    return (x.ndim == 2 and x.shape[0] == 1 and x.dtype == np.float32 and x.flags["C_CONTIGUOUS"]
+            and gate_w.ndim == 2 and gate_w.dtype == np.uint16 and gate_w.flags["C_CONTIGUOUS"]
             and x.shape[1] == gate_w.shape[1] and gate_w.shape[1] % 4 == 0)
 
 

@@ -376,6 +376,17 @@ def _split(n_rows, d):
     return ELEMS if one_pass and n_rows <= SPLIT_ROWS_MAX else 1
 
 
+_SPLIT_FORMS = {rms_norm_kernel: rms_norm_split_kernel, rms_norm_q_kernel: rms_norm_q_split_kernel,
+                hc_rms_norm_q_kernel: hc_rms_norm_q_split_kernel, hc_rms_norm_qv_kernel: hc_rms_norm_qv_split_kernel}
+
+
+def _launch(kernel, n_rows, d):
+    """(kernel, blocks) of a launch over n_rows rows: the one-block kernel's split form where `_split` asks for it
+    and the kernel has one (hc_rms_norm without out_q has none: no decode caller)."""
+    split = _split(n_rows, d) if kernel in _SPLIT_FORMS else 1
+    return (_SPLIT_FORMS[kernel] if split > 1 else kernel), n_rows * split
+
+
 def _outputs(name, n_rows, d, w, out, out_q, stream):
     """Checks w, out and out_q against [T, D] (allocating out); returns out."""
     if tuple(w.shape) != (d,) or w.dtype != np.float32:
@@ -399,13 +410,9 @@ def rms_norm(x, w, eps, out=None, out_q=None, stream=0):
     n_rows, d = tuple(x.shape)
     out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
     if n_rows and d:
-        split = _split(n_rows, d)
-        if split > 1:
-            kernel = rms_norm_split_kernel if out_q is None else rms_norm_q_split_kernel
-        else:
-            kernel = rms_norm_kernel if out_q is None else rms_norm_q_kernel
-        kernel[n_rows * split, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: unread)
-                                                    out if out_q is None else out_q)
+        kernel, blocks = _launch(rms_norm_kernel if out_q is None else rms_norm_q_kernel, n_rows, d)
+        kernel[blocks, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: not read)
+                                            out if out_q is None else out_q)
     return out
 
 
@@ -447,16 +454,10 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
         if out_q is None:
             raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")
         check_staged(vq, n_rows, d, "hc_rms_norm")
-    split = _split(n_rows, d)
-    if vq is not None:
         if n_rows and d:
-            kernel = hc_rms_norm_qv_split_kernel if split > 1 else hc_rms_norm_qv_kernel
-            kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq,
-                                                        padded_codewords(d))
+            kernel, blocks = _launch(hc_rms_norm_qv_kernel, n_rows, d)
+            kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq, padded_codewords(d))
     elif n_rows and d:
-        if out_q is None:
-            split = 1
-        kernel = hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_split_kernel if split > 1 else \
-            hc_rms_norm_q_kernel
-        kernel[n_rows * split, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
+        kernel, blocks = _launch(hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel, n_rows, d)
+        kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
     return out

@@ -1,6 +1,6 @@
 """The last-block ticket: each block of a grid writes its part to global memory, and the block that draws the last
-ticket from a device counter reads every part and finishes (kernels.hc.hc_mix_fused_kernel, the split rows of
-kernels.q4k_gemv's tensor-core kernel).
+ticket from a device counter reads every part and finishes (kernels.hc.hc_mix_fused_kernel, kernels.moe's
+route_gemv_kernel, the split rows of kernels.q4k_gemv's tensor-core kernel).
 
 Owns `take_ticket_device(counter, i)`: counter[i] += 1, returning the old value, as one atomic with acquire-release
 semantics at GPU scope (PTX `atom.acq_rel.gpu.add.u32`, generic address). The pattern that uses it:
@@ -14,6 +14,10 @@ puts after it. Release and acquire are cumulative in the PTX memory model, and t
 threads of the block. This is the split-K "semaphore" of the CUDA libraries: a barrier, then one thread's release, and
 one thread's acquire, then a barrier.
 
+`last_block_device(counter, i, n)` is steps 2-4 for a counter that n blocks draw once each in a launch: the last one
+also puts it back to zero at once (no other block touches it afterwards), so a captured graph replays it and eager
+calls follow.
+
 It replaces a `cuda.threadfence()` (PTX membar.gl, i.e. `fence.sc.gpu`, SASS MEMBAR.SC.GPU) by every thread before
 the barrier and again after it. The PTX ISA calls the sequentially consistent fence the slower one, and
 `fence.acq_rel` sufficient for release/acquire synchronization. The atomic also carries one fence for the block (thread
@@ -26,7 +30,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-__all__ = ["take_ticket_device", "TICKET_PTX"]
+__all__ = ["take_ticket_device", "last_block_device", "TICKET_PTX"]
 
 TICKET_PTX = "atom.acq_rel.gpu.add.u32"
 
@@ -61,3 +65,19 @@ else:
         """counter[i] += 1 (int32 [n]); the old value. The block's stores before a barrier are released by it; the
         stores that earlier tickets released are visible after it, to every thread past the next barrier."""
         return _ticket(counter, np.int64(i))
+
+
+@cuda.jit(device=True, inline=True)
+def last_block_device(counter, i, n):
+    """Steps 2-4 of the pattern (module docstring), after the block's stores: a barrier, thread 0's ticket from
+    counter[i] (n blocks draw it in this launch; the last puts it back to zero), a barrier. True in every thread of
+    the block that drew the last ticket (block-uniform). Every thread of the block must call it."""
+    last = cuda.shared.array(1, np.int32)
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        ticket = take_ticket_device(counter, i)
+        last[0] = 1 if ticket == n - 1 else 0
+        if ticket == n - 1:
+            counter[i] = 0                       # every block has drawn: no other access in this launch
+    cuda.syncthreads()
+    return last[0] == 1
