@@ -47,3 +47,18 @@ def tiny_stack(tmp_path_factory):
     base = root / "base.gguf"
     quantize_checkpoint(checkpoint=ckpt, out=base, rounds=2, progress=False)
     return ckpt, base
+
+
+def pytest_collection_modifyitems(config, items):
+    """DS4_TEST_SHARD=i/n (scripts/test.sh): keep the tests of the files tests/shards.py assigns to shard i."""
+    spec = os.environ.get("DS4_TEST_SHARD")
+    if not spec:
+        return
+    from tests import shards
+    i, n = shards.parse_shard(spec)
+    where = shards.assign([item.nodeid.split("::")[0] for item in items], n, shards.read_weights())
+    keep = [item for item in items if where[item.nodeid.split("::")[0]] == i]
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep
