@@ -10,18 +10,19 @@ Owns:
   - `index_score_kernel`, on the tensor cores: a warp takes tiles of 16 key rows as the A operand of BF16 MMAs
     (m16n8k16, the keys' BF16 words as stored) against the query's heads as B (4 tiles of 8 heads, staged once a
     block in shared memory in fragment order), 8 chained steps of 16 dims; tiles wholly past the query's reach skip
-    the products. Tested under the simulator and compiled for sm_90; not yet run on the H200, so SCORES_MMA keeps
-    it off by default.
+    the products. The default (SCORES_MMA): 6.3 / 6.6 / 8.2 us a call at 256 / 4,096 / 16,384 rows against 38-40 us
+    for the rows kernel, the same bits (H100, bench/dev/index_probe.py; BENCHMARKS.md, twenty-eighth session).
   - `index_score_rows_kernel`: a thread per key row with all heads in registers, queries in shared memory; 39, 41
     and 53 us per call at 1k, 16k and 64k context in a V4.1 decode step on the H200 (BENCHMARKS.md; the other
-    layouts measured are in kernels/dev for bench/dev/index_probe.py).
+    layouts measured are in kernels/dev for bench/dev/index_probe.py). `tensor_cores=False` takes it.
 - `select_topk`: the k best per row by (score descending, lower index first), returned in ascending index
   order, entries >= the row's reach replaced by -1, -1 padded: a two-pass radix select on the 16-bit
   order key of the BF16 scores (histograms merged with one global atomic per non-empty bin and block),
   then a compaction in index order (per-block counts, prefix over earlier blocks, ballot ranks): seven launches.
   `topk_one_kernel` does all of it for a row in one block and one launch (a shared histogram, the same scan and
-  compaction as device functions), the same result; TOPK_ONE makes it the default up to ONE_MAX_ROWS scores once
-  it has run on the H200.
+  compaction as device functions), the same result; TOPK_ONE makes it the default up to ONE_MAX_ROWS scores. Off:
+  in a V4.1 decode step it gains nothing beyond the runs' spread at 1k context and costs ~1 ms at 16k and 64k (one
+  block for 4,096 and 16,384 scores a row; BENCHMARKS.md, twenty-eighth session).
 - `candidate_blocks`: block scores (max over blocks of `block_size` positions, the newest reachable block
   pinned to +inf), the best `topk_blocks` blocks by the same selection, kept if their score is > -inf ->
   uint8 [T, nb] (per block; index_scores takes it with cand_block = block_size).
@@ -61,8 +62,8 @@ SCORE_MAX_BLOCKS = 264              # blocks of a launch: 2 an SM on the H200; w
 TERMS_PITCH = NI_MAX + 1            # floats a row of a warp's head terms takes in shared memory (no bank conflicts)
 ROWS_THREADS = 64                   # index_score_rows_kernel: key rows (a thread each) per block
 DI_PAIRS = DI_MAX // 2
-SCORES_MMA = False                  # index_scores' default kernel: the tensor-core one awaits its first H200 run
-TOPK_ONE = False                    # select_topk's default: one launch a row (the same) awaits it too
+SCORES_MMA = True                   # index_scores' default kernel: the tensor-core one (the same bits, 5x faster)
+TOPK_ONE = False                    # select_topk's default: seven launches (one a row is slower past 1k context)
 KW_WORDS = 2 * SCORE_KS             # a lane's key words of a tile (rows g and g + 8 at every step)
 ACC_REGS = 4 * SCORE_NT             # a lane's accumulators of a tile (4 D registers a head tile)
 CHUNK = 4096                        # scores per selection block (launch parameter `chunk` overrides)

@@ -33,7 +33,8 @@
 #   decode    bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3, this tree as it is (eager and graph)
 #   base      the same, graph replay only (--graph-only), with ab_head/'s files: the newest kernel change's A/B
 #   before    the same, graph only, on the "before" files of ab/
-#   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited)
+#   flags     the same, graph only, with kernels.indexer.SCORES_MMA and TOPK_ONE switched on (no file is edited);
+#             DS4_FLAGS=scores,topk,both times each alone and both (files decode_flags_scores / _topk / decode_flags)
 #   unfused   the same, graph only, through bench/dev/unfused.py --split attn: the queries' RoPE and the window write
 #             as launches of their own again (the twenty-fourth session's fusions, untimed there)
 #   unfused_vq  the same, --split vq: the MoE's gate / up input staged by its own launch again, not by the ffn norm
@@ -59,10 +60,11 @@
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
-# DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_ROUNDS=N runs the decode variants (decode, base, before,
-# flags, unfused*: those asked for) N times in turn, files of rounds after the first named *_rN (one lease's drift
-# is as large as most single changes: compare alternating runs); summary.txt ends with every
-# decode run's graph figures in the order they ran; DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
+# DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_CONTEXTS (default 1024,65536) sets every decode run's
+# contexts; DS4_ROUNDS=N runs the decode variants (decode, base, before, flags, unfused*: those asked for) N times
+# in turn, files of rounds after the first named *_rN (one lease's drift is as large as most single changes: compare
+# alternating runs); summary.txt ends with every decode run's graph figures in the order they ran;
+# DS4_BEFORE_CAP / DS4_TRACE_CAP / DS4_ENGINE_CAP change those
 # parts' caps (a warm machine needed 125 s for "before", 123 s for "trace" and about 300 s for all 41 engine tests).
 # The caps add up to more than one call's 560 s, and a fresh machine compiles every kernel first (~130 s; a
 # swapped-in file recompiles its module), so a first call stops around "flags": run the rest as later calls, e.g.
@@ -81,6 +83,7 @@ SUMMARY="$OUT/summary.txt"
 UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route,unfused_norm
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
+DS4_FLAGS=${DS4_FLAGS:-both}
 
 if [ -d .whl ]; then
     pip install -q --no-deps --target /tmp/site .whl/*.whl >> "$OUT/setup.log" 2>&1
@@ -126,12 +129,16 @@ have_ab() { local dir=${1:-$AB}; [ -d "$dir" ] && [ -n "$(find "$dir" -type f | 
 
 # DS4_BENCH_ARGS: more arguments of every decode run, e.g. "--experts 160" (an H100's A/B: bench_v41_decode.py)
 read -r -a BENCH_ARGS <<< "${DS4_BENCH_ARGS:-}"
-DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 "${BENCH_ARGS[@]}")
+CONTEXTS=${DS4_CONTEXTS:-1024,65536}   # the decode runs' contexts
+DECODE=(bench/bench_v41_decode.py --contexts "$CONTEXTS" --rounds 3 --trace-steps 0 "${BENCH_ARGS[@]}")
 [ "${DS4_GRAPH_ONLY:-0}" = 1 ] && DECODE+=(--graph-only)   # the tree's decode without its eager runs (~60 s less)
-AB_DECODE=(bench/bench_v41_decode.py --contexts 1024,65536 --rounds 3 --trace-steps 0 --graph-only
+AB_DECODE=(bench/bench_v41_decode.py --contexts "$CONTEXTS" --rounds 3 --trace-steps 0 --graph-only
            "${BENCH_ARGS[@]}")   # variants
-FLAGS_ON="import runpy, sys, kernels.indexer as i; i.SCORES_MMA = True; i.TOPK_ONE = True; \
+# the indexer's flags on (DS4_FLAGS: "both", the default, and / or "scores" or "topk" alone, comma-separated)
+flags_on() {
+    echo "import runpy, sys, kernels.indexer as i; i.SCORES_MMA = $1; i.TOPK_ONE = $2; \
 sys.argv = ['bench/bench_v41_decode.py'] + sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+}
 
 if want tests; then
     # DS4_TEST_FILES runs those files alone, in that order, instead of all of tests/kernels (pytest merges a file
@@ -171,8 +178,16 @@ if want before && have_ab; then
     swap_out
 fi
 if want flags; then
-    run "decode, indexer flags on$S" 90 flags.log $PY -c "$FLAGS_ON" "${AB_DECODE[@]:1}" \
-        --out "$OUT/decode_flags$S.jsonl"
+    for flag in ${DS4_FLAGS//,/ }; do
+        case $flag in
+            both) code=$(flags_on True True); name=decode_flags ;;
+            scores) code=$(flags_on True False); name=decode_flags_scores ;;
+            topk) code=$(flags_on False True); name=decode_flags_topk ;;
+            *) note "FAIL  DS4_FLAGS: unknown flag $flag (both, scores, topk)"; continue ;;
+        esac
+        run "decode, indexer flags $flag on$S" 90 flags.log $PY -c "$code" "${AB_DECODE[@]:1}" \
+            --out "$OUT/$name$S.jsonl"
+    done
 fi
 for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
         "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging" \
