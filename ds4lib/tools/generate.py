@@ -11,14 +11,15 @@ import sys
 import time
 
 from ds4lib.tools.argtypes import finite_float, int_at_least, seed
+from ds4lib.tools.cli import SUBCOMMANDS
 from ds4lib.tools.engine_args import add_engine_args, open_engine
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="ds4", description="Generate with a ds4 stack (subcommands: ds4 inspect | "
-                                "tiny | corpus | tokenizer | quantize | score | eval)")
+    p = argparse.ArgumentParser(prog="ds4", description="Generate with a ds4 stack (subcommands: ds4 "
+                                + " | ".join(SUBCOMMANDS) + ")")
     add_engine_args(p)
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("--temp", type=finite_float(0.0), default=1.0)

@@ -39,3 +39,11 @@ def test_input_errors_are_one_message_without_traceback(args, message):
     r = _ds4(*args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert message in r.stderr + r.stdout and "Traceback" not in r.stderr, r.stderr
+
+
+def test_generation_help_names_every_subcommand():
+    from ds4lib.tools.cli import SUBCOMMANDS
+    from ds4lib.tools.generate import build_parser
+    text = " ".join(build_parser().format_help().split())
+    for name in SUBCOMMANDS:
+        assert f" {name} " in text.replace(")", " ").replace("|", " ")
