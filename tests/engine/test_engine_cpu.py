@@ -198,7 +198,9 @@ def test_interleaved_generations_batch_their_decodes_and_match_alone(engine):
     prompts = [PROMPT, PROMPT[:7], PROMPT[5:30]]
     for p in (SamplingParams(temperature=0, max_tokens=6, draft_k=0),
               SamplingParams(temperature=1.0, max_tokens=6, seed=4, draft_k=0),
-              SamplingParams(temperature=0, max_tokens=6)):                  # speculative: decodes on its own
+              SamplingParams(temperature=0, max_tokens=6, draft_k=3)):       # speculative: decodes on its own (a
+                                                                             # fixed k: None lets wall-clock costs
+                                                                             # choose plain steps, as under load)
         alone = [[t for t in engine.generate_ids(q, p) if t != 1] for q in prompts]
         assert interleaved(engine, prompts, p) == alone
         events = list(engine.generate(prompts[1], p, batched=True))           # nobody runs the forwards
