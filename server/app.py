@@ -8,7 +8,7 @@ the calling API's own error shape (Anthropic's under /v1/messages, OpenAI's else
 exception escape to the WSGI server.
 
 Imports ds4lib.engine's public API (SamplingParams) and ds4lib.chat (through prompts.py, and END_THINK, where a
-thinking reply's JSON constraint starts); nothing imports server.
+thinking reply's JSON or forced-call constraint starts); nothing imports server.
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ class ServerState:
         s = req.sampling
         n = plan_max_tokens(len(prompt.ids), s.max_tokens, default=self.default_max_tokens,
                             context=engine.context_length, param=_MAX_TOKENS_PARAM[req.api])
-        fmt = req.json_format
-        if fmt is not None and prompt.thinking_open:   # reason freely, then answer in JSON after </think>
+        fmt = req.json_format or req.tool_format        # never both (schemas.py refuses that)
+        if fmt is not None and prompt.thinking_open:   # reason freely, then answer in JSON (or call) after </think>
             fmt = replace(fmt, after_token=engine.tokenizer.token_to_id(END_THINK))
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                                 max_tokens=n, seed=s.seed, stop=s.stop, json_format=fmt)

@@ -4,12 +4,13 @@ messages and messages/count_tokens.
 Owns: the request dataclasses (`GenerationRequest`, `Sampling`) and their validation (field checks and
 `RequestError` in fields.py, tools and tool results in tool_schemas.py; re-exported here). A field
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
-SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (forced
-tool choice, tools on /v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a
-silent no-op. Tools (OpenAI function tools, Anthropic client tools), assistant tool calls and tool results are
-parsed into ds4lib.chat's message form. Structured output (`response_format`, `text.format`,
-`output_config.format`) becomes a checked JSON Schema (output_formats.py); with tools in the same request it is a 400,
-since the grammar would forbid the tool-call markup. Also owns the resolution of thinking per request (docs/design.md §7:
+SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools on
+/v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Tools (OpenAI
+function tools, Anthropic client tools), assistant tool calls and tool results are parsed into ds4lib.chat's message
+form; a forced tool choice becomes the grammar of a call block (`tool_format`, tool_schemas.py). Structured output
+(`response_format`, `text.format`, `output_config.format`) becomes a checked JSON Schema (output_formats.py); with
+tools in the same request (a forced choice included) it is a 400, since the grammar would forbid the tool-call
+markup. Also owns the resolution of thinking per request (docs/design.md §7:
 non-thinking by default; `reasoning_effort`, `thinking: {"type": "enabled"}`, `think: true` or model
 `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1 release encoder's normalisation maps it:
 "none" is non-thinking; "low", "high" and "max" are the encoder's own levels (thinking, with the level's instruction
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ds4lib.engine import JsonFormat
+from ds4lib.engine import JsonFormat, ToolCallFormat
 
 from server.fields import JSON_TYPES as _TYPES
 from server.fields import RequestError
@@ -34,8 +35,10 @@ from server.fields import get_field as _get
 from server.fields import in_range as _in_range
 from server.fields import text_parts as _text_parts
 from server.output_formats import anthropic_output_format, chat_response_format, responses_text_format
+from server.tool_schemas import anthropic_tool_format as _anthropic_tool_format
 from server.tool_schemas import anthropic_tools as _anthropic_tools
 from server.tool_schemas import openai_tool_calls as _openai_tool_calls
+from server.tool_schemas import openai_tool_format as _openai_tool_format
 from server.tool_schemas import openai_tools as _openai_tools
 from server.tool_schemas import tool_result_text as _tool_result_text
 
@@ -74,6 +77,7 @@ class GenerationRequest:
     thinking: bool = False
     effort: str | None = None                 # the encoder's reasoning-effort level (thinking mode only)
     json_format: JsonFormat | None = None     # the reply must be JSON valid under this schema
+    tool_format: ToolCallFormat | None = None   # a forced tool choice: the reply is exactly a call block
     stream: bool = False
     include_usage: bool = False
     extras: dict = field(default_factory=dict)   # values echoed back in the response (responses API)
@@ -216,7 +220,7 @@ def parse_chat(body) -> GenerationRequest:
     opts = _get(body, "stream_options", "object") or {}
     return GenerationRequest(
         api="chat", model=model, messages=_openai_messages(body.get("messages")), tools=tools,
-        json_format=json_format,
+        json_format=json_format, tool_format=_openai_tool_format(body, tools),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_completion_tokens", "max_tokens"),
                            stop_key="stop"),
         **_thinking_fields(body, model, effort=_get(body, "reasoning_effort", "string")),
@@ -396,6 +400,7 @@ def parse_messages(body) -> GenerationRequest:
     json_format = _no_tools(anthropic_output_format(body), tools, "output_config.format")
     return GenerationRequest(
         api="messages", model=model, messages=_anthropic_messages(body), tools=tools, json_format=json_format,
+        tool_format=_anthropic_tool_format(body, tools),
         sampling=_sampling(body, max_temperature=1.0, max_tokens_keys=("max_tokens",), stop_key="stop_sequences",
                            max_tokens_required=True),
         **_anthropic_thinking(body, model), stream=bool(_get(body, "stream", "boolean", False)))

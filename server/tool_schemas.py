@@ -1,28 +1,57 @@
 """Tool definitions, tool calls and tool results in requests: OpenAI function tools, assistant `tool_calls` and
 `tool_choice`; Anthropic client tools, `tool_result` content and `tool_choice`. All become ds4lib.chat's form:
 function definitions {"name", "description"?, "parameters"?} and calls {"id", "name", "arguments" (JSON object
-text)}. A forced tool choice is refused (it needs constrained decoding); "none" leaves the tools out.
+text)}. "none" leaves the tools out; "auto" lets the model choose. A forced choice (OpenAI "required" or a named
+function, Anthropic "any" or a named tool) becomes a ds4lib.engine.ToolCallFormat: the reply is then exactly a DSML
+call block of the allowed tools (of the named one), one call where parallel calls are disabled
+(`parallel_tool_calls: false`, `disable_parallel_tool_use: true`; they have no effect on "auto"), compiled here so
+that an unknown name or a tool schema the grammar cannot enforce is a 400 before the request is queued.
 
-Does not own: the messages around them (schemas.py), their encoding (ds4lib/dsml.py).
+Does not own: the messages around them (schemas.py), their encoding (ds4lib/dsml.py), the grammar
+(ds4lib/engine/constrain.py).
 """
 from __future__ import annotations
 
 import json
 import re
 
+from ds4lib.engine import GrammarError, ToolCallFormat
+
 from server.fields import RequestError, get_field as _get, text_parts as _text_parts
 
-__all__ = ["openai_tools", "openai_tool_calls", "anthropic_tools", "tool_result_text"]
+__all__ = ["openai_tools", "openai_tool_calls", "openai_tool_format", "anthropic_tools", "anthropic_tool_format",
+           "tool_result_text"]
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
-def _check_tool_choice(choice, where: str) -> None:
-    """Automatic tool use or none; a forced call is refused (it needs constrained decoding, which this server does
-    not have)."""
-    if choice not in ("auto", "none"):
-        raise RequestError(f"'{where}' {json.dumps(choice)[:60]} is not supported: only automatic tool use (auto) or "
-                           f"none; forcing a call needs constrained decoding", param=where, code="unsupported_value")
+def _openai_choice(choice):
+    """"auto" | "none" | "required" | {"type": "function", "function": {"name"}} -> (kind, name)."""
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto", None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = _get(choice, "function", "object", required=True, where="tool_choice.")
+        return "function", _get(fn, "name", "string", required=True, where="tool_choice.function.")
+    raise RequestError(f"'tool_choice' {json.dumps(choice)[:60]} is not supported: auto, none, required or "
+                       f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param="tool_choice",
+                       code="unsupported_value")
+
+
+def _forced(tools: tuple, name: str | None, single: bool, param: str) -> ToolCallFormat:
+    """The grammar of a forced call: of any tool, or of the one named (`param` names the name's field)."""
+    if not tools:
+        raise RequestError(f"'{param}' forces a tool call but the request has no tools", param=param,
+                           code="invalid_value")
+    if name is not None:
+        tools = tuple(t for t in tools if t["name"] == name)
+        if not tools:
+            raise RequestError(f"'{param}' {name[:60]!r} is not one of the request's tools", param=param,
+                               code="invalid_value")
+    try:
+        return ToolCallFormat.from_tools(tools, single=single)
+    except GrammarError as e:
+        raise RequestError(f"'tools': a forced call cannot be constrained: {e}", param="tools",
+                           code="invalid_value") from None
 
 
 def _function(name, description, parameters, where: str) -> dict:
@@ -47,10 +76,8 @@ def _unique(tools: list) -> tuple:
 
 def openai_tools(body: dict) -> tuple:
     tools = _get(body, "tools", "array")
-    choice = body.get("tool_choice")
-    if choice is not None:
-        _check_tool_choice(choice, "tool_choice")
-    if not tools or choice == "none":
+    kind, _ = _openai_choice(body.get("tool_choice"))
+    if not tools or kind == "none":
         return ()                                     # "none": the tools stay out of the prompt
     out = []
     for i, t in enumerate(tools):
@@ -63,6 +90,16 @@ def openai_tools(body: dict) -> tuple:
                              _get(fn, "description", "string", where=f"{w}.function."),
                              _get(fn, "parameters", "object", where=f"{w}.function."), f"{w}.function.name"))
     return _unique(out)
+
+
+def openai_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
+    """`tool_choice` "required" or a named function (with `parallel_tool_calls`) over `openai_tools(body)`; None
+    for auto and none."""
+    kind, name = _openai_choice(body.get("tool_choice"))
+    if kind in ("auto", "none"):
+        return None
+    single = _get(body, "parallel_tool_calls", "boolean", True) is False
+    return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.function.name")
 
 
 def openai_tool_calls(raw, where: str) -> list:
@@ -98,14 +135,25 @@ def tool_result_text(content, where: str) -> str:
         _text_parts(content, where, ("text",))
 
 
+def _anthropic_choice(body: dict):
+    """`tool_choice` {"type": "auto" | "any" | "tool" | "none", "name"?, "disable_parallel_tool_use"?} -> (type,
+    name, single)."""
+    choice = _get(body, "tool_choice", "object")
+    if choice is None:
+        return "auto", None, False
+    kind = _get(choice, "type", "string", required=True, where="tool_choice.")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise RequestError(f"'tool_choice.type' must be auto, any, tool or none, got {kind[:40]!r}",
+                           param="tool_choice.type", code="invalid_value")
+    name = _get(choice, "name", "string", required=True, where="tool_choice.") if kind == "tool" else None
+    single = bool(_get(choice, "disable_parallel_tool_use", "boolean", False, where="tool_choice."))
+    return kind, name, single
+
+
 def anthropic_tools(body: dict) -> tuple:
     tools = _get(body, "tools", "array")
-    choice = _get(body, "tool_choice", "object")
-    if choice is not None:
-        kind = _get(choice, "type", "string", required=True, where="tool_choice.")
-        _check_tool_choice(kind, "tool_choice.type")
-        if kind == "none":
-            return ()
+    if _anthropic_choice(body)[0] == "none":
+        return ()
     out = []
     for i, t in enumerate(tools or []):
         w = f"tools[{i}]"
@@ -116,3 +164,12 @@ def anthropic_tools(body: dict) -> tuple:
                              _get(t, "description", "string", where=f"{w}."),
                              _get(t, "input_schema", "object", required=True, where=f"{w}."), f"{w}.name"))
     return _unique(out)
+
+
+def anthropic_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
+    """`tool_choice` any or tool (with `disable_parallel_tool_use`) over `anthropic_tools(body)`; None for auto and
+    none."""
+    kind, name, single = _anthropic_choice(body)
+    if kind in ("auto", "none"):
+        return None
+    return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.name")

@@ -1,9 +1,13 @@
-"""Constrained decoding: a request's JSON Schema as a per-step token mask, compiled by llguidance (no PyTorch).
+"""Constrained decoding: a request's JSON Schema, or a forced DSML tool call, as a per-step token mask, compiled by
+llguidance (no PyTorch).
 
 Owns:
 - `JsonFormat`: a checked JSON Schema (canonical JSON text), the request's side. `JsonFormat.from_schema` compiles it
   once without a tokenizer, so a malformed or unsupported schema is refused before the request is queued
   (`GrammarError`, a ValueError).
+- `ToolCallFormat`: a reply that is exactly one DSML call block (ds4lib/dsml.py) of given tools, as a Lark grammar
+  (`ToolCallFormat.from_tools`, compiled the same way). Same interface as JsonFormat (`grammar()`, `after_token`),
+  so the engine and `Constrainer.start` take either.
 - `TokenConstraint`: one generation's grammar state. `mask()` gives the tokens allowed next as an int32 bitmask
   [ceil(V / 32)] (ds4lib.ref.sampling's layout, which is llguidance's); `advance(token)` moves past the sampled token;
   `finished` says that only EOS can follow.
@@ -19,9 +23,20 @@ Rules:
 - `JsonFormat.after_token` (thinking mode: `</think>`): until that token is produced any token but EOS may be drawn,
   and that token starts the grammar, so a thinking reply reasons freely and then answers in JSON.
 - Masks span the model's vocabulary V: tokenizer ids >= V are dropped, model ids past the tokenizer never allowed.
+- A forced call block is TOOL_CALLS_START, a newline, one invoke (`single`) or more, each of an allowed tool, joined
+  by newlines, then a newline and TOOL_CALLS_END: the bytes `render_tool_calls` writes. Each invoke holds its tool's
+  parameters (`properties`) in their schema order, the required ones always, the optional ones where chosen. A
+  property whose schema is a plain string (annotations aside) is written raw, string="true", with any text but the
+  closing tags `</｜DSML｜parameter>` and `</｜DSML｜invoke>` (they would end the value or the call when it is read
+  back). Every other property is written string="false" as JSON valid under its sub-schema (the parameters'
+  `$defs` / `definitions` come along); one whose values are all strings (`enum` / `const`) may also be written raw,
+  as `render_tool_calls` and the official encoder write any string. Parameter keywords the grammar cannot
+  enforce (`anyOf`, `minProperties`, ... on the parameters object) are refused, not ignored. Known gap: a
+  string="false" JSON value may hold a closing tag inside a JSON string, which `parse_tool_calls` would cut.
 
 Does not own: drawing a token under the mask (ds4lib.ref.sampling, kernels.sampling), the generation loop
-(engine.py), the APIs' response_format (server/schemas.py).
+(engine.py), the APIs' response_format and tool_choice (server/output_formats.py, server/tool_schemas.py), the DSML
+markup itself (ds4lib/dsml.py).
 
 Shapes: V vocab, NW = ceil(V / 32) mask words.
 """
@@ -34,9 +49,10 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
+from ds4lib.dsml import DSML, TOOL_CALLS_END, TOOL_CALLS_START
 from ds4lib.ref.sampling import mask_words, token_mask
 
-__all__ = ["JsonFormat", "GrammarError", "TokenConstraint", "Constrainer"]
+__all__ = ["JsonFormat", "ToolCallFormat", "GrammarError", "TokenConstraint", "Constrainer"]
 
 _OPTIONS = {"whitespace_pattern": r"(?:\x20|\x0A[\x20\x09]{0,20})?"}
 
@@ -73,6 +89,159 @@ class JsonFormat:
 
     def grammar(self) -> str:
         return _grammar(self.schema)
+
+
+# ---------------------------------------------------------------------------------------------- forced tool calls
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+_PARAMETERS_KEYS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions", "$schema", "$id",
+                    *_ANNOTATIONS}
+_PARAM_CLOSE = f"</{DSML}parameter>"
+_INVOKE_CLOSE = f"</{DSML}invoke>"
+# a raw string value with its closing tag: ends at the first `</｜DSML｜parameter>`, never holds `</｜DSML｜invoke>`
+_RAW_VALUE = (f"RAW_VALUE: /(?s:.*)<\\/{DSML}parameter>/ & ~/(?s:.*)<\\/{DSML}parameter>(?s:.+)/ "
+              f"& ~/(?s:.*)<\\/{DSML}invoke>(?s:.*)/")
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+_TRUE, _FALSE = _lit('true">'), _lit('false">')             # what follows `string="`
+
+
+def _plain_string(schema) -> bool:
+    return isinstance(schema, dict) and schema.get("type") == "string" and set(schema) - _ANNOTATIONS == {"type"}
+
+
+def _raw_choices(schema) -> list:
+    """The values of an all-string `enum` / `const` schema (nothing else but annotations), else []."""
+    if not isinstance(schema, dict) or schema.get("type", "string") != "string" or \
+            set(schema) - _ANNOTATIONS - {"type"} not in ({"enum"}, {"const"}):
+        return []
+    values = schema["enum"] if "enum" in schema else [schema["const"]]
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        return []
+    return [v for v in dict.fromkeys(values) if _PARAM_CLOSE not in v and _INVOKE_CLOSE not in v]
+
+
+class _ToolGrammar:
+    """Accumulates the Lark rules of a call block (ToolCallFormat.from_tools)."""
+
+    def __init__(self):
+        self.rules = []
+
+    def value(self, rule: str, schema, defs: dict, where: str) -> None:
+        """`rule`: what follows `string="` up to and including the parameter's closing tag."""
+        if _plain_string(schema):
+            self.rules.append(f"{rule}: {_TRUE} RAW_VALUE")
+            return
+        if not isinstance(schema, dict) and schema is not True:
+            raise GrammarError(f"{where}: a property schema is an object or a boolean, got {type(schema).__name__}")
+        choices = _raw_choices(schema)
+        alts = [f"{_TRUE} ({' | '.join(_lit(v + _PARAM_CLOSE) for v in choices)})"] if choices else []
+        sub = {} if schema is True else dict(schema)
+        for key, value in defs.items():
+            sub.setdefault(key, value)
+        sub["x-guidance"] = dict(_OPTIONS)
+        alts.append(f"{_FALSE} %json {json.dumps(sub, ensure_ascii=False)} {_lit(_PARAM_CLOSE)}")
+        self.rules.append(f"{rule}: " + " | ".join(alts))
+
+    def body(self, t: int, tool: dict) -> str | None:
+        """Rules for tool `t`'s parameter lines; the name of the rule of them all (None: the tool has none)."""
+        name = tool.get("name")
+        params = tool.get("parameters")
+        where = f"tool {name!r}"
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            raise GrammarError(f"{where}: parameters must be a JSON Schema object")
+        extra = sorted(set(params) - _PARAMETERS_KEYS)
+        if extra:
+            raise GrammarError(f"{where}: parameters keyword(s) {extra} cannot be enforced in a forced tool call")
+        if params.get("type", "object") != "object":
+            raise GrammarError(f"{where}: parameters must have type object, got {params.get('type')!r}")
+        props = params.get("properties") or {}
+        required = params.get("required") or []
+        more = params.get("additionalProperties", True)
+        if not isinstance(props, dict) or not isinstance(required, list) or \
+                not all(isinstance(r, str) for r in required):
+            raise GrammarError(f"{where}: properties must be an object and required an array of names")
+        items = [(k, s, k in required) for k, s in props.items()]
+        for k in dict.fromkeys(r for r in required if r not in props):   # required but not described
+            if more is False:
+                raise GrammarError(f"{where}: required parameter {k!r} is not among the properties")
+            items.append((k, more if isinstance(more, dict) else True, True))
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+        lines = []                                           # (rule of the line's value, required)
+        for k, schema, req in items:
+            if '"' in k or "\n" in k or _PARAM_CLOSE in k:
+                raise GrammarError(f"{where}: parameter name {k!r} cannot be written in DSML")
+            if schema is False:
+                if req:
+                    raise GrammarError(f"{where}: required parameter {k!r} has the schema false")
+                continue
+            rule = f"t{t}_v{len(lines)}"
+            self.value(rule, schema, defs, f"{where}, parameter {k!r}")
+            lines.append((k, rule, req))
+        if not lines:
+            return None
+        # first_i: the lines from i on, the first one without a newline before it (while all before i may be left
+        # out); tail_i: the lines from i on, each after a newline
+        n, leading = len(lines), True
+        for i, (k, rule, req) in enumerate(lines):
+            head = f'<{DSML}parameter name="{k}" string="'
+            tail = f" t{t}_tail{i + 1}" if i + 1 < n else ""
+            if i:
+                line = f"{_lit(chr(10) + head)} {rule}"
+                self.rules.append(f"t{t}_tail{i}: " + (line if req else f"({line})?") + tail)
+            if leading:
+                first = f"{_lit(head)} {rule}{tail}"
+                if not req:
+                    first = f"{first} | t{t}_first{i + 1}" if i + 1 < n else f"({first})?"
+                self.rules.append(f"t{t}_first{i}: {first}")
+                leading = not req
+        return f"t{t}_first0"
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """A reply that is exactly a DSML call block of the given tools (module docstring): the Lark grammar text."""
+    lark: str
+    after_token: int | None = None
+
+    @classmethod
+    def from_tools(cls, tools, *, single: bool = False, after_token: int | None = None) -> "ToolCallFormat":
+        """`tools`: function definitions {"name", "description"?, "parameters"?} (ds4lib.chat's form), the ones a
+        call may name; `single`: exactly one call (else one or more)."""
+        tools = list(tools)
+        if not tools:
+            raise GrammarError("a forced tool call needs at least one tool")
+        g = _ToolGrammar()
+        first, following = [], []
+        for t, tool in enumerate(tools):
+            name = tool.get("name") if isinstance(tool, dict) else None
+            if not isinstance(name, str) or not name or '"' in name or "\n" in name:
+                raise GrammarError(f"tool {t}: the name {name!r} cannot be written in DSML")
+            body = g.body(t, tool)
+            end = f" {body} " if body else " "
+            head = f'<{DSML}invoke name="{name}">\n'
+            g.rules.append(f"t{t}_call: {_lit(head)}{end}{_lit(chr(10) + _INVOKE_CLOSE)}")
+            first.append(f"t{t}_call")
+            if not single:                                  # a later call: a newline before its invoke
+                g.rules.append(f"t{t}_next: {_lit(chr(10) + head)}{end}{_lit(chr(10) + _INVOKE_CLOSE)}")
+                following.append(f"t{t}_next")
+        more = [] if single else [f"next_call: {' | '.join(following)}"]
+        lark = "\n".join([f"start: {_lit(TOOL_CALLS_START + chr(10))} call{'' if single else ' next_call*'} "
+                           f"{_lit(chr(10) + TOOL_CALLS_END)}", f"call: {' | '.join(first)}", *more, *g.rules,
+                           _RAW_VALUE]) + "\n"
+        err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
+        if err:
+            raise GrammarError(f"the tool schemas are not supported: {err.strip()}")
+        return cls(lark, after_token)
+
+    def grammar(self) -> str:
+        return llguidance.LLMatcher.grammar_from_lark(self.lark)
 
 
 class TokenConstraint:
@@ -147,7 +316,7 @@ class Constrainer:
             self._tok = llguidance.LLTokenizer(self._json, eos_token=self.eos)
         return self._tok
 
-    def start(self, fmt: JsonFormat) -> TokenConstraint:
+    def start(self, fmt: JsonFormat | ToolCallFormat) -> TokenConstraint:
         tok = self._tokenizer()
         matcher = llguidance.LLMatcher(tok, fmt.grammar(), log_level=0)
         return TokenConstraint(matcher, n_vocab=self.n_vocab, tokenizer_words=mask_words(tok.vocab_size),

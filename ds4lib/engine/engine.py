@@ -10,8 +10,9 @@ paths (`logits(..., split=P)`: P tokens by prefill, the rest one at a time).
 With `prefix_cache_mb`, generation without an explicit session resumes from the longest cached prefix of its
 prompt and stores its finished session back (prefix_cache.py; on the CUDA backend device copies of its states, and
 host snapshots of them in the disk tier); logits are those of a cold prefill.
-With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema (constrain.py), on either
-backend's sampler; without it the unmasked path runs, unchanged.
+With `SamplingParams.json_format`, each step samples under the token mask of a JSON Schema or of a forced tool call's
+grammar (constrain.py: JsonFormat, ToolCallFormat), on either backend's sampler; without it the unmasked path runs,
+unchanged.
 Several generations interleaved by one caller (the server's worker) share decode steps: with `batched=True`,
 `generate` attaches to each token event that will be followed by a forward a `PendingDecode` ("decode"), and
 `Engine.decode_batch` runs the pending decodes of several sessions as one step (on the CUDA backend one call over all
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4lib.engine.backend import BackendContext, make_backend
-from ds4lib.engine.constrain import Constrainer, GrammarError, JsonFormat
+from ds4lib.engine.constrain import Constrainer, GrammarError, JsonFormat, ToolCallFormat
 from ds4lib.engine.prefix_cache import KvDiskStore, PrefixCache
 from ds4lib.engine.speculative import Scheduler, SpecStats, generate_speculative, supports
 from ds4lib.formats.checkpoint import CheckpointError, CheckpointReader
@@ -63,7 +64,8 @@ class Cancelled(EngineError):
 @dataclass(frozen=True)
 class SamplingParams:
     """Defaults follow the model card: temperature 1.0, top_p 1.0, no top_k, no min_p. temperature 0 is greedy.
-    `json_format`: the output must be JSON valid under that schema (constrained decoding, constrain.py).
+    `json_format`: the output must be JSON valid under that schema, or (a ToolCallFormat) exactly a DSML call block of
+    those tools (constrained decoding, constrain.py).
     `draft_k`: drafted tokens verified per speculative round; None lets the scheduler choose from this request's
     measured costs, 0 decodes plainly. A seeded sampled request with draft_k None decodes plainly: its tokens would
     depend on k (their distribution does not), and a k chosen from wall-clock costs would make a seeded run
@@ -75,7 +77,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple = ()
-    json_format: JsonFormat | None = None
+    json_format: JsonFormat | ToolCallFormat | None = None
     draft_k: int | None = None
 
     def __post_init__(self):

@@ -160,3 +160,145 @@ def test_constrained_greedy_is_the_best_allowed_token_and_plain_greedy_is_unchan
                 break
             logits = engine.decode(s, want[-1])
         assert got == want
+
+
+# --------------------------------------------------------------------------------------------- forced tool calls
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "description": "a plain string: raw"}, "unit": {"type": "string", "enum": ["c", "f"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}, "hourly": {"type": "boolean"}},
+    "required": ["city", "days"]}}
+CLOCK = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+PING = {"name": "ping"}
+LOOSE = {"name": "loose", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                          "b": {"type": "array",
+                                                                                "items": {"$ref": "#/$defs/n"}}},
+                                         "$defs": {"n": {"type": "number"}}}}
+
+
+def _call(name, **args):
+    return {"name": name, "arguments": json.dumps(args)}
+
+
+def _feed(c, tokenizer, text):
+    """Feeds `text` token by token, each checked against the mask first; the index of the first refused token, or
+    None when all pass."""
+    for i, t in enumerate(_ids(tokenizer, text)):
+        if not _allowed(c)[t]:
+            return i
+        c.advance(t)
+    return None
+
+
+def _block(calls):
+    from ds4lib.dsml import render_tool_calls
+    return "".join(text for text, _ in render_tool_calls(calls))
+
+
+@pytest.mark.parametrize("calls", [
+    [_call("get_weather", city="Paris", days=2)],
+    [_call("get_weather", city="Lyon </b> <x>\nline two", unit="f", days=7, hourly=False)],
+    [_call("get_weather", city="", days=1, hourly=True)],
+    [_call("get_time"), _call("ping"), _call("get_weather", city="Nice", unit="c", days=3)],
+    [_call("loose")], [_call("loose", b=[1, 2.5])], [_call("loose", a=-3, b=[])], [_call("loose", a=0)],
+])
+def test_rendered_tool_calls_are_accepted_token_by_token(constrainer, tokenizer, calls):
+    from ds4lib.engine import ToolCallFormat
+    c = constrainer.start(ToolCallFormat.from_tools([WEATHER, CLOCK, PING, LOOSE]))
+    assert not _allowed(c)[EOS]
+    assert _feed(c, tokenizer, _block(calls)) is None
+    assert c.accepting and c.finished and np.flatnonzero(_allowed(c)).tolist() == [EOS]
+
+
+def _refused_at(constrainer, tokenizer, fmt, text, bad: str, last: bool = False):
+    """`text` is refused at the first character the grammar does not allow: the first character of `bad` (its first
+    occurrence, or its last). The refused token holds it, or ends just before it where the tokenizer splits the text
+    differently from what the grammar still allows (after `get`, only `_time` continues `get_time`, not `_`)."""
+    c = constrainer.start(fmt)
+    i = _feed(c, tokenizer, text)
+    assert i is not None, "accepted"
+    ids = _ids(tokenizer, text)
+    at = text.rindex(bad) if last else text.index(bad)
+    assert text.startswith(tokenizer.decode(ids[:i]))
+    assert at - 4 <= len(tokenizer.decode(ids[:i])) <= at, (tokenizer.decode(ids[:i + 1]), bad)
+
+
+@pytest.mark.parametrize("calls,bad", [
+    ([_call("get_wetter", city="P", days=2)], "tter"),                             # not a tool
+    ([_call("get_weather", days=2)], 'days"'),                                      # city is required
+    ([_call("get_weather", city="P")], "/｜DSML｜invoke>"),                           # days is required
+    ([_call("get_weather", city="P", days="2")], 'true">2'),                        # days is an integer: JSON
+    ([_call("get_weather", city="P", days=9)], "9<"),                               # maximum 7
+    ([_call("get_weather", city="P", unit="k", days=1)], "k<"),                     # enum
+    ([_call("get_weather", days=2, city="P")], 'days"'),                            # schema order
+    ([_call("get_weather", city="a</｜DSML｜invoke>", days=2)], "></｜DSML｜parameter>"),  # would end the call
+    ([_call("loose", b=["x"])], '"x"'),                                             # $ref items: numbers
+    ([_call("get_time", x=1)], "<｜DSML｜parameter"),                                # no parameters
+])
+def test_wrong_calls_are_refused_where_they_go_wrong(constrainer, tokenizer, calls, bad):
+    from ds4lib.engine import ToolCallFormat
+    _refused_at(constrainer, tokenizer, ToolCallFormat.from_tools([WEATHER, CLOCK, LOOSE]), _block(calls), bad)
+
+
+def test_single_call_and_named_tool(constrainer, tokenizer):
+    from ds4lib.engine import ToolCallFormat
+    one = ToolCallFormat.from_tools([WEATHER, CLOCK], single=True)
+    two = [_call("get_time"), _call("get_time")]
+    _refused_at(constrainer, tokenizer, one, _block(two), "｜DSML｜invoke name=\"get_time\">", last=True)
+    c = constrainer.start(one)
+    assert _feed(c, tokenizer, _block(two[:1])) is None and c.finished
+    named = ToolCallFormat.from_tools([CLOCK])
+    _refused_at(constrainer, tokenizer, named, _block([_call("get_weather", city="P", days=2)]), "weather")
+    c = constrainer.start(named)
+    assert _feed(c, tokenizer, _block(two)) is None and c.finished                 # parallel calls of it
+
+
+def test_every_allowed_text_reads_back_as_a_valid_call(constrainer, tokenizer):
+    """Random walks under the mask (uniform over the allowed tokens) parse back into calls of the given tools whose
+    arguments validate."""
+    import jsonschema
+
+    from ds4lib.dsml import TOOL_CALLS_START, parse_tool_calls
+    from ds4lib.engine import ToolCallFormat
+    tools = [WEATHER, CLOCK, LOOSE]
+    schemas = {t["name"]: t.get("parameters", {}) for t in tools}
+    fmt = ToolCallFormat.from_tools(tools)
+    rng = np.random.default_rng(0)
+    done = 0
+    for _ in range(30):
+        c, ids = constrainer.start(fmt), []
+        while len(ids) < 400 and not c.finished:
+            allowed = np.flatnonzero(_allowed(c))
+            t = int(rng.choice(allowed))
+            if t == EOS:
+                break
+            c.advance(t)
+            ids.append(t)
+        if not c.finished:
+            continue
+        text = tokenizer.decode(ids)
+        assert text.startswith(TOOL_CALLS_START)
+        calls = parse_tool_calls(text[len(TOOL_CALLS_START):])
+        assert calls
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+        done += 1
+    assert done >= 5
+
+
+@pytest.mark.parametrize("tools", [[], [{"name": "f", "parameters": {"type": "object", "anyOf": [{}]}}],
+                                   [{"name": "f", "parameters": {"type": "array"}}],
+                                   [{"name": "f", "parameters": {"properties": {"a": {"type": "strin"}}}}],
+                                   [{"name": "f", "parameters": {"required": ["a"], "additionalProperties": False}}],
+                                   [{"name": 'f"', "parameters": {}}]])
+def test_tools_the_grammar_cannot_enforce_are_refused(tools):
+    from ds4lib.engine import ToolCallFormat
+    with pytest.raises(GrammarError):
+        ToolCallFormat.from_tools(tools)
+
+
+def test_a_forced_call_may_follow_free_reasoning(constrainer, tokenizer):
+    from ds4lib.engine import ToolCallFormat
+    c = constrainer.start(ToolCallFormat.from_tools([CLOCK], after_token=END_THINK))
+    assert _feed(c, tokenizer, "thinking about <｜DSML｜invoke") is None and not c.started
+    c.advance(END_THINK)
+    assert _feed(c, tokenizer, _block([_call("get_time")])) is None and c.finished

@@ -94,6 +94,23 @@ def live_server(tiny_stack, tmp_path_factory):
     assert rc == 0, f"ds4-server exited with {rc} on SIGTERM:\n{log.read_text()}"
 
 
+@pytest.fixture(scope="module")
+def shipped_app():
+    """The shipped ds4-tiny ① base served in-process (server.create_app, model name "ds4"), once healthy; its worker
+    stops after the module."""
+    from ds4lib.engine import Engine
+    from server import create_app
+    engine = Engine(ROOT / "models" / "ds4-tiny-base.gguf", engram_dir=ROOT / "models" / "ds4-tiny")
+    app = create_app(engine, model_name="ds4")
+    c = app.test_client()
+    deadline = time.monotonic() + 30
+    while c.get("/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    yield app
+    app.extensions["ds4"].worker.stop(timeout=5)
+
+
 @pytest.fixture(scope="session")
 def openai_client(live_server):
     import openai

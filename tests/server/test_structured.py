@@ -6,16 +6,10 @@ for bad or unsupported formats, and a request without response_format unchanged.
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from ds4lib.engine import Engine
-from server import create_app
-
-ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "Give the capital of France as JSON."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -24,16 +18,8 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema"
 
 
 @pytest.fixture(scope="module")
-def app():
-    engine = Engine(ROOT / "models" / "ds4-tiny-base.gguf", engram_dir=ROOT / "models" / "ds4-tiny")
-    app = create_app(engine, model_name="ds4")
-    c = app.test_client()
-    deadline = time.monotonic() + 30
-    while c.get("/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield app
-    app.extensions["ds4"].worker.stop(timeout=5)
+def app(shipped_app):
+    return shipped_app
 
 
 @pytest.fixture(scope="module")

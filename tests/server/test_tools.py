@@ -108,7 +108,13 @@ def test_request_forms():
     assert an.messages[1]["tool_calls"] == [dict(CALL, id="t1")]
     assert an.messages[2:] == ({"role": "tool", "tool_call_id": "t1", "content": "sunny"},
                                {"role": "user", "content": "thanks"})
-    for bad in ({"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "x"}}},
+    forced = parse_chat({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function",
+                                                                                    "function": TOOL}],
+                         "tool_choice": "required"})
+    assert forced.tools == (TOOL,) and forced.tool_format is not None and oa.tool_format is None
+    assert parse_messages({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}], "tools": [
+        {"name": "get_weather", "input_schema": TOOL["parameters"]}], "tool_choice": {"type": "any"}}).tool_format
+    for bad in ({"tool_choice": "bogus"}, {"tool_choice": {"type": "function", "function": {"name": "x"}}},
                 {"tools": [{"type": "function", "function": dict(TOOL, name="bad name")}]},
                 {"tools": [{"type": "function", "function": TOOL}] * 2}, {"tools": [{"type": "web_search"}]}):
         with pytest.raises(RequestError):
@@ -116,7 +122,8 @@ def test_request_forms():
                         "tools": [{"type": "function", "function": TOOL}], **bad})
     with pytest.raises(RequestError):
         parse_messages({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-                        "tools": [TOOL], "tool_choice": {"type": "any"}})
+                        "tools": [{"name": "get_weather", "input_schema": TOOL["parameters"]}],
+                        "tool_choice": {"type": "tool", "name": "x"}})
 
 
 # ---------------------------------------------------------------------------------------------- through the SDKs
