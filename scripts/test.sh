@@ -26,6 +26,10 @@ fi
 # (tests/shards.py balances them with tests/shard_weights.tsv). Shard 0 prints as it runs, the others' output
 # follows when they end; each has its own temporary directory, and only shard 0 keeps pytest's cache.
 n=${DS4_TEST_SHARDS:-2}
+# One OpenBLAS thread a shard: its idle threads spin, and two shards of two threads each on two cores ran the CPU
+# engine's tests 3.7x slower (two processes of the forced-tool server tests side by side: 113 s; with one OpenBLAS
+# thread each 30 s; with OMP_WAIT_POLICY=PASSIVE alone 132 s)
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 work=$(mktemp -d)
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
