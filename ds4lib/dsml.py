@@ -58,6 +58,12 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 
 _INVOKE_RE = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n(.*?)\n?{re.escape(_INVOKE_END)}', re.S)
 _PARAM_RE = re.compile(rf'<{DSML}parameter name="([^"\n]*)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
+_INVOKE_HEAD = re.compile(rf'<{DSML}invoke name="([^"\n]*)">\n')
+_PARAM_HEAD = re.compile(rf'\s*<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
+_INVOKE_TAIL = re.compile(rf'\s*{re.escape(_INVOKE_END)}')
+_PARAM_END = f"</{DSML}parameter>"
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
 
 
 class ToolCallError(ValueError):
@@ -98,19 +104,81 @@ def render_tool_result(content: str) -> list:
     return [("<tool_result>", True), (content, False), ("</tool_result>", True)]
 
 
+_CUT = "cut"
+
+
+def _cut_at(block: str, pos: int) -> bool:
+    """Whether the text from `pos` on is the start of a parameter line or of the invoke's closing tag (or nothing)."""
+    rest = block[pos:].lstrip()
+    param = f"<{DSML}parameter"
+    return param.startswith(rest) or _INVOKE_END.startswith(rest) or (rest.startswith(param) and ">" not in rest)
+
+
+def _scan_invoke(block: str, pos: int):
+    """The invoke whose parameter lines start at `pos`, read in order: (arguments, end) when its closing tag follows
+    them; _CUT where the text ends first; None for lines this reader does not follow. A string="false" value is read
+    as one JSON value (so a closing tag inside a JSON string stays in the value) that the parameter's closing tag must
+    follow; a string="true" value ends at the first closing tag."""
+    args = {}
+    while True:
+        tail = _INVOKE_TAIL.match(block, pos)
+        if tail:
+            return args, tail.end()
+        head = _PARAM_HEAD.match(block, pos)
+        if not head:
+            return _CUT if _cut_at(block, pos) else None
+        name, pos = head.group(1), head.end()
+        end = block.find(_PARAM_END, pos)
+        if end < 0:
+            return _CUT
+        if head.group(2) == "false":
+            try:
+                value, stop = _DECODER.raw_decode(block, _SPACE.match(block, pos).end())
+            except json.JSONDecodeError as e:
+                if e.pos >= len(block) or e.msg.startswith("Unterminated string"):
+                    return _CUT                            # the JSON value runs to the end of the text
+                stop = -1
+            if stop >= 0 and block.startswith(_PARAM_END, stop):
+                args[name], pos = value, stop + len(_PARAM_END)
+                continue
+            if stop >= 0 and _PARAM_END.startswith(block[stop:]):
+                return _CUT                                # the closing tag is still to come
+        text = block[pos:end]
+        if head.group(2) == "false":                 # not one JSON value: kept as its text (json.loads's verdict)
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError:
+                pass
+        args[name], pos = text, end + len(_PARAM_END)
+
+
 def parse_tool_calls(block: str) -> list:
     """The complete invokes of a generated call block (the text after TOOL_CALLS_START), in order, as
-    [{"name", "arguments"}]. A parameter with string="false" whose value is not JSON is kept as a string."""
-    calls = []
-    for m in _INVOKE_RE.finditer(block):
-        args = {}
-        for name, is_str, value in _PARAM_RE.findall(m.group(2)):
-            if is_str == "true":
-                args[name] = value
-            else:
-                try:
-                    args[name] = json.loads(value)
-                except json.JSONDecodeError:
+    [{"name", "arguments"}]. A parameter with string="false" whose value is not JSON is kept as a string. An invoke
+    is read line by line (`_scan_invoke`: a JSON value may hold any text, closing tags included); one that reader
+    cannot follow falls back to tags found by pattern (the first closing tags end the call and its values)."""
+    calls, pos = [], 0
+    while True:
+        head = _INVOKE_HEAD.search(block, pos)
+        if not head:
+            return calls
+        scanned = _scan_invoke(block, head.end())
+        if scanned is _CUT:
+            return calls
+        if scanned is not None:
+            args, pos = scanned
+        else:
+            m = _INVOKE_RE.match(block, head.start())
+            if not m:
+                return calls
+            args = {}
+            for name, is_str, value in _PARAM_RE.findall(m.group(2)):
+                if is_str == "true":
                     args[name] = value
-        calls.append({"name": m.group(1), "arguments": _json(args)})
-    return calls
+                else:
+                    try:
+                        args[name] = json.loads(value)
+                    except json.JSONDecodeError:
+                        args[name] = value
+            pos = m.end()
+        calls.append({"name": head.group(1), "arguments": _json(args)})

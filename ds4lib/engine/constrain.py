@@ -31,8 +31,8 @@ Rules:
   back). Every other property is written string="false" as JSON valid under its sub-schema (the parameters'
   `$defs` / `definitions` come along); one whose values are all strings (`enum` / `const`) may also be written raw,
   as `render_tool_calls` and the official encoder write any string. Parameter keywords the grammar cannot
-  enforce (`anyOf`, `minProperties`, ... on the parameters object) are refused, not ignored. Known gap: a
-  string="false" JSON value may hold a closing tag inside a JSON string, which `parse_tool_calls` would cut.
+  enforce (`anyOf`, `minProperties`, ... on the parameters object) are refused, not ignored. A string="false" JSON
+  value may hold a closing tag inside a JSON string: `parse_tool_calls` reads such a value as one JSON value.
 
 Does not own: drawing a token under the mask (ds4lib.ref.sampling, kernels.sampling), the generation loop
 (engine.py), the APIs' response_format and tool_choice (server/output_formats.py, server/tool_schemas.py), the DSML

@@ -205,3 +205,24 @@ def test_anthropic_sdk_tool_use(tool_server):
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
     client.messages.create(model="ds4-test", messages=follow, tools=AN_TOOLS, max_tokens=3)
     assert prompts[-1].endswith(f"{EOS}{USER}<tool_result>sunny</tool_result>{ASSISTANT}{END_THINK}")
+
+
+def test_json_values_holding_closing_tags_parse_back_and_every_prefix_parses_to_a_prefix():
+    """A string="false" value is read as one JSON value, so closing tags inside its JSON strings stay in it (the
+    forced-call grammar allows them); a cut text gives the calls complete before the cut, never a wrong one."""
+    from ds4lib.dsml import parse_tool_calls
+    calls = [{"name": "f", "arguments": json.dumps({"a": "x", "b": [f"</{D}parameter>", f"\n</{D}invoke>"], "c": 3})},
+             {"name": "g", "arguments": json.dumps({"s": f'say "</{D}invoke>"', "n": {"k": f"</{D}parameter>"}})},
+             CALL]
+    block = "".join(t for t, _ in render_tool_calls(calls))[len(TOOL_CALLS_START):]
+
+    def parsed(text):
+        return [(c["name"], json.loads(c["arguments"])) for c in parse_tool_calls(text)]
+    want = [(c["name"], json.loads(c["arguments"])) for c in calls]
+    assert parsed(block) == want
+    for i in range(len(block)):
+        got = parsed(block[:i])
+        assert got == want[:len(got)], i
+    # lines the reader does not follow fall back to the tags found by pattern
+    sloppy = f'<{D}invoke name="f">\nnoise <{D}parameter name="a" string="false">1</{D}parameter>\n</{D}invoke>'
+    assert parsed(sloppy) == [("f", {"a": 1})]
