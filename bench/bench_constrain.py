@@ -1,6 +1,7 @@
 """Per-step cost of constrained decoding (ds4lib.engine.constrain): llguidance's token mask and advance over the
-ds4-tiny tokenizer (data/tokenizer/tokenizer.json, 8,192 ids), stepping through fixed JSON documents token by token,
-next to the CPU sampler's own cost with and without the mask. One JSON line per measurement.
+ds4-tiny tokenizer (data/tokenizer/tokenizer.json, 8,192 ids), stepping through fixed JSON documents and a forced tool
+call's DSML block token by token, next to the CPU sampler's own cost with and without the mask. One JSON line per
+measurement.
 
     python bench/bench_constrain.py [--reps 5]
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from ds4lib.engine.constrain import Constrainer, JsonFormat
+from ds4lib.dsml import render_tool_calls
+from ds4lib.engine.constrain import Constrainer, JsonFormat, ToolCallFormat
 from ds4lib.ref.sampling import sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,19 @@ ORDER = {"type": "object", "properties": {
     "paid": {"type": "boolean"}}, "required": ["id", "customer", "items", "paid"], "additionalProperties": False}
 DOC = ('{"id": "ABC-1234", "customer": {"name": "Ada Lovelace", "email": "ada@example.org"}, "items": '
        '[{"sku": "ledger-01", "qty": 2, "price": 19.5}, {"sku": "pen", "qty": 10, "price": 1.25}], "paid": true}')
-CASES = {"json_object": ({"type": "object"}, DOC), "order_schema": (ORDER, DOC)}
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}, "hourly": {"type": "boolean"}}, "required": ["city"]}}
+CALLS = [{"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c", "days": 3})},
+         {"name": "place_order", "arguments": json.dumps(json.loads(DOC))}]
+# the order as a tool's parameters, its id a plain string: written raw, as the official encoder writes any string (a
+# string with a pattern is written as JSON under the forced-call grammar)
+ORDER_TOOL = {"name": "place_order",
+              "parameters": {**ORDER, "properties": {**ORDER["properties"], "id": {"type": "string"}}}}
+CASES = {"json_object": (lambda: JsonFormat.from_schema({"type": "object"}), DOC),
+         "order_schema": (lambda: JsonFormat.from_schema(ORDER), DOC),
+         "forced_call": (lambda: ToolCallFormat.from_tools([WEATHER, ORDER_TOOL]),
+                         "".join(text for text, _ in render_tool_calls(CALLS)))}
 
 
 def _steps(constrainer, fmt, ids):
@@ -65,9 +79,9 @@ def main():
     constrainer.start(JsonFormat.from_schema({"type": "object"}))
     print(json.dumps({"what": "llguidance tokenizer + first matcher", "vocab": V,
                       "ms": round((time.perf_counter() - t0) * 1e3, 1)}))
-    for name, (schema, doc) in CASES.items():
+    for name, (make, doc) in CASES.items():
         t0 = time.perf_counter()
-        fmt = JsonFormat.from_schema(schema)
+        fmt = make()
         t_compile = time.perf_counter() - t0
         t0 = time.perf_counter()
         constrainer.start(fmt)
