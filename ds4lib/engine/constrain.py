@@ -29,10 +29,12 @@ Rules:
   property whose schema is a plain string (annotations aside) is written raw, string="true", with any text but the
   closing tags `</｜DSML｜parameter>` and `</｜DSML｜invoke>` (they would end the value or the call when it is read
   back). Every other property is written string="false" as JSON valid under its sub-schema (the parameters'
-  `$defs` / `definitions` come along); one whose values are all strings (`enum` / `const`) may also be written raw,
-  as `render_tool_calls` and the official encoder write any string. Parameter keywords the grammar cannot
-  enforce (`anyOf`, `minProperties`, ... on the parameters object) are refused, not ignored. A string="false" JSON
-  value may hold a closing tag inside a JSON string: `parse_tool_calls` reads such a value as one JSON value.
+  `$defs` / `definitions` come along); one whose values are all strings (`enum` / `const`), or a string with an
+  anchored `pattern` ("^...$", no top-level |) and / or `minLength` / `maxLength`, may also be written raw, held to
+  the same values, as `render_tool_calls` and the official encoder write any string. Parameter keywords the
+  grammar cannot enforce (`anyOf`, `minProperties`, ... on the parameters object) are refused, not ignored. A
+  string="false" JSON value may hold a closing tag inside a JSON string: `parse_tool_calls` reads such a value as
+  one JSON value.
 
 Does not own: drawing a token under the mask (ds4lib.ref.sampling, kernels.sampling), the generation loop
 (engine.py), the APIs' response_format and tool_choice (server/output_formats.py, server/tool_schemas.py), the DSML
@@ -125,6 +127,61 @@ def _raw_choices(schema) -> list:
     return [v for v in dict.fromkeys(values) if _PARAM_CLOSE not in v and _INVOKE_CLOSE not in v]
 
 
+def _anchored_body(pattern: str) -> str | None:
+    """The body of a pattern anchored at both ends ("^...$", no other anchor, no top-level alternation), as a Lark
+    regex body (slashes escaped), else None: only such a pattern says the same of raw text as of a JSON string."""
+    if not (isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$") and len(pattern) >= 2):
+        return None
+    body, depth, i = pattern[1:-1], 0, 0
+    if body.endswith("\\") and (len(body) - len(body.rstrip("\\"))) % 2:
+        return None                                   # the final $ was escaped
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "[":                                 # a class: skip to its end
+            j = i + 1 + (body[i + 1:i + 2] == "]")
+            while j < len(body) and body[j] != "]":
+                j += 2 if body[j] == "\\" else 1
+            i = j + 1
+            continue
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch in "^$" or (ch == "|" and depth == 0) or depth < 0:
+            return None
+        i += 1
+    return body.replace("/", "\\/") if depth == 0 else None
+
+
+def _raw_terminal(schema) -> str | None:
+    """A Lark terminal body for a string schema's raw value with its closing tag, when the schema is a string with
+    only `pattern` (anchored: _anchored_body) and / or `minLength` / `maxLength` besides annotations; else None."""
+    if not isinstance(schema, dict) or schema.get("type") != "string":
+        return None
+    keys = set(schema) - _ANNOTATIONS - {"type"}
+    if not keys or not keys <= {"pattern", "minLength", "maxLength"}:
+        return None
+    close = f"<\\/{DSML}parameter>"
+    parts = []
+    if "pattern" in keys:
+        body = _anchored_body(schema["pattern"])
+        if body is None:
+            return None
+        parts.append(f"/(?:{body}){close}/")              # "." keeps ECMA-262's meaning: not a newline
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    if not (isinstance(lo, int) and lo >= 0 and (hi is None or isinstance(hi, int) and hi >= lo)):
+        return None
+    if keys & {"minLength", "maxLength"}:
+        parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}}){close}/")
+    terminal = " & ".join(parts + [f"~/(?s:.*){close}(?s:.+)/", f"~/(?s:.*)<\\/{DSML}invoke>(?s:.*)/"])
+    try:                                              # a pattern llguidance's regex cannot read: JSON only
+        err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(
+            f"start: RAW\nRAW: {terminal}\n"))
+    except ValueError:
+        return None
+    return None if err else terminal
+
+
 class _ToolGrammar:
     """Accumulates the Lark rules of a call block (ToolCallFormat.from_tools)."""
 
@@ -140,6 +197,11 @@ class _ToolGrammar:
             raise GrammarError(f"{where}: a property schema is an object or a boolean, got {type(schema).__name__}")
         choices = _raw_choices(schema)
         alts = [f"{_TRUE} ({' | '.join(_lit(v + _PARAM_CLOSE) for v in choices)})"] if choices else []
+        raw = _raw_terminal(schema)
+        if raw is not None:                           # a constrained string: raw too, as the encoder writes it
+            name = f"RAW_{rule.upper()}"
+            self.rules.append(f"{name}: {raw}")
+            alts.append(f"{_TRUE} {name}")
         sub = {} if schema is True else dict(schema)
         for key, value in defs.items():
             sub.setdefault(key, value)

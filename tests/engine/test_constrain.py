@@ -173,6 +173,9 @@ LOOSE = {"name": "loose", "parameters": {"type": "object", "properties": {"a": {
                                                                           "b": {"type": "array",
                                                                                 "items": {"$ref": "#/$defs/n"}}},
                                          "$defs": {"n": {"type": "number"}}}}
+ORDER_ID = {"name": "order", "parameters": {"type": "object", "properties": {
+    "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "note": {"type": "string", "maxLength": 5},
+    "tag": {"type": "string", "pattern": "^a|b$"}}, "required": ["id"]}}
 
 
 def _call(name, **args):
@@ -259,7 +262,7 @@ def test_every_allowed_text_reads_back_as_a_valid_call(constrainer, tokenizer):
 
     from ds4lib.dsml import TOOL_CALLS_START, parse_tool_calls
     from ds4lib.engine import ToolCallFormat
-    tools = [WEATHER, CLOCK, LOOSE]
+    tools = [WEATHER, CLOCK, LOOSE, ORDER_ID]
     schemas = {t["name"]: t.get("parameters", {}) for t in tools}
     fmt = ToolCallFormat.from_tools(tools)
     rng = np.random.default_rng(0)
@@ -302,3 +305,20 @@ def test_a_forced_call_may_follow_free_reasoning(constrainer, tokenizer):
     assert _feed(c, tokenizer, "thinking about <｜DSML｜invoke") is None and not c.started
     c.advance(END_THINK)
     assert _feed(c, tokenizer, _block([_call("get_time")])) is None and c.finished
+
+
+
+def test_constrained_strings_may_be_written_raw_as_the_encoder_writes_them(constrainer, tokenizer):
+    """A string with an anchored pattern and / or length limits is allowed raw (string="true", as render_tool_calls
+    and the official encoder write every string) and as JSON; raw text outside the pattern or the length is refused;
+    a pattern the raw form cannot say the same of (unanchored, top-level |) stays JSON only."""
+    from ds4lib.engine import ToolCallFormat
+    fmt = ToolCallFormat.from_tools([ORDER_ID])
+    c = constrainer.start(fmt)
+    assert _feed(c, tokenizer, _block([_call("order", id="ABC-1234", note="hi")])) is None and c.finished
+    as_json = _block([_call("order", id="ABC-1234")]).replace('string="true">ABC-1234', 'string="false">"ABC-1234"')
+    c = constrainer.start(fmt)
+    assert _feed(c, tokenizer, as_json) is None and c.finished
+    _refused_at(constrainer, tokenizer, fmt, _block([_call("order", id="AB-1234")]), "-1234")
+    _refused_at(constrainer, tokenizer, fmt, _block([_call("order", id="ABC-1234", note="toolong")]), "ng<")
+    _refused_at(constrainer, tokenizer, fmt, _block([_call("order", id="ABC-1234", tag="a")]), 'true">a', last=True)
