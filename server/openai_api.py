@@ -3,8 +3,10 @@
 Owns: the JSON a finished job becomes (`chat_body`, `completion_body`, `responses_body`) and the event
 sequences of a streamed job (`chat_stream`, `completion_stream`, `responses_stream`), including usage
 (stream_options.include_usage; the responses API always reports it in response.completed) and reasoning kept
-apart from the answer (`reasoning_content`; a `reasoning` output item with reasoning_text). Error body:
-{"error": {"message", "type", "param", "code"}}.
+apart from the answer (`reasoning_content`; a `reasoning` output item with reasoning_text), and generated tool calls
+(`tool_calls`; responses: `function_call` output items after the message, streamed as output_item.added,
+function_call_arguments.delta / .done and output_item.done). Error body: {"error": {"message", "type", "param",
+"code"}}.
 
 Does not own: validation (schemas.py) or generation (worker.py).
 """
@@ -146,8 +148,10 @@ def _response(req, job, model: str, *, status: str, output: list, done: dict | N
             "model": model, "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.extras.get("instructions"), "max_output_tokens": job.params.max_tokens,
-            "metadata": req.extras.get("metadata", {}), "parallel_tool_calls": False, "temperature": s.temperature,
-            "top_p": s.top_p, "tool_choice": "auto", "tools": [], "store": False, "background": False,
+            "metadata": req.extras.get("metadata", {}), "temperature": s.temperature, "top_p": s.top_p,
+            "parallel_tool_calls": req.extras.get("parallel_tool_calls", True),
+            "tool_choice": req.extras.get("tool_choice", "auto"), "tools": req.extras.get("tools", []),
+            "store": False, "background": False,
             "text": {"format": req.extras.get("text_format", {"type": "text"})},
             "reasoning": {"effort": req.extras.get("effort"), "summary": None},
             "usage": _response_usage(job, done) if done else None}
@@ -164,11 +168,21 @@ def _message_item(job, text: str, status: str) -> dict:
     return {"id": f"msg_{job.id}", "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def _call_item(job, call: dict, i: int, status: str) -> dict:
+    return {"id": f"fc_{job.id}_{i}", "type": "function_call", "call_id": _call_id(job, i), "name": call["name"],
+            "arguments": call["arguments"] if status != "in_progress" else "", "status": status}
+
+
 def responses_body(req, job, model: str, done: dict) -> dict:
+    """Output items: reasoning (thinking mode, or a stray think block), the message (left out when the reply is only
+    tool calls), then one function_call item per call."""
     reasoning, answer = parse_reply(done["text"], thinking=job.thinking_open)
+    content, calls = split_answer(answer) if req.tools else (answer, [])
     status = "incomplete" if done["finish_reason"] == "length" else "completed"
     output = ([_reasoning_item(job, reasoning, "completed")] if (req.thinking or reasoning) else [])
-    output.append(_message_item(job, answer, status))
+    if content or not calls:
+        output.append(_message_item(job, content, status))
+    output += [_call_item(job, c, i, "completed") for i, c in enumerate(calls)]
     return _response(req, job, model, status=status, output=output, done=done)
 
 
@@ -180,6 +194,7 @@ class _ResponsesEvents:
         self.seq = 0
         self.items = []                       # finished output items
         self.open = None                      # (kind, text so far) of the item being streamed
+        self.called = False                   # a function_call item was streamed
 
     def emit(self, kind: str, **fields) -> str:
         ev = {"type": kind, **fields, "sequence_number": self.seq}
@@ -216,6 +231,25 @@ class _ResponsesEvents:
             yield self.emit("response.output_text.delta", item_id=f"msg_{self.job.id}", output_index=idx,
                             content_index=0, delta=text, logprobs=[])
 
+    def call(self, call: dict):
+        """One function_call item: added (no arguments yet), its arguments as one delta, done."""
+        if self.open is not None:
+            yield from self.close("completed")
+        if self.req.thinking and not self.items:
+            yield from self.start(REASONING)           # as the non-streamed body: a reasoning item, maybe empty
+            yield from self.close("completed")
+        idx, i = len(self.items), call["index"]
+        item = _call_item(self.job, call, i, "in_progress")
+        yield self.emit("response.output_item.added", output_index=idx, item=item)
+        yield self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                        delta=call["arguments"])
+        yield self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                        arguments=call["arguments"])
+        item = _call_item(self.job, call, i, "completed")
+        yield self.emit("response.output_item.done", output_index=idx, item=item)
+        self.items.append(item)
+        self.called = True
+
     def close(self, status: str):
         kind, text = self.open
         idx, job = len(self.items), self.job
@@ -239,9 +273,12 @@ def responses_stream(req, job, model: str, disconnected):
     yield ev.emit("response.created", response=ev.response("in_progress"))
     yield ev.emit("response.in_progress", response=ev.response("in_progress"))
     try:
-        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open):
+        for kind, value in split_events(job.events_iter(disconnected), job.thinking_open, bool(req.tools)):
             if kind == KEEPALIVE:
                 yield SSE_KEEPALIVE
+                continue
+            if kind == TOOL_CALL:
+                yield from ev.call(value)
                 continue
             if kind != DONE:
                 yield from ev.delta(kind, value)
@@ -249,9 +286,10 @@ def responses_stream(req, job, model: str, disconnected):
             status = "incomplete" if value["finish_reason"] == "length" else "completed"
             if ev.open is not None and ev.open[0] != ANSWER:
                 yield from ev.close("completed")
-            if ev.open is None:
-                yield from ev.start(ANSWER)           # the answer item always exists, even when empty
-            yield from ev.close(status)
+            if ev.open is None and not ev.called:
+                yield from ev.start(ANSWER)           # the answer item exists, even when empty, unless calls replace it
+            if ev.open is not None:
+                yield from ev.close(status)
             yield ev.emit(f"response.{status}", response=ev.response(status, value))
     except JobError as e:
         yield ev.emit("error", code=e.code or ("server_error" if e.status >= 500 else "invalid_request_error"),

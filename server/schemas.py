@@ -4,13 +4,14 @@ messages and messages/count_tokens.
 Owns: the request dataclasses (`GenerationRequest`, `Sampling`) and their validation (field checks and
 `RequestError` in fields.py, tools and tool results in tool_schemas.py; re-exported here). A field
 of the wrong type or out of range is a 400; a field this server does not know is ignored, because the official
-SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (tools on
-/v1/responses, images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Tools (OpenAI
-function tools, Anthropic client tools), assistant tool calls and tool results are parsed into ds4lib.chat's message
-form; a forced tool choice becomes the grammar of a call block (`tool_format`, tool_schemas.py). Structured output
-(`response_format`, `text.format`, `output_config.format`) becomes a checked JSON Schema (output_formats.py); with
-tools in the same request (a forced choice included) it is a 400, since the grammar would forbid the tool-call
-markup. Also owns the resolution of thinking per request (docs/design.md §7:
+SDKs send fields a compatible server need not implement; a known feature this engine cannot honour (built-in
+tools, images, logprobs, n > 1, penalties) is a 400 that says so rather than a silent no-op. Tools (OpenAI
+function tools, nested on chat completions and flat on /v1/responses, Anthropic client tools), assistant tool calls
+(responses: function_call input items) and tool results (responses: function_call_output items) are parsed into
+ds4lib.chat's message form; a forced tool choice becomes the grammar of a call block (`tool_format`,
+tool_schemas.py). Structured output (`response_format`, `text.format`, `output_config.format`) becomes a checked
+JSON Schema (output_formats.py); with tools in the same request (a forced choice included) it is a 400, since the
+grammar would forbid the tool-call markup. Also owns the resolution of thinking per request (docs/design.md §7:
 non-thinking by default; `reasoning_effort`, `thinking: {"type": "enabled"}`, `think: true` or model
 `deepseek-reasoner` turn it on). `reasoning_effort` is mapped as the V4.1 release encoder's normalisation maps it:
 "none" is non-thinking; "low", "high" and "max" are the encoder's own levels (thinking, with the level's instruction
@@ -40,6 +41,9 @@ from server.tool_schemas import anthropic_tools as _anthropic_tools
 from server.tool_schemas import openai_tool_calls as _openai_tool_calls
 from server.tool_schemas import openai_tool_format as _openai_tool_format
 from server.tool_schemas import openai_tools as _openai_tools
+from server.tool_schemas import responses_tool_call as _responses_tool_call
+from server.tool_schemas import responses_tool_format as _responses_tool_format
+from server.tool_schemas import responses_tools as _responses_tools
 from server.tool_schemas import tool_result_text as _tool_result_text
 
 __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
@@ -264,6 +268,9 @@ def parse_completion(body) -> GenerationRequest:
 
 
 def _responses_input(raw, instructions: str | None) -> tuple:
+    """Input items -> chat messages. A `function_call` item is a call of an assistant turn: consecutive ones, and an
+    assistant message right before them, make one turn (a turn with no message gets empty content); a
+    `function_call_output` item is a tool result. A `reasoning` item goes to the assistant turn after it."""
     msgs = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(raw, str):
         return tuple(msgs + [{"role": "user", "content": raw}])
@@ -271,6 +278,7 @@ def _responses_input(raw, instructions: str | None) -> tuple:
         raise RequestError("'input' must be a string or a non-empty array of input items", param="input",
                            code="invalid_type")
     reasoning = ""
+    in_turn = False                                   # the last message is an assistant turn calls may join
     for i, item in enumerate(raw):
         w = f"input[{i}]"
         if not isinstance(item, dict):
@@ -278,40 +286,64 @@ def _responses_input(raw, instructions: str | None) -> tuple:
         kind = _get(item, "type", "string", "message", where=f"{w}.")
         if kind == "reasoning":
             reasoning += _text_parts(item.get("content"), f"{w}.content", ("reasoning_text",))
+            in_turn = in_turn and not reasoning
+            continue
+        if kind == "function_call":
+            call = _responses_tool_call(item, w)
+            if not in_turn:
+                msgs.append({"role": "assistant", "content": ""})
+                if reasoning:
+                    msgs[-1]["reasoning_content"], reasoning = reasoning, ""
+            msgs[-1].setdefault("tool_calls", []).append(call)
+            in_turn = True
+            continue
+        if kind == "function_call_output":
+            msgs.append({"role": "tool", "tool_call_id": _get(item, "call_id", "string", required=True, where=f"{w}."),
+                         "content": _text_parts(item.get("output"), f"{w}.output", ("input_text",))})
+            in_turn = False
             continue
         if kind != "message":
-            raise RequestError(f"input item type {kind!r} is not supported (messages only)", param=f"{w}.type",
-                               code="unsupported_value")
+            raise RequestError(f"input item type {kind!r} is not supported (message, reasoning, function_call and "
+                               f"function_call_output only)", param=f"{w}.type", code="unsupported_value")
         (msg,) = _openai_messages([{k: v for k, v in item.items() if k != "type"}], where=w)
         if msg["role"] == "assistant" and reasoning:
             msg["reasoning_content"], reasoning = reasoning, ""
         msgs.append(msg)
+        in_turn = msg["role"] == "assistant" and "tool_calls" not in msg
     return tuple(msgs)
 
 
+def _responses_echo(body: dict, tools: tuple) -> dict:
+    """What a response echoes of the request's tools: the function tools, tool_choice, parallel_tool_calls."""
+    strict = {t.get("name"): t.get("strict") for t in _get(body, "tools", "array") or [] if isinstance(t, dict)}
+    return {"tools": [dict(t, type="function", strict=strict.get(t["name"])) for t in tools],
+            "tool_choice": body.get("tool_choice") or "auto",
+            "parallel_tool_calls": _get(body, "parallel_tool_calls", "boolean", True)}
+
+
 def parse_responses(body) -> GenerationRequest:
-    """POST /v1/responses (stateless: previous_response_id is refused, nothing is stored)."""
+    """POST /v1/responses (stateless: previous_response_id is refused, nothing is stored). Function tools (flat
+    definitions), `tool_choice` (a forced choice is constrained as on chat completions) and `parallel_tool_calls`;
+    calls and results come back in `input` as function_call and function_call_output items."""
     body = _body(body)
     model = _get(body, "model", "string")
     _check_ignored(body, _IGNORED_OPENAI)
     if body.get("previous_response_id") is not None:
         raise RequestError("previous_response_id is not supported: this server stores no responses; send the "
                            "conversation in 'input'", param="previous_response_id", code="unsupported_value")
-    if _get(body, "tools", "array"):
-        raise RequestError("tools are not supported on /v1/responses yet: use /v1/chat/completions or /v1/messages",
-                           param="tools", code="unsupported_value")
+    tools = _responses_tools(body)
     reasoning = _get(body, "reasoning", "object") or {}
     effort = _get(reasoning, "effort", "string", where="reasoning.")
     instructions = _get(body, "instructions", "string")
     json_format, echo = responses_text_format(body)
     return GenerationRequest(
-        api="responses", model=model, messages=_responses_input(body.get("input"), instructions),
-        json_format=json_format,
+        api="responses", model=model, messages=_responses_input(body.get("input"), instructions), tools=tools,
+        json_format=_no_tools(json_format, tools, "text.format"), tool_format=_responses_tool_format(body, tools),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
         **_thinking_fields(body, model, effort=effort, effort_param="reasoning.effort"),
         stream=bool(_get(body, "stream", "boolean", False)),
         extras={"instructions": instructions, "effort": effort, "metadata": _get(body, "metadata", "object") or {},
-                "text_format": echo})
+                "text_format": echo, **_responses_echo(body, tools)})
 
 
 # ---------------------------------------------------------------------------------------------- Anthropic

@@ -1,5 +1,6 @@
 """Tool definitions, tool calls and tool results in requests: OpenAI function tools, assistant `tool_calls` and
-`tool_choice`; Anthropic client tools, `tool_result` content and `tool_choice`. All become ds4lib.chat's form:
+`tool_choice` (chat completions; /v1/responses: flat function tools, `function_call` input items, a flat named
+`tool_choice`); Anthropic client tools, `tool_result` content and `tool_choice`. All become ds4lib.chat's form:
 function definitions {"name", "description"?, "parameters"?} and calls {"id", "name", "arguments" (JSON object
 text)}. "none" leaves the tools out; "auto" lets the model choose. A forced choice (OpenAI "required" or a named
 function, Anthropic "any" or a named tool) becomes a ds4lib.engine.ToolCallFormat: the reply is then exactly a DSML
@@ -19,22 +20,25 @@ from ds4lib.engine import GrammarError, ToolCallFormat
 
 from server.fields import RequestError, get_field as _get, text_parts as _text_parts
 
-__all__ = ["openai_tools", "openai_tool_calls", "openai_tool_format", "anthropic_tools", "anthropic_tool_format",
-           "tool_result_text"]
+__all__ = ["openai_tools", "openai_tool_calls", "openai_tool_format", "responses_tools", "responses_tool_format",
+           "responses_tool_call", "anthropic_tools", "anthropic_tool_format", "tool_result_text"]
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
-def _openai_choice(choice):
-    """"auto" | "none" | "required" | {"type": "function", "function": {"name"}} -> (kind, name)."""
+def _openai_choice(choice, flat: bool = False):
+    """"auto" | "none" | "required" | {"type": "function", "function": {"name"}} (flat, the responses API:
+    {"type": "function", "name"}) -> (kind, name)."""
     if choice in (None, "auto", "none", "required"):
         return choice or "auto", None
     if isinstance(choice, dict) and choice.get("type") == "function":
+        if flat:
+            return "function", _get(choice, "name", "string", required=True, where="tool_choice.")
         fn = _get(choice, "function", "object", required=True, where="tool_choice.")
         return "function", _get(fn, "name", "string", required=True, where="tool_choice.function.")
-    raise RequestError(f"'tool_choice' {json.dumps(choice)[:60]} is not supported: auto, none, required or "
-                       f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param="tool_choice",
-                       code="unsupported_value")
+    shape = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+    raise RequestError(f"'tool_choice' {json.dumps(choice)[:60]} is not supported: auto, none, required or {shape}",
+                       param="tool_choice", code="unsupported_value")
 
 
 def _forced(tools: tuple, name: str | None, single: bool, param: str) -> ToolCallFormat:
@@ -100,6 +104,44 @@ def openai_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
         return None
     single = _get(body, "parallel_tool_calls", "boolean", True) is False
     return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.function.name")
+
+
+def responses_tools(body: dict) -> tuple:
+    """/v1/responses `tools`: flat function tools {"type": "function", "name", "description"?, "parameters"?,
+    "strict"?} (strict is accepted: a forced call is constrained anyway, an auto one never is)."""
+    tools = _get(body, "tools", "array")
+    kind, _ = _openai_choice(body.get("tool_choice"), flat=True)
+    if not tools or kind == "none":
+        return ()
+    out = []
+    for i, t in enumerate(tools):
+        w = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise RequestError(f"'{w}' must be a function tool ({{'type': 'function', 'name': ...}}); built-in "
+                               f"tools are not supported", param=w, code="unsupported_value")
+        _get(t, "strict", "boolean", where=f"{w}.")
+        out.append(_function(_get(t, "name", "string", required=True, where=f"{w}."),
+                             _get(t, "description", "string", where=f"{w}."),
+                             _get(t, "parameters", "object", where=f"{w}."), f"{w}.name"))
+    return _unique(out)
+
+
+def responses_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
+    """/v1/responses `tool_choice` "required" or {"type": "function", "name"} (with `parallel_tool_calls`) over
+    `responses_tools(body)`; None for auto and none."""
+    kind, name = _openai_choice(body.get("tool_choice"), flat=True)
+    if kind in ("auto", "none"):
+        return None
+    single = _get(body, "parallel_tool_calls", "boolean", True) is False
+    return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.name")
+
+
+def responses_tool_call(item: dict, where: str) -> dict:
+    """A `function_call` input item {"call_id", "name", "arguments"} -> a call {"id", "name", "arguments"}."""
+    args = _get(item, "arguments", "string", required=True, where=f"{where}.")
+    _json_object(args, f"{where}.arguments")
+    return {"id": _get(item, "call_id", "string", required=True, where=f"{where}."),
+            "name": _get(item, "name", "string", required=True, where=f"{where}."), "arguments": args}
 
 
 def openai_tool_calls(raw, where: str) -> list:

@@ -1,8 +1,8 @@
 """Forced tool calls through the server on the shipped ds4-tiny (CPU), in-process through the official SDKs over
-httpx's WSGI transport: OpenAI tool_choice required / named (parallel_tool_calls), Anthropic tool_choice any / tool
-(disable_parallel_tool_use), thinking mode (the call after </think>); every call names an allowed tool and its
-arguments validate; an unknown name and a forced choice with response_format are 400s in each API's shape; auto is
-unchanged (the tiny model answers in prose)."""
+httpx's WSGI transport: OpenAI tool_choice required / named (parallel_tool_calls; chat completions and responses,
+streamed too), Anthropic tool_choice any / tool (disable_parallel_tool_use), thinking mode (the call after
+</think>); every call names an allowed tool and its arguments validate; an unknown name and a forced choice with
+response_format are 400s in each API's shape; auto is unchanged (the tiny model answers in prose)."""
 from __future__ import annotations
 
 import json
@@ -87,6 +87,55 @@ def test_anthropic_forced_tool_use(anthropic_sdk, choice, names):
     _check([(b.name, b.input) for b in r.content], names)
     if choice.get("disable_parallel_tool_use"):
         assert len(r.content) == 1
+
+
+RS_TOOLS = [dict(t, type="function") for t in (WEATHER, CLOCK)]
+
+
+def test_responses_forced_call(openai_sdk, http):
+    """/v1/responses: a named tool_choice makes a function_call output item (streamed: added, arguments delta and
+    done, item done, in order); sending it back with its output as input items is accepted."""
+    ask = dict(model="ds4", input="What time is it?", tools=RS_TOOLS, tool_choice={"type": "function",
+                                                                                 "name": "get_time"},
+               parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+    r = openai_sdk.responses.create(**ask)
+    assert r.status == "completed" and r.tool_choice.name == "get_time" and r.parallel_tool_calls is False
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]
+    (call,) = r.output
+    assert call.type == "function_call" and call.status == "completed" and call.name == "get_time"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    _check([(call.name, json.loads(call.arguments))], ("get_time",))
+    events = list(openai_sdk.responses.create(**ask, stream=True))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added, delta, done, item_done = events[2:6]
+    assert added.item.status == "in_progress" and added.item.arguments == "" and added.item.name == "get_time"
+    assert {added.output_index, delta.output_index, done.output_index, item_done.output_index} == {0}
+    assert delta.item_id == done.item_id == added.item.id == item_done.item.id
+    assert delta.delta == done.arguments == item_done.item.arguments == call.arguments       # greedy: the same call
+    assert item_done.item.status == "completed" and events[-1].response.output[0].arguments == call.arguments
+    follow = [{"role": "user", "content": "What time is it?"}, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}]
+    r2 = http.post("/v1/responses", json={"model": "ds4", "input": follow, "tools": RS_TOOLS, "max_output_tokens": 4,
+                                          "temperature": 0})
+    assert r2.status_code == 200, r2.json()
+    assert r2.json()["output"][-1]["type"] == "message"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": {"type": "function", "name": "get_wetter"}}, "tool_choice.name"),
+    ({"tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+])
+def test_responses_tool_refusals(http, body, param):
+    r = http.post("/v1/responses", json={"input": "hi", "tools": RS_TOOLS, "max_output_tokens": 4, **body})
+    assert r.status_code == 400, r.json()
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
 def test_thinking_reasons_freely_before_the_call(http, app, monkeypatch):

@@ -93,6 +93,95 @@ def test_message_shapes():
                           {"role": "assistant", "content": "a", "reasoning_content": "t"})
 
 
+FN = {"name": "get_weather", "description": "Weather.", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["unit"]}}
+RESP_TOOLS = [dict(FN, type="function", strict=True), {"type": "function", "name": "noop"}]
+ARGS = '{"unit": "c"}'
+
+
+def test_responses_tools_and_tool_choice():
+    r = parse_responses({"input": "hi", "tools": RESP_TOOLS})
+    assert r.tools == (FN, {"name": "noop"}) and r.tool_format is None
+    assert r.extras["tools"][0] == dict(FN, type="function", strict=True) and r.extras["tool_choice"] == "auto"
+    assert r.extras["parallel_tool_calls"] is True
+    assert parse_responses({"input": "hi", "tools": RESP_TOOLS, "tool_choice": "none"}).tools == ()
+    forced = parse_responses({"input": "hi", "tools": RESP_TOOLS, "tool_choice": "required"}).tool_format
+    named = parse_responses({"input": "hi", "tools": RESP_TOOLS, "parallel_tool_calls": False,
+                             "tool_choice": {"type": "function", "name": "noop"}})
+    assert forced is not None and '"get_weather' in forced.lark
+    assert '"noop' in named.tool_format.lark and "get_weather" not in named.tool_format.lark
+    assert named.extras["tool_choice"] == {"type": "function", "name": "noop"}
+    assert named.extras["parallel_tool_calls"] is False
+    # the same tool, nested for chat completions: the same function definition and the same forced grammar
+    chat = parse_chat({"messages": USER, "tools": [{"type": "function", "function": FN}], "tool_choice": "required"})
+    one = parse_responses({"input": "hi", "tools": [dict(FN, type="function")], "tool_choice": "required"})
+    assert chat.tools == one.tools and chat.tool_format == one.tool_format
+
+
+def test_responses_call_items_become_assistant_turns_and_tool_results():
+    r = parse_responses({"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": ARGS, "id": "fc_1",
+         "status": "completed"},
+        {"type": "function_call", "call_id": "c2", "name": "noop", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r2"}]},
+        {"type": "function_call", "call_id": "c3", "name": "noop", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": ""}], "tools": RESP_TOOLS})
+    assert r.messages == (
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "r", "tool_calls": [
+            {"id": "c1", "name": "get_weather", "arguments": ARGS}, {"id": "c2", "name": "noop", "arguments": "{}"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+        {"role": "assistant", "content": "", "reasoning_content": "r2", "tool_calls": [
+            {"id": "c3", "name": "noop", "arguments": "{}"}]},
+        {"role": "tool", "tool_call_id": "c3", "content": ""})
+    # a call after a tool result opens a new assistant turn; one after a user message too
+    r = parse_responses({"input": [{"role": "user", "content": "q"},
+                                   {"type": "function_call", "call_id": "a", "name": "noop", "arguments": "{}"}]})
+    assert r.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "name": "noop", "arguments": "{}"}]}
+
+
+CALL_ITEM = {"type": "function_call", "call_id": "c1", "name": "noop", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": FN}]}, "tools[0].name"),          # chat's nested shape
+    ({"tools": [dict(FN, type="function", name="bad name")]}, "tools[0].name"),
+    ({"tools": [dict(FN, type="function", strict="yes")]}, "tools[0].strict"),
+    ({"tools": [dict(FN, type="function", parameters=[])]}, "tools[0].parameters"),
+    ({"tools": "x"}, "tools"), ({"tools": RESP_TOOLS + RESP_TOOLS[:1]}, "tools"),
+    ({"tools": RESP_TOOLS, "tool_choice": {"type": "function", "name": "get_wetter"}}, "tool_choice.name"),
+    ({"tools": RESP_TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"tools": RESP_TOOLS, "tool_choice": {"type": "function", "function": {"name": "noop"}}}, "tool_choice.name"),
+    ({"tools": RESP_TOOLS, "tool_choice": "bogus"}, "tool_choice"),
+    ({"tools": RESP_TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": RESP_TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": RESP_TOOLS, "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": [dict(CALL_ITEM, arguments="[1]")]}, "input[0].arguments"),
+    ({"input": [dict(CALL_ITEM, arguments="{")]}, "input[0].arguments"),
+    ({"input": [dict(CALL_ITEM, arguments={})]}, "input[0].arguments"),
+    ({"input": [{k: v for k, v in CALL_ITEM.items() if k != "call_id"}]}, "input[0].call_id"),
+    ({"input": [{k: v for k, v in CALL_ITEM.items() if k != "name"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": 5}]}, "input[0].output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_image"}]}]},
+     "input[0].output[0].type"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+])
+def test_responses_tool_refusals(extra, param):
+    with pytest.raises(RequestError) as e:
+        parse_responses({"input": "hi", **extra})
+    assert e.value.status == 400 and e.value.param == param and e.value.message
+
+
 @pytest.mark.parametrize("body", [
     {"messages": USER, "temperature": True}, {"messages": USER, "top_k": 1.5}, {"messages": USER, "seed": "1"},
     {"messages": USER, "stream_options": []}, {"messages": USER, "temperature": 2.5},

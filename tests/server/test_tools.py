@@ -13,7 +13,7 @@ import pytest
 from ds4lib.chat import ASSISTANT, BOS, END_THINK, EOS, THINK, USER, ChatError, render_chat, split_answer
 from ds4lib.dsml import TOOL_CALLS_START, render_tool_calls, render_tools
 from server.reply import split_events
-from server.schemas import RequestError, parse_chat, parse_messages
+from server.schemas import RequestError, parse_chat, parse_messages, parse_responses
 
 D = "｜DSML｜"
 TOOL = {"name": "get_weather", "description": "Weather for a city.",
@@ -84,6 +84,38 @@ def test_streamed_calls_agree_with_the_parser(text, thinking):
         assert (got["reasoning"], got["answer"], got["tool_call"]) == (reasoning, content, calls), deltas
 
 
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("text", ["Sure." + CALL_TEXT, CALL_TEXT + CALL_TEXT[2:], "r</think>ok" + CALL_TEXT,
+                                  "r</think>" + CALL_TEXT, "</think>" + CALL_TEXT, "plain answer", ""])
+def test_responses_stream_ends_with_the_body(text, thinking):
+    """/v1/responses: the streamed events rebuild the non-streamed body's output items (message, function_call
+    items, the reasoning item in thinking mode), each item added and done at its own output_index."""
+    from types import SimpleNamespace
+
+    from server.openai_api import responses_body, responses_stream
+    req = parse_responses({"input": "q", "tools": [dict(TOOL, type="function")], "think": thinking})
+    done = {"type": "done", "finish_reason": "stop", "completion_tokens": 9, "reasoning_tokens": 0}
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 6)))
+    deltas = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    job = SimpleNamespace(id="j", created=1, thinking_open=thinking, prompt_tokens=3,
+                          params=SimpleNamespace(max_tokens=9),
+                          events_iter=lambda _: iter([{"type": "token", "text": d} for d in deltas] + [done]))
+    body = responses_body(req, job, "m", dict(done, text=text))
+    events = [json.loads(f.split("data: ", 1)[1]) for f in responses_stream(req, job, "m", None)]
+    assert events[-1]["type"] == "response.completed" and body["status"] == "completed"
+    assert events[-1]["response"]["output"] == body["output"]
+    opened = [(e["output_index"], e["item"]["id"]) for e in events if e["type"] == "response.output_item.added"]
+    closed = [(e["output_index"], e["item"]) for e in events if e["type"] == "response.output_item.done"]
+    assert opened == [(i, item["id"]) for i, item in enumerate(body["output"])] == [(i, c["id"]) for i, c in closed]
+    kinds = [o["type"] for o in body["output"]]
+    calls = [o for o in body["output"] if o["type"] == "function_call"]
+    assert kinds[:1] == ["reasoning"] if thinking else "reasoning" not in kinds
+    assert kinds[len(kinds) - len(calls):] == ["function_call"] * len(calls) and (calls or "message" in kinds)
+    args = {e["item_id"]: e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"}
+    assert args == {c["id"]: c["arguments"] for c in calls}
+
+
 def test_request_forms():
     oa = parse_chat({"messages": [{"role": "user", "content": "q"},
                                   {"role": "assistant", "content": None, "tool_calls": [
@@ -124,6 +156,29 @@ def test_request_forms():
         parse_messages({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
                         "tools": [{"name": "get_weather", "input_schema": TOOL["parameters"]}],
                         "tool_choice": {"type": "tool", "name": "x"}})
+
+
+def test_responses_round_trip_renders_as_the_chat_api():
+    """The same conversation (a call, its result, a follow-up) through /v1/chat/completions and /v1/responses: the
+    same messages and tools, so the same prompt."""
+    oa = parse_chat({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+                                  {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                                      {"id": "c1", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": CALL["arguments"]}}]},
+                                  {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                                  {"role": "user", "content": "thanks"}],
+                     "tools": [{"type": "function", "function": TOOL}]})
+    rs = parse_responses({"instructions": "S", "tools": [dict(TOOL, type="function")], "input": [
+        {"role": "user", "content": "q"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": CALL["arguments"]},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": [{"type": "input_text", "text": "thanks"}]}]})
+    assert rs.messages == oa.messages and rs.tools == oa.tools == (TOOL,)
+    prompt = render_chat(list(rs.messages), tools=list(rs.tools))
+    assert prompt == render_chat(list(oa.messages), tools=list(oa.tools))
+    assert prompt.endswith(f"Let me check.{CALL_TEXT}{EOS}{USER}<tool_result>sunny</tool_result>\n\nthanks{ASSISTANT}"
+                           f"{END_THINK}")
 
 
 # ---------------------------------------------------------------------------------------------- through the SDKs
@@ -183,6 +238,39 @@ def test_openai_sdk_tool_calls(tool_server):
     assert prompts[-1].endswith(f"{CALL_TEXT}{EOS}{USER}<tool_result>sunny, 21 C</tool_result>{ASSISTANT}"
                                 f"{END_THINK}")
     assert "Let me check." + CALL_TEXT in prompts[-1]
+
+
+@pytest.mark.slow
+def test_openai_sdk_responses_function_calls(tool_server):
+    """/v1/responses: prose then a call gives a message item then a function_call item, streamed in that order;
+    the call sent back as input items renders as the chat API's round trip."""
+    import openai
+    url, prompts = tool_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [dict(TOOL, type="function")]
+    r = client.responses.create(model="ds4-test", input="Weather in Paris?", tools=tools, max_output_tokens=200)
+    msg, call = r.output
+    assert r.status == "completed" and msg.type == "message" and msg.content[0].text == "Let me check."
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    assert "## Tools" in prompts[-1] and json.dumps(TOOL) in prompts[-1]
+    events = list(client.responses.create(model="ds4-test", input="Weather in Paris?", tools=tools,
+                                          max_output_tokens=200, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[-8:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.output_index, e.item.type) for e in added] == [(0, "message"), (1, "function_call")]
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == call.arguments and final.output[0].content[0].text == "Let me check."
+    follow = [{"role": "user", "content": "Weather in Paris?"}] + [o.model_dump(exclude_none=True) for o in r.output]
+    follow.append({"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"})
+    client.responses.create(model="ds4-test", input=follow, tools=tools, max_output_tokens=3)
+    assert prompts[-1].endswith(f"Let me check.{CALL_TEXT}{EOS}{USER}<tool_result>sunny, 21 C</tool_result>"
+                                f"{ASSISTANT}{END_THINK}")
 
 
 @pytest.mark.slow
