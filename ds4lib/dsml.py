@@ -107,6 +107,16 @@ def render_tool_result(content: str) -> list:
 _CUT = "cut"
 
 
+def _value(is_str: bool, text: str):
+    """A parameter's value from its text: as is with string="true", else JSON (kept as text when it is not JSON)."""
+    if not is_str:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return text
+
+
 def _cut_at(block: str, pos: int) -> bool:
     """Whether the text from `pos` on is the start of a parameter line or of the invoke's closing tag (or nothing)."""
     rest = block[pos:].lstrip()
@@ -143,13 +153,7 @@ def _scan_invoke(block: str, pos: int):
                 continue
             if stop >= 0 and _PARAM_END.startswith(block[stop:]):
                 return _CUT                                # the closing tag is still to come
-        text = block[pos:end]
-        if head.group(2) == "false":                 # not one JSON value: kept as its text (json.loads's verdict)
-            try:
-                text = json.loads(text)
-            except json.JSONDecodeError:
-                pass
-        args[name], pos = text, end + len(_PARAM_END)
+        args[name], pos = _value(head.group(2) == "true", block[pos:end]), end + len(_PARAM_END)
 
 
 def parse_tool_calls(block: str) -> list:
@@ -171,14 +175,6 @@ def parse_tool_calls(block: str) -> list:
             m = _INVOKE_RE.match(block, head.start())
             if not m:
                 return calls
-            args = {}
-            for name, is_str, value in _PARAM_RE.findall(m.group(2)):
-                if is_str == "true":
-                    args[name] = value
-                else:
-                    try:
-                        args[name] = json.loads(value)
-                    except json.JSONDecodeError:
-                        args[name] = value
+            args = {name: _value(is_str == "true", value) for name, is_str, value in _PARAM_RE.findall(m.group(2))}
             pos = m.end()
         calls.append({"name": head.group(1), "arguments": _json(args)})

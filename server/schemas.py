@@ -42,8 +42,6 @@ from server.tool_schemas import openai_tool_calls as _openai_tool_calls
 from server.tool_schemas import openai_tool_format as _openai_tool_format
 from server.tool_schemas import openai_tools as _openai_tools
 from server.tool_schemas import responses_tool_call as _responses_tool_call
-from server.tool_schemas import responses_tool_format as _responses_tool_format
-from server.tool_schemas import responses_tools as _responses_tools
 from server.tool_schemas import tool_result_text as _tool_result_text
 
 __all__ = ["RequestError", "Sampling", "GenerationRequest", "parse_chat", "parse_completion", "parse_responses",
@@ -331,14 +329,14 @@ def parse_responses(body) -> GenerationRequest:
     if body.get("previous_response_id") is not None:
         raise RequestError("previous_response_id is not supported: this server stores no responses; send the "
                            "conversation in 'input'", param="previous_response_id", code="unsupported_value")
-    tools = _responses_tools(body)
+    tools = _openai_tools(body, flat=True)
     reasoning = _get(body, "reasoning", "object") or {}
     effort = _get(reasoning, "effort", "string", where="reasoning.")
     instructions = _get(body, "instructions", "string")
     json_format, echo = responses_text_format(body)
     return GenerationRequest(
         api="responses", model=model, messages=_responses_input(body.get("input"), instructions), tools=tools,
-        json_format=_no_tools(json_format, tools, "text.format"), tool_format=_responses_tool_format(body, tools),
+        json_format=_no_tools(json_format, tools, "text.format"), tool_format=_openai_tool_format(body, tools, flat=True),
         sampling=_sampling(body, max_temperature=2.0, max_tokens_keys=("max_output_tokens",), stop_key="stop"),
         **_thinking_fields(body, model, effort=effort, effort_param="reasoning.effort"),
         stream=bool(_get(body, "stream", "boolean", False)),

@@ -20,8 +20,8 @@ from ds4lib.engine import GrammarError, ToolCallFormat
 
 from server.fields import RequestError, get_field as _get, text_parts as _text_parts
 
-__all__ = ["openai_tools", "openai_tool_calls", "openai_tool_format", "responses_tools", "responses_tool_format",
-           "responses_tool_call", "anthropic_tools", "anthropic_tool_format", "tool_result_text"]
+__all__ = ["openai_tools", "openai_tool_calls", "openai_tool_format", "responses_tool_call", "anthropic_tools",
+           "anthropic_tool_format", "tool_result_text"]
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -78,62 +78,41 @@ def _unique(tools: list) -> tuple:
     return tuple(tools)
 
 
-def openai_tools(body: dict) -> tuple:
+def openai_tools(body: dict, flat: bool = False) -> tuple:
+    """OpenAI function tools: nested {"type": "function", "function": {"name", "description"?, "parameters"?}} on chat
+    completions; flat {"type": "function", "name", "description"?, "parameters"?, "strict"?} on /v1/responses
+    (`flat`; strict is accepted: a forced call is constrained anyway, an auto one never is)."""
     tools = _get(body, "tools", "array")
-    kind, _ = _openai_choice(body.get("tool_choice"))
+    kind, _ = _openai_choice(body.get("tool_choice"), flat=flat)
     if not tools or kind == "none":
         return ()                                     # "none": the tools stay out of the prompt
+    shape = "{'type': 'function', 'name': ...}); built-in tools are not supported" if flat else \
+        "{'type': 'function', 'function': {...}})"
     out = []
     for i, t in enumerate(tools):
         w = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
-            raise RequestError(f"'{w}' must be a function tool ({{'type': 'function', 'function': {{...}}}})",
-                               param=w, code="unsupported_value")
-        fn = _get(t, "function", "object", required=True, where=f"{w}.")
-        out.append(_function(_get(fn, "name", "string", required=True, where=f"{w}.function."),
-                             _get(fn, "description", "string", where=f"{w}.function."),
-                             _get(fn, "parameters", "object", where=f"{w}.function."), f"{w}.function.name"))
+            raise RequestError(f"'{w}' must be a function tool ({shape}", param=w, code="unsupported_value")
+        if flat:
+            _get(t, "strict", "boolean", where=f"{w}.")
+            fn, at = t, f"{w}."
+        else:
+            fn, at = _get(t, "function", "object", required=True, where=f"{w}."), f"{w}.function."
+        out.append(_function(_get(fn, "name", "string", required=True, where=at),
+                             _get(fn, "description", "string", where=at),
+                             _get(fn, "parameters", "object", where=at), f"{at}name"))
     return _unique(out)
 
 
-def openai_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
-    """`tool_choice` "required" or a named function (with `parallel_tool_calls`) over `openai_tools(body)`; None
-    for auto and none."""
-    kind, name = _openai_choice(body.get("tool_choice"))
+def openai_tool_format(body: dict, tools: tuple, flat: bool = False) -> ToolCallFormat | None:
+    """`tool_choice` "required" or a named function (flat on /v1/responses: {"type": "function", "name"}), with
+    `parallel_tool_calls`, over `openai_tools(body, flat)`; None for auto and none."""
+    kind, name = _openai_choice(body.get("tool_choice"), flat=flat)
     if kind in ("auto", "none"):
         return None
     single = _get(body, "parallel_tool_calls", "boolean", True) is False
-    return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.function.name")
-
-
-def responses_tools(body: dict) -> tuple:
-    """/v1/responses `tools`: flat function tools {"type": "function", "name", "description"?, "parameters"?,
-    "strict"?} (strict is accepted: a forced call is constrained anyway, an auto one never is)."""
-    tools = _get(body, "tools", "array")
-    kind, _ = _openai_choice(body.get("tool_choice"), flat=True)
-    if not tools or kind == "none":
-        return ()
-    out = []
-    for i, t in enumerate(tools):
-        w = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise RequestError(f"'{w}' must be a function tool ({{'type': 'function', 'name': ...}}); built-in "
-                               f"tools are not supported", param=w, code="unsupported_value")
-        _get(t, "strict", "boolean", where=f"{w}.")
-        out.append(_function(_get(t, "name", "string", required=True, where=f"{w}."),
-                             _get(t, "description", "string", where=f"{w}."),
-                             _get(t, "parameters", "object", where=f"{w}."), f"{w}.name"))
-    return _unique(out)
-
-
-def responses_tool_format(body: dict, tools: tuple) -> ToolCallFormat | None:
-    """/v1/responses `tool_choice` "required" or {"type": "function", "name"} (with `parallel_tool_calls`) over
-    `responses_tools(body)`; None for auto and none."""
-    kind, name = _openai_choice(body.get("tool_choice"), flat=True)
-    if kind in ("auto", "none"):
-        return None
-    single = _get(body, "parallel_tool_calls", "boolean", True) is False
-    return _forced(tools, name, single, "tool_choice" if name is None else "tool_choice.name")
+    param = "tool_choice" if name is None else ("tool_choice.name" if flat else "tool_choice.function.name")
+    return _forced(tools, name, single, param)
 
 
 def responses_tool_call(item: dict, where: str) -> dict:

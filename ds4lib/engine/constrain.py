@@ -99,9 +99,11 @@ _PARAMETERS_KEYS = {"type", "properties", "required", "additionalProperties", "$
                     *_ANNOTATIONS}
 _PARAM_CLOSE = f"</{DSML}parameter>"
 _INVOKE_CLOSE = f"</{DSML}invoke>"
-# a raw string value with its closing tag: ends at the first `</｜DSML｜parameter>`, never holds `</｜DSML｜invoke>`
-_RAW_VALUE = (f"RAW_VALUE: /(?s:.*)<\\/{DSML}parameter>/ & ~/(?s:.*)<\\/{DSML}parameter>(?s:.+)/ "
-              f"& ~/(?s:.*)<\\/{DSML}invoke>(?s:.*)/")
+# a raw string value with its closing tag (Lark regexes): ends at the first `</｜DSML｜parameter>`, never holds
+# `</｜DSML｜invoke>`; a constrained string's terminal (_raw_terminal) adds its own pattern or lengths to the same
+_RAW_CLOSE = f"<\\/{DSML}parameter>"
+_RAW_ONLY = f"~/(?s:.*){_RAW_CLOSE}(?s:.+)/ & ~/(?s:.*)<\\/{DSML}invoke>(?s:.*)/"
+_RAW_VALUE = f"RAW_VALUE: /(?s:.*){_RAW_CLOSE}/ & {_RAW_ONLY}"
 
 
 def _lit(text: str) -> str:
@@ -161,19 +163,18 @@ def _raw_terminal(schema) -> str | None:
     keys = set(schema) - _ANNOTATIONS - {"type"}
     if not keys or not keys <= {"pattern", "minLength", "maxLength"}:
         return None
-    close = f"<\\/{DSML}parameter>"
     parts = []
     if "pattern" in keys:
         body = _anchored_body(schema["pattern"])
         if body is None:
             return None
-        parts.append(f"/(?:{body}){close}/")              # "." keeps ECMA-262's meaning: not a newline
+        parts.append(f"/(?:{body}){_RAW_CLOSE}/")              # "." keeps ECMA-262's meaning: not a newline
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
     if not (isinstance(lo, int) and lo >= 0 and (hi is None or isinstance(hi, int) and hi >= lo)):
         return None
     if keys & {"minLength", "maxLength"}:
-        parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}}){close}/")
-    terminal = " & ".join(parts + [f"~/(?s:.*){close}(?s:.+)/", f"~/(?s:.*)<\\/{DSML}invoke>(?s:.*)/"])
+        parts.append(f"/(?s:.{{{lo},{'' if hi is None else hi}}}){_RAW_CLOSE}/")
+    terminal = " & ".join(parts + [_RAW_ONLY])
     try:                                              # a pattern llguidance's regex cannot read: JSON only
         err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(
             f"start: RAW\nRAW: {terminal}\n"))
@@ -290,7 +291,8 @@ class ToolCallFormat:
             head = f'<{DSML}invoke name="{name}">\n'
             g.rules.append(f"t{t}_call: {_lit(head)}{end}{_lit(chr(10) + _INVOKE_CLOSE)}")
             first.append(f"t{t}_call")
-            if not single:                                  # a later call: a newline before its invoke
+            if not single:    # a later call: a newline before its invoke, in one literal (llguidance's lexer does not
+                              # take a lone newline before it apart from the block's closing newline)
                 g.rules.append(f"t{t}_next: {_lit(chr(10) + head)}{end}{_lit(chr(10) + _INVOKE_CLOSE)}")
                 following.append(f"t{t}_next")
         more = [] if single else [f"next_call: {' | '.join(following)}"]
