@@ -4,7 +4,12 @@ Owns `grid_entry_device()`: `griddepcontrol.wait` then `griddepcontrol.launch_de
 - The wait returns once every grid this one depends on through a programmatic graph edge has completed and its
   memory operations are visible; for a kernel launched with ordinary dependencies (eager launches, a default graph
   edge) it returns at once. Every kernel calls it before it touches global memory, so a kernel whose blocks start
-  early reads and writes nothing before its predecessor is done: the same bits as without the edge.
+  early reads and writes nothing before its predecessor is done: the same bits as without the edge. The one
+  exception is data no kernel of a step ever writes: the q4_K tensor-core GEMVs load their first weight words and
+  the VQ GEMV stages its codebook before the entry, so those reads overlap the predecessor's last blocks (−0.07 to
+  −0.10 ms a V4.1 token at 1k on an H100). A module lists such kernels in `EARLY_READS` {kernel: the parameters its
+  code before the entry may use}; tests/kernels/test_pdl.py holds that code to them, and the PTX test to no store
+  or atomic to global memory before the wait.
 - The trigger after it lets the grids that depend on this one through such an edge be launched once every block of
   this grid has passed its own wait (or exited), so that their blocks are resident and waiting, not yet launched,
   when this grid completes. Placed after the wait, it keeps at most one grid of a chain launched ahead: a grid

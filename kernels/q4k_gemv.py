@@ -43,6 +43,10 @@ same bits. With `norm` the path also applies an RMSNorm to x first (each block f
 kernels.rms_norm.row_scale_words_device, and norms what it stages): the bits of rms_norm(..., out_q=) then this GEMV,
 without the norm's launch (the engine's q latent into wq_b).
 
+Both tensor-core kernels load their first weight words (q4k_mma: the first super-block; q4k_imma: the first batch)
+before their grid entry (EARLY_WEIGHTS; kernels.pdl): weights are never written by a step's kernels, so inside a
+graph with programmatic edges those DRAM reads overlap the predecessor's end. The same loads, the same bits.
+
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
 IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row (16-row tiles that fill the GPU without a K split, rows
@@ -82,7 +86,8 @@ __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_imma_t1s_kernel",
            "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "im_stage_shapes",
            "im_stage_lane_device", "check_im_staged", "mma_splits", "mma_part_rows", "mma_part_bytes",
-           "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS"]
+           "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS",
+           "EARLY_READS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 LOAD4_ALIGN = None if SIM else 16                 # a shared array read by load4_device (LDS.128) starts 16-aligned
@@ -110,6 +115,9 @@ MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
 USE_IMMA = True                # other activations take the integer tensor-core path where im_fits (q4k_probe compares)
+EARLY_WEIGHTS = True           # the tensor-core kernels load their first weight words before the grid entry,
+EARLY_READS = {"q4k_mma_kernel": ("w1", "n_words", "sps"),       # reading only these parameters (and shapes)
+               "q4k_imma_kernel": ("w1", "n_words", "rows_per_group", "kx")}   # before it (kernels.pdl)
 
 
 @cuda.jit(device=True, inline=True)
@@ -575,9 +583,10 @@ def _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3,
             p[4 * c + 3] = _sub_block_term_device(ddb, dmb, d3, xsum[b1], scl[b1], p[4 * c + 3])
 
 
-def _make_mma_kernel(decode, min_blocks):
+def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
     """q4k_mma_kernel for one-token calls (`decode`: the batched branch compiled out, fewer registers) or any
-    token count; `min_blocks` resident blocks per SM bound its registers (launch_bounds)."""
+    token count; `min_blocks` resident blocks per SM bound its registers (launch_bounds); `early`: the first
+    super-block's weight words loaded before the grid entry."""
     jit = bounded_jit(MMA_WARPS * WARP, min_blocks)
 
     @jit
@@ -607,8 +616,8 @@ def _make_mma_kernel(decode, min_blocks):
         (kernels.rms_norm.row_scale_words_device: rms_norm_kernel's sum to the bit), while its first weight words are
         in flight, and the staging norms the values it stages (the same bits as launching rms_norm(..., out_q=)
         first and passing out_q as FP8-grid input, without that launch)."""
-        grid_entry_device()
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
+        early                      # (the same)
         codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -633,6 +642,9 @@ def _make_mma_kernel(decode, min_blocks):
         sb0 = sl * sps
         sb1 = min(nb, sb0 + sps)
         one = decode
+        if early:                  # weights are never written by a graph's kernels: their first words may be in
+            pre = _mma_words_device(w1, wa, wb, min(sb0, nb - 1), lw)   # flight while the predecessor finishes
+        grid_entry_device()
         p = cuda.local.array(16, np.float32)                  # [c][row g / g+8][column 2t / 2t+1]
         for t0 in range(0, n_tok, MMA_TOK):
             nt = min(MMA_TOK, n_tok - t0)
@@ -646,7 +658,11 @@ def _make_mma_kernel(decode, min_blocks):
                 p[i] = np.float32(0.0)
             for cb in range(sb0, sb1, csb):
                 ce = min(sb1, cb + csb)
-                (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb, lw)
+                if early and t0 == 0 and cb == sb0:
+                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = pre
+                else:
+                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb,
+                                                                                                     lw)
                 if norm and cb == sb0:                          # block-uniform: the pass's row scales, once
                     for r in range(nt):
                         sr = row_scale_words_device(x1, np.uint64((t0 + r) * kx // 2), kx, eps, nsh[r])
@@ -985,7 +1001,7 @@ def _im_copy_device(src, o, n4, dst):
         dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
 
 
-def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False):
+def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False, early=EARLY_WEIGHTS):
     """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
     `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
     registers (bench/dev/q4k_probe.py compares variants); `stage` (with decode): the output also staged for the next
@@ -1014,8 +1030,8 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         32 outputs, and the second of the two to finish (a ticket from pairs[i], kernels.ticket's pattern; put back
         to 0 by it) quantises the 32 values by act_quant_fp8's rule and stages them, one a lane of its first warp
         (im_stage_lane_device): the staging launch before that GEMV goes (wo_a's output for wo_b)."""
-        grid_entry_device()
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
+        early                      # (the same)
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
         red = cuda.shared.array((IM_WARPS, WARP), np.float32)
@@ -1036,6 +1052,10 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         sbe = sb0 + quarter                              # add exact zeros
         nblk = kx // 32
         p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
+        if early:                  # weights are never written by a graph's kernels: the first batch's words may be
+            pre0 = _im_words_device(w1, wa, wb, sb0, t, sb0 < sb1)       # in flight while the predecessor finishes
+            pre1 = _im_words_device(w1, wa, wb, sb0 + 1, t, sb0 + 1 < sb1)
+        grid_entry_device()
         if decode:                                       # the tile's hi / lo words and (p, X) pairs -> shared memory
             xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)   # read by 16-byte loads
             xp = cuda.shared.array(IM_SMEM_PS, np.float32)
@@ -1052,9 +1072,14 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
             pa = np.float32(0.0)
             pb = np.float32(0.0)
             for cb in range(sb0, sbe, batch):
-                (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _im_words_device(w1, wa, wb, cb, t, cb < sb1)
-                (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = _im_words_device(w1, wa, wb, cb + 1, t,
-                                                                                           cb + 1 < sb1)
+                if early and t0 == 0 and cb == sb0:
+                    (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = pre0
+                    (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = pre1
+                else:
+                    (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _im_words_device(w1, wa, wb, cb, t,
+                                                                                               cb < sb1)
+                    (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = _im_words_device(w1, wa, wb, cb + 1, t,
+                                                                                               cb + 1 < sb1)
                 if four:
                     (e2, qa20, qa21, qa22, qa23, qb20, qb21, qb22, qb23) = _im_words_device(w1, wa, wb, cb + 2, t,
                                                                                                cb + 2 < sb1)

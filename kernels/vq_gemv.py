@@ -57,7 +57,10 @@ of 16 with index 0 (whose products meet zero activation codes; NaN codes are ref
 no padding. A warp's work unit is (tile, matrix, RG_PER_UNIT consecutive row groups): their blocks are read in
 order, PREFETCH blocks ahead, and each step's activation loads serve every group of the unit. Units are dealt
 round-robin over the blocks (one persistent block of 16 warps per SM) in a fixed order: no atomics, no partial
-sums, no finishing kernel.
+sums, no finishing kernel. The codebook is staged before the grid entry (EARLY_READS; kernels.pdl): no
+step's kernel writes it. The grid takes as few blocks as give each warp at most one unit (V4.1 decode: 108 and 120
+of 132 SMs), which leaves SMs to the side stream's shared expert and mixes: dealing the units over every SM made the
+isolated call 2 us faster but the whole step 0.3 ms slower (BENCHMARKS.md, twenty-ninth session).
 
 Shapes: T tokens, K active experts per token, E experts, C codewords (2^bits), R rows, Kin inputs, J = Kin/8,
 S stream bytes per expert matrix, P plane bytes, n_pairs = T*K, D hidden, F expert width.
@@ -85,7 +88,7 @@ __all__ = ["vq_codebook", "vq_device_layout", "vq_plan", "vq_plan_buffers", "vq_
            "combine_group_device", "combine_slot_device", "VQPlan",
            "vq_plan_kernel", "vq_relayout_kernel", "vq_stage_kernel", "vq_stage_swiglu_kernel", "vq_gemv_kernel",
            "vq_gemv_wide_kernel",
-           "moe_combine_kernel", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
+           "moe_combine_kernel", "EARLY_READS", "mma_geometry", "device_stream_bytes", "scratch_bytes", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -98,6 +101,7 @@ SEG_CW = 16                     # codewords of a row in a device block (4 MMA st
 STEPS = SEG_CW // 4             # MMA steps of a block, 32 inputs each: one activation scale block
 PREFETCH = 2                    # blocks of each row group loaded ahead of the one being computed
 RG_PER_UNIT = 1                 # row groups a warp's unit takes (they share each step's activation loads)
+EARLY_READS = {"vq_gemv_kernel": ("cb_g",)}   # parameters read before the grid entry (kernels.pdl): the codebook
 WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
 THREADS = 32 if SIM else 512                    # GEMV: 16 warps, one block an SM (<= 128 registers: no spills)
 WIDE_THREADS = THREADS
@@ -607,12 +611,12 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
     @jit
     def vq_gemv_kernel(xh, scl1, n_cwp, x_div, pairs, tiles, n_tiles, cb_g, idx1, pl1, idx_words, plane_len,
                        has_plane, mat0, mat_step, n_mats, n_rows, n_rg, n_seg, gain_a, gain_b, scale, has_scale, out):
-        grid_entry_device()
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         cbs = cuda.shared.array(0, nb_uint64)                     # [C] codewords, 8 E4M3 codes each
         ex = cuda.shared.array((exw, WARP, MMA_EX_WORDS), np.uint32)
-        _stage_codebook_device(cbs, cb_g)
+        _stage_codebook_device(cbs, cb_g)         # before the entry: no step's kernel writes a codebook (EARLY_READS)
+        grid_entry_device()
         cuda.syncthreads()
         exl = ex[warp % exw]
         g = lane // 4

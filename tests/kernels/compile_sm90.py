@@ -145,16 +145,19 @@ def ptxas_resources(ptx, timeout=300):
 
 
 _MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local)", re.M)
+_WRITE_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:st|atom|red|cp\.async)\.(?!param|local|shared)", re.M)
 
 
-def entry_first(ptx):
+def entry_first(ptx, early=False):
     """Whether the kernel's PTX runs kernels.pdl's entry (the grid-dependency wait, then the trigger) before its
     first load, store or atomic (the entry block comes first in the text), parameter loads and a thread's own local
-    memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it)."""
+    memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it). `early` (a kernel
+    of a module's EARLY_READS, whose code above the entry reads weights only: tests/kernels/test_pdl.py): loads and
+    its own shared memory may come first, but no other store or atomic."""
     body = ptx[ptx.find(".entry"):]
     wait = body.find("griddepcontrol.wait;")
     trigger = body.find("griddepcontrol.launch_dependents;")
-    first = _MEMORY_OP.search(body)
+    first = (_WRITE_OP if early else _MEMORY_OP).search(body)
     return 0 <= wait < trigger and (first is None or trigger < first.start())
 
 
@@ -180,13 +183,15 @@ def _ptx_of(numba_cuda, fn, sig):
 
 
 def _compile_one(numba_cuda, mod_name, kname, sig, with_ptx=False):
-    fn = getattr(importlib.import_module(f"kernels.{mod_name}"), kname)
+    mod = importlib.import_module(f"kernels.{mod_name}")
+    fn = getattr(mod, kname)
+    early = fn.py_func.__name__ in getattr(mod, "EARLY_READS", {})
     try:
         ptx = _ptx_of(numba_cuda, fn, sig)
         ok = ".target sm_90" in ptx
         row = {"module": mod_name, "kernel": kname, "ok": ok, "ptx_bytes": len(ptx),
                "shfl": "shfl.sync" in ptx, "atom": "atom." in ptx, "mma": "mma.sync" in ptx,
-               "entry_first": entry_first(ptx)}
+               "entry_first": entry_first(ptx, early), "early": early}
         if with_ptx:
             row["ptx"] = ptx
         return row
