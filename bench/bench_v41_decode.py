@@ -346,12 +346,31 @@ def stream_timeline(events, steps, top=6):
                       for k, v in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
+def launch_shapes(events, steps, top=24):
+    """The kernels of a trace's device events split by launch shape, the largest device time first: [[kernel, grid,
+    block, µs per step, launches per step, µs a launch], ...] (grid and block as "x,y,z" from the events' args). One
+    kernel serves several matrices (q4k_imma_kernel: wo_a, wo_b, the head), whose grids differ: this tells them
+    apart inside a step, where the op table adds them up."""
+    acc = {}
+    for ev in events:
+        if ev.get("cat") != "kernel":
+            continue
+        args = ev.get("args", {})
+        key = (_event_name(ev)[1], ",".join(str(v) for v in args.get("grid", ())),
+               ",".join(str(v) for v in args.get("block", ())))
+        rec = acc.setdefault(key, [0.0, 0])
+        rec[0] += float(ev.get("dur", 0))
+        rec[1] += 1
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[k, g, b, round(us / steps, 1), n / steps, round(us / n, 2)] for (k, g, b), (us, n) in rows]
+
+
 def trace_ops(run, steps, timeline=False):
     """{op: {kernel: [device µs per step, launches per step]}} from a CUPTI trace of run() (PyTorch's profiler), or
-    (None, why); with `timeline`, (ops, why, stream_timeline of the same trace)."""
+    (None, why); with `timeline`, (ops, why, stream_timeline of the same trace, launch_shapes of it)."""
     events, why = trace_events(run)
     if events is None:
-        return (None, why, None) if timeline else (None, why)
+        return (None, why, None, None) if timeline else (None, why)
     ops = {}
     for ev in events:
         op, k = _event_name(ev)
@@ -362,7 +381,7 @@ def trace_ops(run, steps, timeline=False):
         for rec in kern.values():
             rec[0] = round(rec[0], 2)
             rec[1] = rec[1] / steps
-    return (ops, None, stream_timeline(events, steps)) if timeline else (ops, None)
+    return (ops, None, stream_timeline(events, steps), launch_shapes(events, steps)) if timeline else (ops, None)
 
 
 def ops_total_us(ops) -> float:
@@ -414,10 +433,11 @@ def run_mode(backend, ctx, mode):
            "graph_pdl_edges": backend.stats["graph_pdl_edges"] if mode == "graph" else 0,
            "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
     if mode == "graph" and ARGS.trace_steps:
-        ops, why, tl = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000), ARGS.trace_steps,
-                                 timeline=True)
+        ops, why, tl, shapes = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000),
+                                         ARGS.trace_steps, timeline=True)
         rec["ops"] = ops if ops is not None else why
         rec["streams"] = tl
+        rec["launch_shapes"] = shapes
     return rec
 
 
@@ -594,6 +614,12 @@ def table(run, rows):
                        f"busy by stream (main first) {[x[1] for x in tl['streams']]}")
             for before, after, us, n in tl["waits"]:
                 out.append(f"  main waits {us:>7.1f} µs ({n:.0f} gaps) between {before[:30]} and {after[:30]}")
+        shapes = r["graph"].get("launch_shapes")
+        if shapes:
+            out.append(f"by launch shape: {'kernel':>30} {'grid':>14} {'block':>10} {'us/tok':>9} {'calls':>6} "
+                       f"{'us/call':>8}")
+            for k, g, b, us, n, per in shapes:
+                out.append(f"{'':>16} {k[:30]:>30} {g:>14} {b:>10} {us:>9.1f} {n:>6.0f} {per:>8.2f}")
     return "\n".join(out)
 
 

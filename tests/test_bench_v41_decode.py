@@ -65,3 +65,21 @@ def test_stream_timeline_splits_the_main_streams_gaps():
     assert tl["main_waits_us"] == 7.5 and tl["main_idle_us"] == 10.0
     assert tl["waits"] == [["k2", "k3", 5.0, 0.5], ["k1", "k2", 2.5, 0.5]]
     assert b.stream_timeline([], 1) is None
+
+
+def test_launch_shapes_split_a_kernel_by_its_grid():
+    """One kernel launched with two grids (two matrices) is two rows, the larger device time first; copies and
+    memsets are not kernels; the times are per step and per launch."""
+    b = _bench_module()
+
+    def ev(name, dur, grid, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": f"kernels::q4k_gemv::{name}[abi:v1]", "ts": 0, "dur": dur,
+                "args": {"stream": 7, "grid": grid, "block": [128, 1, 1]}}
+    events = [ev("q4k_imma_kernel", 15, [512, 1, 1]), ev("q4k_imma_kernel", 17, [512, 1, 1]),
+              ev("q4k_imma_kernel", 190, [8080, 1, 1]), ev("rms_norm_row_kernel", 5, [8, 1, 1]),
+              ev("Memcpy DtoH", 2, [1, 1, 1], cat="gpu_memcpy")]
+    rows = b.launch_shapes(events, 2)
+    assert rows == [["q4k_imma_kernel", "8080,1,1", "128,1,1", 95.0, 0.5, 190.0],
+                    ["q4k_imma_kernel", "512,1,1", "128,1,1", 16.0, 1.0, 16.0],
+                    ["rms_norm_row_kernel", "8,1,1", "128,1,1", 2.5, 0.5, 5.0]]
+    assert b.launch_shapes(events, 1, top=1) == [["q4k_imma_kernel", "8080,1,1", "128,1,1", 190.0, 1.0, 190.0]]
