@@ -646,7 +646,8 @@ def main():
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
         "streams": "one (--one-stream)" if ARGS.one_stream else "main + side", "shared_expert": ARGS.shared_expert,
-        "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)"}
+        "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)",
+        "stream_priority": "main high, side low (DS4_CUDA_PRIORITY=1)" if Env.read().cuda_priority else "off"}
     emit(run, lines)
     rows = []
     for ctx in ARGS.contexts:

@@ -433,7 +433,11 @@ class Env:
     `cuda_graphs`: the CUDA backend replays decode steps from CUDA graphs (DS4_CUDA_GRAPHS, default on; 0 keeps the
     same launches eager).
     `cuda_pdl`: those graphs' kernel-to-kernel edges are programmatic ones (kernels.pdl; DS4_CUDA_PDL, default on;
-    0 keeps default edges: the same kernels, launched only when their predecessors have finished)."""
+    0 keeps default edges: the same kernels, launched only when their predecessors have finished).
+    `cuda_priority`: the CUDA backend's main stream at the device's highest stream priority and its side stream at
+    the lowest, and its graphs run their kernel nodes at the priorities captured from those streams, so that when
+    both have blocks waiting for an SM the critical path's go first (DS4_CUDA_PRIORITY, default off: not yet timed
+    on a whole step; the same kernels, the same bits)."""
 
     require_cuda: bool
     cache_dir: Path
@@ -441,6 +445,7 @@ class Env:
     kernel_cache_dir: Path
     cuda_graphs: bool = True
     cuda_pdl: bool = True
+    cuda_priority: bool = False
 
     @classmethod
     def read(cls) -> "Env":
@@ -455,4 +460,5 @@ class Env:
             kernel_cache_dir=Path(explicit).expanduser().absolute() if explicit else user_cache / "ds4" / "numba",
             cuda_graphs=os.getenv("DS4_CUDA_GRAPHS", "1") not in ("", "0"),
             cuda_pdl=os.getenv("DS4_CUDA_PDL", "1") not in ("", "0"),
+            cuda_priority=os.getenv("DS4_CUDA_PRIORITY", "0") not in ("", "0"),
         )

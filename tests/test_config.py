@@ -98,3 +98,19 @@ def test_missing_field_is_named():
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown preset"):
         ModelConfig.preset("v9")
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("", False), ("1", True)])
+def test_env_reads_the_cuda_switches(monkeypatch, value, on):
+    """DS4_CUDA_PRIORITY is off unless set to something other than 0 (the streams' priorities are not yet timed on a
+    whole step); DS4_CUDA_GRAPHS and DS4_CUDA_PDL are on unless 0."""
+    from ds4lib.config import Env
+    for name in ("DS4_CUDA_PRIORITY", "DS4_CUDA_GRAPHS", "DS4_CUDA_PDL"):
+        monkeypatch.delenv(name, raising=False)
+    if value is not None:
+        monkeypatch.setenv("DS4_CUDA_PRIORITY", value)
+    env = Env.read()
+    assert env.cuda_priority is on
+    assert env.cuda_graphs and env.cuda_pdl
+    monkeypatch.setenv("DS4_CUDA_PDL", "0")
+    assert not Env.read().cuda_pdl and Env.read().cuda_priority is on

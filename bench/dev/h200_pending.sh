@@ -50,6 +50,9 @@
 #   unfused_route  the same, --split route: the router's top-k as its own launch again, not in the gate GEMV's last
 #             block (the twenty-seventh session's)
 #   unfused_norm  the same, --split norm: the decode step's norms in one block a row again (the same session's)
+#   priority  the same, graph only, with DS4_CUDA_PRIORITY=1: the main stream at the highest priority, the side
+#             stream at the lowest, captured into the graph's nodes (the twenty-ninth session's; not in the default
+#             list: name it, e.g. DS4_PARTS=decode,priority DS4_ROUNDS=3)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -198,6 +201,10 @@ for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfuse
             "${AB_DECODE[@]:1}" --out "$OUT/decode_$part$S.jsonl"
     fi
 done
+if want priority; then
+    run "decode, stream priorities on$S" 110 priority.log env DS4_CUDA_PRIORITY=1 $PY "${AB_DECODE[@]}" \
+        --out "$OUT/decode_priority$S.jsonl"
+fi
 done
 if want vq; then
     probes "" ""

@@ -36,7 +36,8 @@ runs eagerly and is captured again right after, in the same call. The device sam
 row is replayed from a graph of its own per sampling parameter set, its seed and step read from host-mapped memory.
 `graphs=False` (or DS4_CUDA_GRAPHS=0) keeps every step and every sample eager. The graphs' kernel-to-kernel edges are
 programmatic (kernels.pdl: a kernel's blocks are resident, waiting, when its predecessor completes; the same bits);
-DS4_CUDA_PDL=0 keeps default edges.
+DS4_CUDA_PDL=0 keeps default edges. DS4_CUDA_PRIORITY=1 puts the main stream at the device's highest priority and
+the side stream at its lowest, captured into the graphs' kernel nodes (ds4lib.engine.cuda_graph; off by default).
 
 Two streams: what a layer needs only later runs on a side stream beside the critical path — the attention's window
 key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for one
@@ -163,11 +164,17 @@ class CudaBackend:
             cuda.get_current_device()
         except Exception as e:   # noqa: BLE001 - no driver / no device: a clear refusal
             raise EngineError(f"the CUDA backend needs a GPU: {type(e).__name__}: {e}") from None
-        self.stream = cuda.stream()
         # a second stream for work off the layer's critical path (the mHC mixes, the shared expert): forked from
-        # and joined back into the main stream by events, so a captured step holds them as parallel branches
+        # and joined back into the main stream by events, so a captured step holds them as parallel branches;
+        # with DS4_CUDA_PRIORITY the main stream at the highest priority and the side stream at the lowest
         sim = _cuda_config.ENABLE_CUDASIM                    # (the simulator runs launches in order anyway)
-        self.side = self.stream if sim else cuda.stream()
+        self.priority = Env.read().cuda_priority and not sim and cuda_graph.available()
+        if self.priority:
+            low, high = cuda_graph.priority_range()
+            self.stream, self.side = cuda_graph.priority_stream(high), cuda_graph.priority_stream(low)
+        else:
+            self.stream = cuda.stream()
+            self.side = self.stream if sim else cuda.stream()
         self._events = None if sim else (cuda.event(timing=False), cuda.event(timing=False))
         self.scr_side = {}            # the side stream's own scratch (its launchers' counters and partials)
         self.shared_expert_at = shared_expert_at
@@ -901,7 +908,7 @@ class CudaBackend:
         before = [set(d) for d in dicts]
         error = None
         try:
-            graph = cuda_graph.StepGraph.capture(self.stream, run, programmatic=self.pdl)
+            graph = cuda_graph.StepGraph.capture(self.stream, run, programmatic=self.pdl, node_priority=self.priority)
         except Exception as e:  # noqa: BLE001 - a capture problem costs speed, never a wrong token
             error, graph = e, None
             self.stream.synchronize()

@@ -14,12 +14,17 @@ writes alive for as long as the graph lives (`keep`), since a graph holds raw po
 mode so that a launcher that happens to allocate a scratch array during capture still works; the backend warms every
 shape eagerly first, so none does in steady state. Not available under the CUDA simulator (no graphs there):
 `available()` says so.
+
+Stream priorities: `priority_range()` is the device's (lowest, highest) stream priority (CUDA counts down: the
+highest is the smallest number); `priority_stream(p)` a new Numba stream at priority p (destroyed with the object);
+`StepGraph.capture(..., node_priority=True)` instantiates the graph so that each kernel node runs at the priority
+captured from the stream that launched it (cudaGraphInstantiateFlagUseNodePriority), not at the launch stream's.
 """
 from __future__ import annotations
 
 import warnings
 
-__all__ = ["StepGraph", "Mapped", "available", "mapped", "programmatic_edges"]
+__all__ = ["StepGraph", "Mapped", "available", "mapped", "programmatic_edges", "priority_range", "priority_stream"]
 
 
 class Mapped:
@@ -54,6 +59,26 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def priority_range():
+    """(lowest, highest) stream priority of the current device (e.g. (0, -5): a smaller number runs first)."""
+    least, greatest = _check(_rt().cudaDeviceGetStreamPriorityRange(), "stream priority range")
+    return int(least), int(greatest)
+
+
+def priority_stream(priority):
+    """A Numba stream over a new CUDA stream at `priority` (clamped by the driver into the device's range), destroyed
+    when the returned object is collected. Default flags, as `cuda.stream()`'s: it synchronises with the legacy
+    default stream, so copies made there without a stream stay ordered before its kernels."""
+    import weakref
+
+    from numba import cuda
+    rt = _rt()
+    handle = _check(rt.cudaStreamCreateWithPriority(rt.cudaStreamDefault, int(priority)), "stream creation")
+    stream = cuda.external_stream(int(handle))
+    weakref.finalize(stream, rt.cudaStreamDestroy, handle)
+    return stream
 
 
 def _check(res, what):
@@ -125,7 +150,7 @@ class StepGraph:
         return graph
 
     @classmethod
-    def capture(cls, stream, run, keep=(), programmatic=False):
+    def capture(cls, stream, run, keep=(), programmatic=False, node_priority=False):
         rt = _rt()
         graph = cls._record(rt, stream, run)
         pdl = 0
@@ -141,7 +166,8 @@ class StepGraph:
             nodes = int(got[-1] if isinstance(got, tuple) else got)
         except Exception:  # noqa: BLE001 - the count is informative only
             nodes = -1
-        exe = _check(rt.cudaGraphInstantiate(graph, 0), "instantiate")
+        flags = int(rt.cudaGraphInstantiateFlags.cudaGraphInstantiateFlagUseNodePriority) if node_priority else 0
+        exe = _check(rt.cudaGraphInstantiate(graph, flags), "instantiate")
         return cls(graph, exe, stream, nodes, list(keep), pdl)
 
     def launch(self):

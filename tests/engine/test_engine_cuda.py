@@ -406,6 +406,30 @@ def test_gpu_chunked_prefill_and_decode_agree_exactly(stack, engines):
 
 
 @pytest.mark.cuda
+def test_gpu_stream_priorities_give_the_same_bits(stack, engines, monkeypatch):
+    """DS4_CUDA_PRIORITY=1 (ds4lib.config.Env): the main stream at the device's highest priority, the side stream at
+    its lowest, the graphs' kernel nodes at the captured priorities. Decode steps replayed from those graphs, and
+    greedy and seeded generations, give the default backend's bits."""
+    from ds4lib.engine import cuda_graph
+    base, ckpt, wins = stack
+    _, cuda = engines
+    monkeypatch.setenv("DS4_CUDA_PRIORITY", "1")
+    prio = Engine(base, engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
+    be = prio.backend
+    assert be.priority and be.graphs and be.side is not be.stream
+    low, high = cuda_graph.priority_range()
+    assert high < low, (low, high)                    # a device with priorities at all
+    toks = [int(t) for t in wins[0][:50]]
+    before = be.stats["graph_replays"]
+    np.testing.assert_array_equal(prio.logits(toks, split=10), cuda.logits(toks, split=10))
+    assert be.stats["graph_replays"] - before >= 35
+    prompt = toks[:20]
+    for p in (SamplingParams(temperature=0, max_tokens=24, draft_k=0),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=5, draft_k=0)):
+        assert list(prio.generate_ids(prompt, p)) == list(cuda.generate_ids(prompt, p))
+
+
+@pytest.mark.cuda
 def test_gpu_greedy_is_byte_identical_across_runs(stack, engines):
     _, cuda = engines
     prompt = [int(t) for t in stack[2][1][:40]]
