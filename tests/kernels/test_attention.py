@@ -211,6 +211,37 @@ def test_value_kernel_softmax_denominator_and_scores(cuda_ready):
     assert (outs[0][2] == 0).all()
 
 
+def test_sparse_attention_at_the_v41_head_dim(cuda_ready):
+    """Head dim 512, V4.1's: a score lane loads 32 words of a row, in four groups of 8, before its products, and
+    the value kernel 32 rows' words; every word and row counts (against the reference, and a score against its
+    float64 dot product), a padded window slot and padded top-k slots not at all."""
+    from kernels.attention import sparse_attention
+    dh, heads, n_win, n_cmp, k = 512, 4, 12, 70, 44
+    rng = np.random.default_rng(512)
+    win = act_quant_fp8(round_bf16(rng.standard_normal((n_win, dh)) * 2), 32)
+    cmp = act_quant_fp8(round_bf16(rng.standard_normal((n_cmp, dh)) * 2), 32)
+    win_idx = np.array([list(range(n_win - 1)) + [-1]], np.int32)
+    idx = np.sort(rng.choice(n_cmp, k, replace=False))[None].astype(np.int32)
+    idx[:, -3:] = -1
+    q = round_bf16(rng.standard_normal((1, heads, dh)))
+    sink = rng.standard_normal(heads).astype(np.float32)
+    scale = dh ** -0.5
+    scratch = {}
+    got = sparse_attention(cuda_ready.to_device(q), cuda_ready.to_device(f32_to_bf16_bits(win)),
+                           cuda_ready.to_device(win_idx), cuda_ready.to_device(f32_to_bf16_bits(cmp)),
+                           cuda_ready.to_device(idx), cuda_ready.to_device(sink), scale, scratch=scratch)
+    seen = np.zeros((1, n_win), bool)
+    seen[0, win_idx[0][win_idx[0] >= 0]] = True
+    want = ref_attention(q, win, seen, cmp[np.maximum(idx, 0)], idx >= 0, sink, scale)
+    assert_matches("sparse_attention", got.copy_to_host(), want)
+    z = scratch[("z", (1, heads, n_win + k), "<f4")].copy_to_host()
+    rows = np.concatenate([win[np.maximum(win_idx[0], 0)], cmp[np.maximum(idx[0], 0)]])
+    exact = (q[0].astype(np.float64) @ rows.T.astype(np.float64)) * scale
+    live = np.concatenate([win_idx[0], idx[0]]) >= 0
+    np.testing.assert_allclose(z[0][:, live], exact[:, live], rtol=0, atol=2e-5 * np.abs(exact).max())
+    assert np.isneginf(z[0][:, ~live]).all()
+
+
 def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
     """The launcher gives a decode step 1 or 2 rows per quad (more score blocks) and big prefills 4: the same bits."""
     from kernels.attention import sparse_attention
