@@ -82,6 +82,9 @@ def _args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="git commit to report (default: git rev-parse HEAD)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
+    p.add_argument("--timeline-out", default=None,
+                   help="append the traced steps' device events to this file, one JSON line each (kernel, grid, "
+                        "block, stream, start and duration in µs; timeline_rows)")
     a = p.parse_args(argv)
     small = a.small
     a.contexts = [int(c) for c in (a.contexts or ("8" if small else "1024,16384,65536")).split(",")]
@@ -365,12 +368,28 @@ def launch_shapes(events, steps, top=24):
     return [[k, g, b, round(us / steps, 1), n / steps, round(us / n, 2)] for (k, g, b), (us, n) in rows]
 
 
+def timeline_rows(events, context):
+    """A trace's device events as rows for offline study (`--timeline-out`), in start order: {"context", "kernel",
+    "op", "grid", "block", "stream", "start_us" (from the first event), "dur_us"}."""
+    evs = sorted(events, key=lambda ev: float(ev["ts"]))
+    t0 = float(evs[0]["ts"]) if evs else 0.0
+    rows = []
+    for ev in evs:
+        op, k = _event_name(ev)
+        args = ev.get("args", {})
+        rows.append({"context": context, "kernel": k, "op": op,
+                     "grid": ",".join(str(v) for v in args.get("grid", ())),
+                     "block": ",".join(str(v) for v in args.get("block", ())), "stream": args.get("stream", 0),
+                     "start_us": round(float(ev["ts"]) - t0, 3), "dur_us": round(float(ev.get("dur", 0)), 3)})
+    return rows
+
+
 def trace_ops(run, steps, timeline=False):
     """{op: {kernel: [device µs per step, launches per step]}} from a CUPTI trace of run() (PyTorch's profiler), or
-    (None, why); with `timeline`, (ops, why, stream_timeline of the same trace, launch_shapes of it)."""
+    (None, why); with `timeline`, (ops, why, stream_timeline of the same trace, launch_shapes of it, its events)."""
     events, why = trace_events(run)
     if events is None:
-        return (None, why, None, None) if timeline else (None, why)
+        return (None, why, None, None, None) if timeline else (None, why)
     ops = {}
     for ev in events:
         op, k = _event_name(ev)
@@ -381,7 +400,9 @@ def trace_ops(run, steps, timeline=False):
         for rec in kern.values():
             rec[0] = round(rec[0], 2)
             rec[1] = rec[1] / steps
-    return (ops, None, stream_timeline(events, steps), launch_shapes(events, steps)) if timeline else (ops, None)
+    if timeline:
+        return ops, None, stream_timeline(events, steps), launch_shapes(events, steps), events
+    return ops, None
 
 
 def ops_total_us(ops) -> float:
@@ -433,11 +454,15 @@ def run_mode(backend, ctx, mode):
            "graph_pdl_edges": backend.stats["graph_pdl_edges"] if mode == "graph" else 0,
            "captures_in_timing": backend.stats["graph_captures"] - stats1["graph_captures"], "last_token": int(tok)}
     if mode == "graph" and ARGS.trace_steps:
-        ops, why, tl, shapes = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000),
-                                         ARGS.trace_steps, timeline=True)
+        ops, why, tl, shapes, events = trace_ops(lambda: decode(backend, st, tok, ARGS.trace_steps, 10_000),
+                                                 ARGS.trace_steps, timeline=True)
         rec["ops"] = ops if ops is not None else why
         rec["streams"] = tl
         rec["launch_shapes"] = shapes
+        if ARGS.timeline_out and events:
+            with open(ARGS.timeline_out, "a") as f:
+                for row in timeline_rows(events, ctx):
+                    f.write(json.dumps(row) + "\n")
     return rec
 
 

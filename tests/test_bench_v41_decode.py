@@ -83,3 +83,17 @@ def test_launch_shapes_split_a_kernel_by_its_grid():
                     ["q4k_imma_kernel", "512,1,1", "128,1,1", 16.0, 1.0, 16.0],
                     ["rms_norm_row_kernel", "8,1,1", "128,1,1", 2.5, 0.5, 5.0]]
     assert b.launch_shapes(events, 1, top=1) == [["q4k_imma_kernel", "8080,1,1", "128,1,1", 190.0, 1.0, 190.0]]
+
+
+def test_timeline_rows_are_the_events_in_start_order():
+    b = _bench_module()
+
+    def ev(name, ts, dur, st, grid):
+        return {"ph": "X", "cat": "kernel", "name": f"kernels::m::{name}[abi:v1]", "ts": ts, "dur": dur,
+                "args": {"stream": st, "grid": grid, "block": [128, 1, 1]}}
+    rows = b.timeline_rows([ev("k2", 115.5, 4, 7, [2, 1, 1]), ev("k1", 100, 10, 9, [512, 1, 1])], 1024)
+    assert rows == [{"context": 1024, "kernel": "k1", "op": "m", "grid": "512,1,1", "block": "128,1,1", "stream": 9,
+                     "start_us": 0.0, "dur_us": 10.0},
+                    {"context": 1024, "kernel": "k2", "op": "m", "grid": "2,1,1", "block": "128,1,1", "stream": 7,
+                     "start_us": 15.5, "dur_us": 4.0}]
+    assert b.timeline_rows([], 8) == []

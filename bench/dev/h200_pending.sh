@@ -57,7 +57,8 @@
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
 #             are meant to keep the bits)
-#   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2): with programmatic edges a kernel's traced
+#   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2; each kernel's events also in
+#             timeline_pdl0.jsonl, ~2,400 lines): with programmatic edges a kernel's traced
 #             time includes its wait for the one before, so only this table gives each kernel's own time
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
@@ -221,7 +222,8 @@ print({'compared': len(fs), 'differ': bad}); sys.exit(1 if bad or not fs else 0)
 fi
 if want trace; then
     run "trace (DS4_CUDA_PDL=0)" "${DS4_TRACE_CAP:-90}" trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py \
-        --contexts 1024 --rounds 1 --trace-steps 2 "${BENCH_ARGS[@]}" --out "$OUT/trace_pdl0.jsonl"
+        --contexts 1024 --rounds 1 --trace-steps 2 "${BENCH_ARGS[@]}" --out "$OUT/trace_pdl0.jsonl" \
+        --timeline-out "$OUT/timeline_pdl0.jsonl"
 fi
 if want engine; then
     run engine "${DS4_ENGINE_CAP:-150}" pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
