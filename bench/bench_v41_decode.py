@@ -349,6 +349,11 @@ def stream_timeline(events, steps, top=6):
                       for k, v in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
+def _dims(args, key):
+    """A launch's grid or block from a trace event's args as "x,y,z" ("" when the event has none)."""
+    return ",".join(str(v) for v in args.get(key, ()))
+
+
 def launch_shapes(events, steps, top=24):
     """The kernels of a trace's device events split by launch shape, the largest device time first: [[kernel, grid,
     block, µs per step, launches per step, µs a launch], ...] (grid and block as "x,y,z" from the events' args). One
@@ -359,8 +364,7 @@ def launch_shapes(events, steps, top=24):
         if ev.get("cat") != "kernel":
             continue
         args = ev.get("args", {})
-        key = (_event_name(ev)[1], ",".join(str(v) for v in args.get("grid", ())),
-               ",".join(str(v) for v in args.get("block", ())))
+        key = (_event_name(ev)[1], _dims(args, "grid"), _dims(args, "block"))
         rec = acc.setdefault(key, [0.0, 0])
         rec[0] += float(ev.get("dur", 0))
         rec[1] += 1
@@ -377,9 +381,8 @@ def timeline_rows(events, context):
     for ev in evs:
         op, k = _event_name(ev)
         args = ev.get("args", {})
-        rows.append({"context": context, "kernel": k, "op": op,
-                     "grid": ",".join(str(v) for v in args.get("grid", ())),
-                     "block": ",".join(str(v) for v in args.get("block", ())), "stream": args.get("stream", 0),
+        rows.append({"context": context, "kernel": k, "op": op, "grid": _dims(args, "grid"),
+                     "block": _dims(args, "block"), "stream": args.get("stream", 0),
                      "start_us": round(float(ev["ts"]) - t0, 3), "dur_us": round(float(ev.get("dur", 0)), 3)})
     return rows
 
