@@ -31,11 +31,17 @@ def _kernels(path):
             if isinstance(n, ast.FunctionDef) and any(_is_kernel_decorator(d) for d in n.decorator_list)]
 
 
-def _first_statement(fn):
+def _statements(fn):
+    """A function's top-level statements, its docstring left out."""
     body = fn.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
                                                                                                    str):
         body = body[1:]
+    return body
+
+
+def _first_statement(fn):
+    body = _statements(fn)
     return body[0] if body else None
 
 
@@ -56,7 +62,7 @@ def _params_before_entry(fn):
     """(whether the body has a top-level grid_entry_device(), the kernel's parameters that the statements before it
     use other than through `.shape`)."""
     params = {a.arg for a in fn.args.args}
-    body = fn.body[1:] if _first_statement(fn) is not fn.body[0] else fn.body
+    body = _statements(fn)
     at = next((i for i, stmt in enumerate(body) if _is_entry(stmt)), None)
     if at is None:
         return False, set()
@@ -100,7 +106,7 @@ def test_every_kernel_begins_with_the_grid_entry(path):
 def test_the_early_kernels_are_listed():
     """The kernels that read weights before the entry (kernels.pdl) are the ones listed, and each list names a real
     parameter of its kernel."""
-    listed = {p.stem: _early_reads(p) for p in KERNEL_FILES if _early_reads(p)}
+    listed = {p.stem: early for p in KERNEL_FILES if (early := _early_reads(p))}
     assert listed == {"q4k_gemv": {"q4k_mma_kernel": ("w1", "n_words", "sps"),
                                    "q4k_imma_kernel": ("w1", "n_words", "rows_per_group", "kx")},
                       "vq_gemv": {"vq_gemv_kernel": ("cb_g",)}}
