@@ -19,20 +19,16 @@ rows_per_group).
 Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for prefill chunks):
 1. scores: a block owns 32 x rows_per_quad rows x 4 heads (rows_per_quad 4, or 2 or 1 when a decode step would
    leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory, each row's key is
-   read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared. A lane
-   loads all its 32 words of a row (Dh 512) before the first product (four groups of 8, written out: a loop there
-   stays a loop in the SASS and its words go to local memory), then multiplies them in word order.
+   read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
    Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
    query path then has no launch of its own for it.
 2. softmax and values in one kernel: a block owns 4 heads x all Dh dims of a split of the rows. Warp w first
    finds head w's score max over all its rows (every split's block does), and the blocks of split 0 also the
    float64 denominator (lane-strided, then the warp's tree; plus the sink's term). The weights bf16(exp(z - max))
    of the split's rows go to shared memory as they are staged; each thread accumulates 4 dims x 4 heads while
-   streaming key words, VALUE_GROUP (32: a decode split's whole chunk) rows' loads at a time (one dependent load
-   per row left a V4.1 decode step's value kernel latency-bound: 14.6 us; groups of 8 then took 12 us). Rows are
-   summed in chunks of VALUE_CHUNK and the chunk sums in order; decode splits one chunk per block (enough blocks),
-   prefill keeps one split: the same bits. Both kernels have launch bounds (kernels.bounded_jit): without them
-   ptxas issued half the score kernel's loads alone (docs/toolchain.md §4.9). (Until the
+   streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a V4.1 decode step's
+   value kernel latency-bound: 14.6 us). Rows are summed in chunks of VALUE_CHUNK and the chunk sums in order;
+   decode splits one chunk per block (enough blocks), prefill keeps one split: the same bits. (Until the
    twenty-fourth session the softmax was a kernel of its own, one warp per (query, head), writing the weights
    back into z: the same operations in the same order.)
 4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
@@ -47,7 +43,6 @@ import math
 
 import numpy as np
 from numba import cuda
-from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit, q4k_gemv
@@ -71,11 +66,12 @@ SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer rows per quad until it gets there)
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
+SCORE_GROUP = 8              # key words of a row a lane loads before it multiplies them (written out in the kernel)
 assert HEADS_PER_BLOCK == 4  # the score kernel's four head sums are scalars (_score_word_device)
 DH_MAX = 512
 VALUE_TILE = 128             # rows staged per step of the value kernel
 VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
-VALUE_GROUP = 32             # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0; <= 32: a bit mask)
+VALUE_GROUP = 8              # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0)
 SOFTMAX_LOADS = 8            # scores a lane loads at once for the softmax's max and denominator
 NEG_BIG = np.float32(-1e30)  # the row max of a query with no valid row (the reference's value)
 NEG_INF = np.float32(-np.inf)
@@ -169,31 +165,7 @@ def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
     return a0, a1, a2, a3
 
 
-@cuda.jit(device=True, inline=True)
-def _key_words8_device(kr, w0, nw):
-    """Words w0, w0 + 4, ..., w0 + 28 of a key row kr (uint64, 4 BF16 each), 0 past its nw words (no load there)."""
-    z = nb_uint64(0)
-    return (kr[w0] if w0 < nw else z, kr[w0 + 4] if w0 + 4 < nw else z, kr[w0 + 8] if w0 + 8 < nw else z,
-            kr[w0 + 12] if w0 + 12 < nw else z, kr[w0 + 16] if w0 + 16 < nw else z,
-            kr[w0 + 20] if w0 + 20 < nw else z, kr[w0 + 24] if w0 + 24 < nw else z,
-            kr[w0 + 28] if w0 + 28 < nw else z)
-
-
-@cuda.jit(device=True, inline=True)
-def _score_words8_device(q_sh, w0, x, nw, a0, a1, a2, a3):
-    """_score_word_device over the 8 words x of _key_words8_device(kr, w0, nw), in word order (written out: a loop
-    here stays a loop in the SASS)."""
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0, x[0], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x[1], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x[2], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x[3], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 16, x[4], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x[5], nw, a0, a1, a2, a3)
-    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x[6], nw, a0, a1, a2, a3)
-    return _score_word_device(q_sh, w0 + 28, x[7], nw, a0, a1, a2, a3)
-
-
-@bounded_jit(THREADS)
+@cuda.jit(cache=True)
 def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, positions, cos, sin, has_rope,
                       z):
     """z[t, h, r] = scale * q[t, h] . key(r) for 4 heads x (32 * rows_per_quad) rows per block; -inf for invalid
@@ -223,7 +195,8 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             q_sh[hh, k] = v
     cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
-    for rr in range(ROWS_PER_QUAD):                   # a row at a time, all of a lane's words of it in flight
+    last = nw - 1
+    for rr in range(ROWS_PER_QUAD):                   # a row at a time, SCORE_GROUP of its words in flight
         a0 = a1 = a2 = a3 = np.float32(0.0)
         row, inw = _key_row_device(win_idx, cmp_idx, t, r0 + rr) if rr < rows_per_quad else (-1, False)
         if row >= 0:
@@ -231,14 +204,23 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
                 kr = win_keys[row]
             else:
                 kr = cmp_keys[row]
-            x0 = _key_words8_device(kr, qd, nw)        # loads first: words qd, qd + 4, ... (DH_MAX = 512: 4 x 8)
-            x1 = _key_words8_device(kr, qd + 32, nw)
-            x2 = _key_words8_device(kr, qd + 64, nw)
-            x3 = _key_words8_device(kr, qd + 96, nw)
-            a0, a1, a2, a3 = _score_words8_device(q_sh, qd, x0, nw, a0, a1, a2, a3)   # products in word order
-            a0, a1, a2, a3 = _score_words8_device(q_sh, qd + 32, x1, nw, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _score_words8_device(q_sh, qd + 64, x2, nw, a0, a1, a2, a3)
-            a0, a1, a2, a3 = _score_words8_device(q_sh, qd + 96, x3, nw, a0, a1, a2, a3)
+            for w0 in range(qd, nw, 4 * SCORE_GROUP):
+                x0 = kr[min(w0, last)]                 # loads first (clamped)
+                x1 = kr[min(w0 + 4, last)]
+                x2 = kr[min(w0 + 8, last)]
+                x3 = kr[min(w0 + 12, last)]
+                x4 = kr[min(w0 + 16, last)]
+                x5 = kr[min(w0 + 20, last)]
+                x6 = kr[min(w0 + 24, last)]
+                x7 = kr[min(w0 + 28, last)]
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)   # products in word order
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x3, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 16, x4, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x5, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x6, nw, a0, a1, a2, a3)
+                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 28, x7, nw, a0, a1, a2, a3)
         red[rr * HEADS_PER_BLOCK, tid] = a0
         red[rr * HEADS_PER_BLOCK + 1, tid] = a1
         red[rr * HEADS_PER_BLOCK + 2, tid] = a2
@@ -312,7 +294,7 @@ def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
     return win_keys[r, col] if from_win else cmp_keys[r, col]
 
 
-@bounded_jit(THREADS)
+@cuda.jit(cache=True)
 def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     """The softmax and the weighted sum of the values. Warp w takes head h0 + w: the scores' max m over all rows
     of (t, h) (every split's block finds it), and split 0's block writes den[t, h] = float64 sum of exp(z - m) +
@@ -349,6 +331,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
     acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
     tot = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
+    kr = cuda.local.array(VALUE_GROUP, np.int64)
     words = cuda.local.array(VALUE_GROUP, np.uint64)
     for hh in range(HEADS_PER_BLOCK):
         for i in range(4):
@@ -365,15 +348,12 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
         cuda.syncthreads()
         if tid < nw:
             for k0 in range(0, n, VALUE_GROUP):
-                live = np.uint32(0)                    # bit g: row k0 + g is a valid row of the tile
                 for g in range(VALUE_GROUP):
                     k = min(k0 + g, n - 1)
-                    kr = k_sh[k] if k0 + g < n else np.int64(-1)
-                    if kr >= 0:
-                        live |= np.uint32(1) << np.uint32(g)
-                    words[g] = _value_word_device(win_keys, cmp_keys, kr, w_sh[k], tid)
+                    kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
+                    words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
                 for g in range(VALUE_GROUP):
-                    if live & (np.uint32(1) << np.uint32(g)):
+                    if kr[g] >= 0:
                         word = words[g]
                         v0 = bf16x4_device(word, 0)
                         v1 = bf16x4_device(word, 1)
