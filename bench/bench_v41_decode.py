@@ -67,12 +67,16 @@ def _args(argv=None):
                         "together (CudaBackend.decode_batch, graph-replayed, each row sampled greedily), step time "
                         "and aggregate tokens/s (the server's concurrent requests); default off")
     p.add_argument("--one-stream", action="store_true",
-                   help="a variant: the side stream's work (mixes, shared expert) queued on the main stream, in "
-                        "the same order, without overlap (what the side stream is worth)")
-    p.add_argument("--shared-expert", choices=("side", "early", "main"), default="side",
-                   help="where the MoE's shared expert runs (CudaBackend.shared_expert_at): side (default) on the "
-                        "side stream beside the routed experts, early forked before the routing, main on the main "
-                        "stream before the routed experts; the same bits")
+                   help="a variant: the side and mix streams' work (mixes, window key, shared expert) queued on the "
+                        "main stream, in the same order, without overlap (what the other streams are worth)")
+    p.add_argument("--shared-expert", choices=("early", "side", "main"), default="early",
+                   help="where the MoE's shared expert runs (CudaBackend.shared_expert_at): early (default) on the "
+                        "side stream from the FFN's norm on, beside the routing and the routed experts; side forked "
+                        "after the routing; main on the main stream before the routed experts; the same bits")
+    p.add_argument("--ffn-mixes", choices=("apart", "side"), default="apart",
+                   help="where the FFN's mHC mixes run (CudaBackend.ffn_mixes_apart): apart (default) on a stream "
+                        "of their own beside the whole MoE, side on the side stream ahead of the shared expert; "
+                        "the same bits")
     p.add_argument("--graph-only", action="store_true",
                    help="time graph replay only, not eager launches (A/B runs of the served path; GPU only)")
     p.add_argument("--experts", type=int, default=None,
@@ -569,9 +573,10 @@ def build(cfg, bits):
     backends = {m: CudaBackend(ctx, weights=W, graphs=(m == "graph")) for m in modes}
     if ARGS.one_stream:
         for b in backends.values():
-            b.side = b.stream                # _fork and _join become no-ops (CudaBackend: side is stream)
+            b.side = b.mix = b.stream        # the forks and joins become no-ops (CudaBackend: side is stream)
     for b in backends.values():
         b.shared_expert_at = ARGS.shared_expert
+        b.ffn_mixes_apart = ARGS.ffn_mixes == "apart"
     return W, backends, gen
 
 
@@ -673,7 +678,8 @@ def main():
         "weight_bytes_per_token": parts, "engram_host_bytes_per_token": engram_host_bytes(cfg),
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
-        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side", "shared_expert": ARGS.shared_expert,
+        "streams": "one (--one-stream)" if ARGS.one_stream else "main + side + mix",
+        "shared_expert": ARGS.shared_expert, "ffn_mixes": ARGS.ffn_mixes,
         "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)",
         "stream_priority": "main high, side low (DS4_CUDA_PRIORITY=1)" if Env.read().cuda_priority else "off"}
     emit(run, lines)

@@ -39,15 +39,17 @@ programmatic (kernels.pdl: a kernel's blocks are resident, waiting, when its pre
 DS4_CUDA_PDL=0 keeps default edges. DS4_CUDA_PRIORITY=1 puts the main stream at the device's highest priority and
 the side stream at its lowest, captured into the graphs' kernel nodes (ds4lib.engine.cuda_graph; off by default).
 
-Two streams: what a layer needs only later runs on a side stream beside the critical path — the attention's window
-key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for one
-session's rows, the compressor, beside the query path (wq_a, wq_b with the q_norm in its staging); each
-sub-layer's mHC mixes (read h, first needed by its hc_post), the attention's after the window key and compressor,
-beside the attention itself; and the shared expert (beside the routed experts) —, forked from the main stream
-and joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); a captured step holds them as
-parallel branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the
-bits are the same. `CudaBackend.shared_expert_at` may fork the shared expert before the routing or keep it on the
-main stream instead (the same bits again).
+Three streams: what a layer needs only later runs beside the critical path — on the side stream the attention's
+window key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for
+one session's rows, the compressor, beside the query path (wq_a, wq_b with the q_norm in its staging); the
+attention's mHC mixes (read h, first needed by its hc_post) after them, beside the attention itself; and the
+shared expert, from the FFN's norm on, beside the routing and the routed experts —, forked from the main stream and
+joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); and on the mix stream the FFN's mixes,
+beside the whole MoE (`_fork_mix`, `_join_mix`, scratch `scr_mix`). A captured step holds them as parallel
+branches of its graph. Every kernel's inputs and outputs are those of the one-stream order, so the bits are the
+same. `CudaBackend.shared_expert_at` may fork the shared expert after the routing or keep it on the main stream,
+and `ffn_mixes_apart=False` puts the FFN's mixes on the side stream before the shared expert (the same bits again;
+the defaults were the fastest on an H100, BENCHMARKS.md, thirtieth session).
 
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
 from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
@@ -99,7 +101,7 @@ CAPTURE_GUESS_S = 0.1              # a batched capture's host time before one of
 POOL_STATES = 8                    # finished sessions' states kept for reuse, with their decode graphs
 _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set and logits row)
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
-SHARED_EXPERT_AT = ("side", "early", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
+SHARED_EXPERT_AT = ("early", "side", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
 NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
 COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
@@ -134,16 +136,19 @@ class _Call:
 class CudaBackend:
     """`shared_expert_at` places the MoE's shared expert (`_moe`; the same kernels over the same inputs, so the same
     bits, only the stream order differs):
-    - "side" (default): on the side stream, forked after the routing, beside the routed experts;
-    - "early": on the side stream, forked before the routing, so it starts beside the routing (route + plan) too;
-    - "main": on the main stream after the routing, before the routed experts, serially (the FFN's mHC mixes stay
-      on the side stream).
-    Set it before the first call: a graph captured earlier replays the placement it was captured with."""
+    - "early" (default): on the side stream, forked before the routing, so it starts beside the routing (route +
+      plan) too;
+    - "side": on the side stream, forked after the routing, beside the routed experts;
+    - "main": on the main stream after the routing, before the routed experts, serially.
+    `ffn_mixes_apart` (default True) runs the FFN's mHC mixes on the mix stream, forked after the FFN's norm and
+    joined before its hc_post, beside the whole MoE; False puts them on the side stream ahead of the shared expert
+    (from the fork on). On an H100 the defaults took 0.18 ms a V4.1 token less than ("side", False) (BENCHMARKS.md).
+    Set both before the first call: a graph captured earlier replays the placement it was captured with."""
     name = "cuda"
     simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
     def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None,
-                 shared_expert_at: str = "side"):
+                 shared_expert_at: str = "early", ffn_mixes_apart: bool = True):
         from ds4lib.engine.engine import EngineError
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
@@ -164,8 +169,9 @@ class CudaBackend:
             cuda.get_current_device()
         except Exception as e:   # noqa: BLE001 - no driver / no device: a clear refusal
             raise EngineError(f"the CUDA backend needs a GPU: {type(e).__name__}: {e}") from None
-        # a second stream for work off the layer's critical path (the mHC mixes, the shared expert): forked from
-        # and joined back into the main stream by events, so a captured step holds them as parallel branches;
+        # a second stream for work off the layer's critical path (the window key, the attention's mHC mixes, the
+        # shared expert): forked from and joined back into the main stream by events, so a captured step holds them
+        # as parallel branches (the FFN's mixes have a third, below);
         # with DS4_CUDA_PRIORITY the main stream at the highest priority and the side stream at the lowest
         sim = _cuda_config.ENABLE_CUDASIM                    # (the simulator runs launches in order anyway)
         self.priority = Env.read().cuda_priority and not sim and cuda_graph.available()
@@ -177,7 +183,12 @@ class CudaBackend:
             self.side = self.stream if sim else cuda.stream()
         self._events = None if sim else (cuda.event(timing=False), cuda.event(timing=False))
         self.scr_side = {}            # the side stream's own scratch (its launchers' counters and partials)
+        # a third stream for the FFN's mixes (`ffn_mixes_apart`), beside the routed and the shared expert
+        self.mix = self.stream if sim else cuda.stream()
+        self._mix_events = None if sim else (cuda.event(timing=False), cuda.event(timing=False))
+        self.scr_mix = {}             # the mix stream's scratch
         self.shared_expert_at = shared_expert_at
+        self.ffn_mixes_apart = ffn_mixes_apart
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
@@ -236,6 +247,17 @@ class CudaBackend:
         if at not in SHARED_EXPERT_AT:
             raise ValueError(f"shared_expert_at {at!r}: expected one of {', '.join(SHARED_EXPERT_AT)}")
         self._shared_expert_at = at
+
+    @property
+    def ffn_mixes_apart(self) -> bool:
+        """Whether `_layer` runs the FFN's mixes on the mix stream (class docstring)."""
+        return self._ffn_mixes_apart
+
+    @ffn_mixes_apart.setter
+    def ffn_mixes_apart(self, apart):
+        if not isinstance(apart, bool):
+            raise ValueError(f"ffn_mixes_apart {apart!r}: expected True or False")
+        self._ffn_mixes_apart = apart
 
     # ------------------------------------------------------------------ loading
     def _decode_io(self):
@@ -346,6 +368,18 @@ class CudaBackend:
         if self.side is not self.stream:
             self._events[1].record(self.side)
             self._events[1].wait(self.stream)
+
+    def _fork_mix(self):
+        """Work queued on the mix stream from here on starts after everything queued on the main stream so far."""
+        if self.mix is not self.stream:
+            self._mix_events[0].record(self.stream)
+            self._mix_events[0].wait(self.mix)
+
+    def _join_mix(self):
+        """Work queued on the main stream from here on starts after everything queued on the mix stream so far."""
+        if self.mix is not self.stream:
+            self._mix_events[1].record(self.mix)
+            self._mix_events[1].wait(self.stream)
 
     def _aq8(self, x, name):
         return gemv.act_quant_fp8(x, out=self._buf(name, tuple(x.shape)), stream=self.stream)
@@ -576,6 +610,7 @@ class CudaBackend:
         if len(self.scr) > _SCRATCH_ENTRIES:               # many distinct call sizes seen: start afresh
             self.scr.clear()
             self.scr_side.clear()
+            self.scr_mix.clear()
         feat = None
         if self.n_feat:                                    # valid until the next call of this size
             feat = self._buf("features", (T, self.n_feat)) if T <= self.max_chunk else \
@@ -874,7 +909,7 @@ class CudaBackend:
 
     def _scratch_dicts(self):
         """Every dict of device arrays that launchers fill on demand (a capture may create entries in any of them)."""
-        return (self.scr, self.scr_side, self.scr_var, self._const)
+        return (self.scr, self.scr_side, self.scr_mix, self.scr_var, self._const)
 
     def _graph_keep(self, *extra):
         """What a captured forward's graph must keep alive: every scratch and constant array it may point to, the
@@ -1031,9 +1066,17 @@ class CudaBackend:
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
         staged = self._bufs("x_ffn_vq", vq_gemv.stage_shapes(T, D))
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, stream=s)
-        terms = self._moe(l, c, x, xq, observer, staged=staged,
-                          beside=lambda: hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"],
-                                                     out=mix_f, **kw))
+
+        def mixes_f(stream, scratch):
+            hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
+                        **{**kw, "stream": stream, "scratch": scratch})
+        if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE
+            self._fork_mix()
+            mixes_f(self.mix, self.scr_mix)
+            terms = self._moe(l, c, x, xq, observer, staged=staged)
+            self._join_mix()
+        else:                                            # on the side stream, ahead of the shared expert
+            terms = self._moe(l, c, x, xq, observer, staged=staged, beside=lambda: mixes_f(self.side, self.scr_side))
         if observer or not COMBINE_IN_POST:               # the combine on its own (the observer reads its output)
             y = vq_gemv.moe_combine(*terms, out=self._buf("moe_y", (T, D)), stream=s)
             if observer:

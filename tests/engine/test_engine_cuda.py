@@ -155,28 +155,34 @@ def test_micro_graph_keep_holds_every_scratch_dict(micro):
 
 
 def test_micro_shared_expert_placements_give_the_same_bits(micro):
-    """`shared_expert_at` moves the shared expert (forked before the routing, or on the main stream with the main
-    scratch) without changing a bit: one decode step per placement against the default placement's."""
+    """`shared_expert_at` moves the shared expert (forked before the routing, after it, or on the main stream with
+    the main scratch) and `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's)
+    without changing a bit: one decode step per placement against the default placement's."""
     _, cuda = micro
     be = cuda.backend
-    assert be.shared_expert_at == "side"
+    assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
     got = {}
     try:
-        for at in ("side", "early", "main"):
-            be.shared_expert_at = at
-            got[at] = cuda.logits([0], split=0)
+        for at in ("early", "side", "main"):
+            for apart in (True, False):
+                be.shared_expert_at, be.ffn_mixes_apart = at, apart
+                got[at, apart] = cuda.logits([0], split=0)
     finally:
-        be.shared_expert_at = "side"
-    assert np.isfinite(got["side"]).all()
-    np.testing.assert_array_equal(got["early"], got["side"])
-    np.testing.assert_array_equal(got["main"], got["side"])
+        be.shared_expert_at, be.ffn_mixes_apart = "early", True
+    want = got["early", True]
+    assert np.isfinite(want).all()
+    assert be.scr_mix, "the mix stream's launchers made no scratch of their own"
+    for key, logits in got.items():
+        np.testing.assert_array_equal(logits, want, err_msg=str(key))
 
 
 def test_micro_shared_expert_placement_refuses_unknown_values(micro):
     be = micro[1].backend
-    with pytest.raises(ValueError, match=r"'beside'.*side, early, main"):
+    with pytest.raises(ValueError, match=r"'beside'.*early, side, main"):
         be.shared_expert_at = "beside"
-    assert be.shared_expert_at == "side"
+    with pytest.raises(ValueError, match=r"ffn_mixes_apart 'yes': expected True or False"):
+        be.ffn_mixes_apart = "yes"
+    assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
 
 
 def test_micro_decode_steps_match_cpu(micro):
