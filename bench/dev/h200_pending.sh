@@ -23,6 +23,8 @@
 # - AB_HEAD (default ab_head/): a second folder of files, BASE's copies of the kernel files the tree changed since
 #   BASE (h200_stage.sh's second argument, default HEAD): the "base" part times the tree with them.
 #
+# Everything the parts write is also packed into $OUT/all.tgz at the end (a device call returns at most 8 files).
+#
 # The parts, in the order they run (the order of priority):
 #   tests     DS4_REQUIRE_CUDA=1 pytest tests/kernels (the CPU-only modules left out). The twenty-first session's
 #             call ran the first 142 of 190 tests, all passing, before its cap: test_vq_gemv, test_vq_assign,
@@ -244,3 +246,5 @@ for line in open(sys.argv[1]):
         | tee -a "$SUMMARY"
 done
 note "total $(( $(date +%s) - START ))s"
+# a device call returns at most 8 files from $OUT: everything above, in one archive
+tar czf "$OUT/all.tgz" -C "$OUT" --exclude=all.tgz . 2>/dev/null
