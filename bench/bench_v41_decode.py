@@ -77,6 +77,10 @@ def _args(argv=None):
                    help="where the FFN's mHC mixes run (CudaBackend.ffn_mixes_apart): apart (default) on a stream "
                         "of their own beside the whole MoE, side on the side stream ahead of the shared expert; "
                         "the same bits")
+    p.add_argument("--l2-prefetch", default="",
+                   help="comma-separated weights the mix stream asks L2 for ahead of their GEMVs "
+                        "(CudaBackend.l2_prefetch): wo (the layer's wo_a, wo_b, beside the attention), wq (the next "
+                        "layer's wq_a, wq_b, beside the MoE); default none; the same bits")
     p.add_argument("--graph-only", action="store_true",
                    help="time graph replay only, not eager launches (A/B runs of the served path; GPU only)")
     p.add_argument("--experts", type=int, default=None,
@@ -96,6 +100,9 @@ def _args(argv=None):
     a.warm = a.warm if a.warm is not None else 0 if small else 3
     a.trace_steps = a.trace_steps if a.trace_steps is not None else (0 if small else 5)
     a.roofline_gib = a.roofline_gib if a.roofline_gib is not None else (1 / 1024 if small else 2.0)
+    bad = [n for n in a.l2_prefetch.split(",") if n and n not in ("wo", "wq")]
+    if bad:
+        p.error(f"--l2-prefetch: {bad[0]!r} is not wo or wq")
     return a
 
 
@@ -577,6 +584,7 @@ def build(cfg, bits):
     for b in backends.values():
         b.shared_expert_at = ARGS.shared_expert
         b.ffn_mixes_apart = ARGS.ffn_mixes == "apart"
+        b.l2_prefetch = tuple(n for n in ARGS.l2_prefetch.split(",") if n)
     return W, backends, gen
 
 
@@ -679,7 +687,7 @@ def main():
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
         "streams": "one (--one-stream)" if ARGS.one_stream else "main + side + mix",
-        "shared_expert": ARGS.shared_expert, "ffn_mixes": ARGS.ffn_mixes,
+        "shared_expert": ARGS.shared_expert, "ffn_mixes": ARGS.ffn_mixes, "l2_prefetch": ARGS.l2_prefetch or "none",
         "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)",
         "stream_priority": "main high, side low (DS4_CUDA_PRIORITY=1)" if Env.read().cuda_priority else "off"}
     emit(run, lines)

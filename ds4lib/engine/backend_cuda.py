@@ -85,8 +85,8 @@ from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
 from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
-from kernels import (attention, compressor, dspark, engram, gemv, hc, indexer, moe, q4k_gemv, rms_norm, rope, sampling,
-                     spec_accept, step, vq_gemv)
+from kernels import (attention, compressor, dspark, engram, gemv, hc, indexer, moe, prefetch, q4k_gemv, rms_norm, rope,
+                     sampling, spec_accept, step, vq_gemv)
 
 __all__ = ["CudaBackend", "CudaState"]
 
@@ -102,6 +102,7 @@ POOL_STATES = 8                    # finished sessions' states kept for reuse, w
 _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set and logits row)
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
 SHARED_EXPERT_AT = ("early", "side", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
+L2_PREFETCH = ("wo", "wq")         # what CudaBackend.l2_prefetch may ask L2 for ahead of its reader (class docstring)
 NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
 COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
@@ -143,7 +144,12 @@ class CudaBackend:
     `ffn_mixes_apart` (default True) runs the FFN's mHC mixes on the mix stream, forked after the FFN's norm and
     joined before its hc_post, beside the whole MoE; False puts them on the side stream ahead of the shared expert
     (from the fork on). On an H100 the defaults took 0.18 ms a V4.1 token less than ("side", False) (BENCHMARKS.md).
-    Set both before the first call: a graph captured earlier replays the placement it was captured with."""
+    `l2_prefetch` (a tuple of L2_PREFETCH's names; empty, the default, until timed) asks L2 for weights on the mix
+    stream ahead of the GEMVs that read them (kernels.prefetch; the same bits): "wo" the layer's wo_a and wo_b,
+    forked once its query projections are queued (beside the rope, scores and values); "wq" the next layer's wq_a
+    and wq_b, forked once the routed experts' gate / up GEMV is queued (beside the rest of the MoE). The mix stream
+    is joined before the FFN's hc_post.
+    Set them before the first call: a graph captured earlier replays the placement it was captured with."""
     name = "cuda"
     simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
@@ -189,6 +195,7 @@ class CudaBackend:
         self.scr_mix = {}             # the mix stream's scratch
         self.shared_expert_at = shared_expert_at
         self.ffn_mixes_apart = ffn_mixes_apart
+        self.l2_prefetch = ()
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
         self._const = {}              # small constant device arrays (index lists, padding rows)
@@ -258,6 +265,19 @@ class CudaBackend:
         if not isinstance(apart, bool):
             raise ValueError(f"ffn_mixes_apart {apart!r}: expected True or False")
         self._ffn_mixes_apart = apart
+
+    @property
+    def l2_prefetch(self) -> tuple:
+        """Which weights the mix stream asks L2 for ahead of their GEMVs: names of L2_PREFETCH (class docstring)."""
+        return self._l2_prefetch
+
+    @l2_prefetch.setter
+    def l2_prefetch(self, names):
+        names = tuple(names)
+        bad = [n for n in names if n not in L2_PREFETCH]
+        if bad:
+            raise ValueError(f"l2_prefetch {bad[0]!r}: expected names among {', '.join(L2_PREFETCH)}")
+        self._l2_prefetch = names
 
     # ------------------------------------------------------------------ loading
     def _decode_io(self):
@@ -380,6 +400,14 @@ class CudaBackend:
         if self.mix is not self.stream:
             self._mix_events[1].record(self.mix)
             self._mix_events[1].wait(self.stream)
+
+    def _prefetch(self, what, lins):
+        """Ask L2 for the byte weights of `lins` on the mix stream, forked here, when `what` is in l2_prefetch
+        (joined with the mix stream before the FFN's hc_post)."""
+        ws = [lin.w for lin in lins if lin.w.dtype == np.uint8]
+        if what in self._l2_prefetch and ws:
+            self._fork_mix()
+            prefetch.l2_prefetch(ws, stream=self.mix)
 
     def _aq8(self, x, name):
         return gemv.act_quant_fp8(x, out=self._buf(name, tuple(x.shape)), stream=self.stream)
@@ -1074,9 +1102,10 @@ class CudaBackend:
             self._fork_mix()
             mixes_f(self.mix, self.scr_mix)
             terms = self._moe(l, c, x, xq, observer, staged=staged)
-            self._join_mix()
         else:                                            # on the side stream, ahead of the shared expert
             terms = self._moe(l, c, x, xq, observer, staged=staged, beside=lambda: mixes_f(self.side, self.scr_side))
+        if self.ffn_mixes_apart or self._l2_prefetch:    # the mixes and the prefetches are done
+            self._join_mix()
         if observer or not COMBINE_IN_POST:               # the combine on its own (the observer reads its output)
             y = vq_gemv.moe_combine(*terms, out=self._buf("moe_y", (T, D)), stream=s)
             if observer:
@@ -1111,6 +1140,7 @@ class CudaBackend:
             if self.roles[l].ratio and self.roles[l].owns_indexer:     # the indexer's head weights read x only
                 wts = self._index_weights(l, x, side=True)
         xq, qr, q3 = self._query(l, c, x, xq)
+        self._prefetch("wo", (self.L[l]["attn.wo_a.weight"], self.L[l]["attn.wo_b.weight"]))
         self._join()
         if beside is not None:
             beside()
@@ -1381,6 +1411,8 @@ class CudaBackend:
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False, staged=staged,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
+        if l + 1 < cfg.n_layers:                         # the next layer's query projections, beside the rest
+            self._prefetch("wq", (self.L[l + 1]["attn.wq_a.weight"], self.L[l + 1]["attn.wq_b.weight"]))
         ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)

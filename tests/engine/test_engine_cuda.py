@@ -157,18 +157,20 @@ def test_micro_graph_keep_holds_every_scratch_dict(micro):
 def test_micro_shared_expert_placements_give_the_same_bits(micro):
     """`shared_expert_at` moves the shared expert (forked before the routing, after it, or on the main stream with
     the main scratch) and `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's)
-    without changing a bit: one decode step per placement against the default placement's."""
+    without changing a bit: one decode step per placement against the default placement's, eager (a pooled state's
+    graph would replay the placement it was captured with; the default's graphs are the other tests')."""
     _, cuda = micro
     be = cuda.backend
     assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
     got = {}
+    graphs, be.graphs = be.graphs, False
     try:
         for at in ("early", "side", "main"):
             for apart in (True, False):
                 be.shared_expert_at, be.ffn_mixes_apart = at, apart
                 got[at, apart] = cuda.logits([0], split=0)
     finally:
-        be.shared_expert_at, be.ffn_mixes_apart = "early", True
+        be.shared_expert_at, be.ffn_mixes_apart, be.graphs = "early", True, graphs
     want = got["early", True]
     assert np.isfinite(want).all()
     assert be.scr_mix, "the mix stream's launchers made no scratch of their own"
@@ -183,6 +185,34 @@ def test_micro_shared_expert_placement_refuses_unknown_values(micro):
     with pytest.raises(ValueError, match=r"ffn_mixes_apart 'yes': expected True or False"):
         be.ffn_mixes_apart = "yes"
     assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
+
+
+def test_micro_l2_prefetch_gives_the_same_bits(micro, monkeypatch):
+    """`l2_prefetch` asks L2 for each layer's wo_a / wo_b and the next layer's wq_a / wq_b on the mix stream (joined
+    before the FFN's hc_post, with or without the FFN's mixes there) without changing a bit, eager (as the
+    placements' test); unknown names are refused."""
+    from kernels import prefetch
+    _, cuda = micro
+    be = cuda.backend
+    asked = []
+    real = prefetch.l2_prefetch
+    monkeypatch.setattr(prefetch, "l2_prefetch", lambda ws, stream=0: (asked.append(len(ws)), real(ws, stream))[1])
+    graphs, be.graphs = be.graphs, False
+    want = cuda.logits([0], split=0)
+    assert not asked and be.l2_prefetch == ()
+    n = be.cfg.n_layers
+    try:
+        be.l2_prefetch = ("wo", "wq")
+        for apart in (True, False):
+            be.ffn_mixes_apart = apart
+            asked.clear()
+            np.testing.assert_array_equal(cuda.logits([0], split=0), want, err_msg=f"apart={apart}")
+            assert asked == [2] * (2 * n - 1), asked
+        with pytest.raises(ValueError, match=r"l2_prefetch 'wk': expected names among wo, wq"):
+            be.l2_prefetch = ("wo", "wk")
+        assert be.l2_prefetch == ("wo", "wq")
+    finally:
+        be.l2_prefetch, be.ffn_mixes_apart, be.graphs = (), True, graphs
 
 
 def test_micro_decode_steps_match_cpu(micro):
