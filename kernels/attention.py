@@ -47,6 +47,7 @@ from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit, q4k_gemv
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+from kernels.mma import load4_device
 from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import im_stage_lane_device
 from kernels.rope import rope_pair_value_device
@@ -64,12 +65,15 @@ assert HEADS_PER_BLOCK == THREADS // WARP
 ROWS_PER_QUAD = 4            # most rows per quad of lanes in the score kernel (the launcher picks 1, 2 or 4)
 SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score block
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
+LOAD4_ALIGN = None if SIM else 16    # q_sh, read by load4_device (LDS.128), starts on 16 bytes
 SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer rows per quad until it gets there)
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
 SCORE_GROUP = 8              # key words of a row a lane loads before it multiplies them (written out in the kernel)
 assert HEADS_PER_BLOCK == 4  # the score kernel's four head sums are scalars (_score_word_device)
 DH_MAX = 512
+Q_SH = HEADS_PER_BLOCK * DH_MAX   # the score kernel's staged queries (floats)
 VALUE_TILE = 128             # rows staged per step of the value kernel
+E_SH = VALUE_TILE * HEADS_PER_BLOCK   # its staged weights (floats), a row's 4 heads together
 VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
 VALUE_GROUP = 8              # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0)
 SOFTMAX_LOADS = 8            # scores a lane loads at once for the softmax's max and denominator
@@ -151,17 +155,22 @@ def _key_row_device(win_idx, cmp_idx, t, r):
 
 @cuda.jit(device=True, inline=True)
 def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
-    """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h."""
+    """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h. q_sh
+    holds head h's query at h * DH_MAX: a head's 4 values are one 16-byte shared load (load4_device)."""
     if w < nw:
         k0 = bf16x4_device(word, 0)
         k1 = bf16x4_device(word, 1)
         k2 = bf16x4_device(word, 2)
         k3 = bf16x4_device(word, 3)
         i = 4 * w
-        a0 += q_sh[0, i] * k0 + q_sh[0, i + 1] * k1 + q_sh[0, i + 2] * k2 + q_sh[0, i + 3] * k3
-        a1 += q_sh[1, i] * k0 + q_sh[1, i + 1] * k1 + q_sh[1, i + 2] * k2 + q_sh[1, i + 3] * k3
-        a2 += q_sh[2, i] * k0 + q_sh[2, i + 1] * k1 + q_sh[2, i + 2] * k2 + q_sh[2, i + 3] * k3
-        a3 += q_sh[3, i] * k0 + q_sh[3, i + 1] * k1 + q_sh[3, i + 2] * k2 + q_sh[3, i + 3] * k3
+        q0, q1, q2, q3 = load4_device(q_sh, i)
+        a0 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+        q0, q1, q2, q3 = load4_device(q_sh, DH_MAX + i)
+        a1 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+        q0, q1, q2, q3 = load4_device(q_sh, 2 * DH_MAX + i)
+        a2 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+        q0, q1, q2, q3 = load4_device(q_sh, 3 * DH_MAX + i)
+        a3 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
     return a0, a1, a2, a3
 
 
@@ -183,7 +192,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
     n_rows = z.shape[2]
     first = dh // 2 - cos.shape[1]                # the first rotating pair
     pos = positions[t] if has_rope else 0         # loaded once, before q (the tables' row)
-    q_sh = cuda.shared.array((HEADS_PER_BLOCK, DH_MAX), np.float32)
+    q_sh = cuda.shared.array(Q_SH, np.float32, alignment=LOAD4_ALIGN)   # head hh's query at hh * DH_MAX
     red = cuda.shared.array((QUAD_SUMS, THREADS), np.float32)
     for hh in range(HEADS_PER_BLOCK):             # head by head: no 64-bit division of a flat index
         for k in range(tid, dh, THREADS):
@@ -192,7 +201,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             if has_rope and p >= 0:
                 other = q[t, h0 + hh, k ^ 1]
                 v = rope_pair_value_device(v, other, k % 2 == 1, cos[pos, p], sin[pos, p])
-            q_sh[hh, k] = v
+            q_sh[hh * DH_MAX + k] = v
     cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
     last = nw - 1
@@ -326,7 +335,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     if lane == 0:
         m_sh[tid // WARP] = m
     cuda.syncthreads()
-    e_sh = cuda.shared.array((HEADS_PER_BLOCK, VALUE_TILE), np.float32)
+    e_sh = cuda.shared.array(E_SH, np.float32, alignment=LOAD4_ALIGN)   # row k's 4 heads' weights at 4k (one LDS.128)
     k_sh = cuda.shared.array(VALUE_TILE, np.int64)
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
     acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
@@ -344,7 +353,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
         for hh in range(HEADS_PER_BLOCK):         # head by head: no 64-bit division of a flat index
             mh = m_sh[hh]
             for k in range(tid, n, THREADS):
-                e_sh[hh, k] = round_bf16_device(exp_f32_device(z[t, h0 + hh, base + k] - mh))
+                e_sh[HEADS_PER_BLOCK * k + hh] = round_bf16_device(exp_f32_device(z[t, h0 + hh, base + k] - mh))
         cuda.syncthreads()
         if tid < nw:
             for k0 in range(0, n, VALUE_GROUP):
@@ -359,8 +368,9 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
                         v1 = bf16x4_device(word, 1)
                         v2 = bf16x4_device(word, 2)
                         v3 = bf16x4_device(word, 3)
+                        es = load4_device(e_sh, HEADS_PER_BLOCK * (k0 + g))
                         for hh in range(HEADS_PER_BLOCK):
-                            e = e_sh[hh, k0 + g]
+                            e = es[hh]
                             acc[hh, 0] += e * v0
                             acc[hh, 1] += e * v1
                             acc[hh, 2] += e * v2
