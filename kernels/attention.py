@@ -18,8 +18,9 @@ rows_per_group).
 
 Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for prefill chunks):
 1. scores: a block owns 32 x rows_per_quad rows x 4 heads (rows_per_quad 4, or 2 or 1 when a decode step would
-   leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory, each row's key is
-   read once (8-byte words, 4 BF16) by a quad of lanes and used for 4 heads; quads combine through shared.
+   leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory (a head's 4 values
+   of a key word one 16-byte load), each row's key is read once (8-byte words, 4 BF16) by a quad of lanes and used
+   for 4 heads; quads combine through shared.
    Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
    query path then has no launch of its own for it.
 2. softmax and values in one kernel: a block owns 4 heads x all Dh dims of a split of the rows. Warp w first
