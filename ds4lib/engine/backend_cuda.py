@@ -377,29 +377,29 @@ class CudaBackend:
             x = gemv.act_quant_fp8(x, out=self._buf("lin_xq_side" if side else "lin_xq", tuple(x.shape)), stream=s)
         return gemv.gemv(x, lin.w, out_bf16=bf16, rows_per_group=rpg, out=out, stream=s)
 
+    @staticmethod
+    def _after(event, first, then):
+        """Work queued on stream `then` from here on starts after everything queued on `first` so far (nothing to do
+        where they are one stream: the simulator's, or --one-stream's)."""
+        if then is not first:
+            event.record(first)
+            event.wait(then)
+
     def _fork(self):
-        """Work queued on the side stream from here on starts after everything queued on the main stream so far."""
-        if self.side is not self.stream:
-            self._events[0].record(self.stream)
-            self._events[0].wait(self.side)
+        """The side stream from here on after the main stream so far."""
+        self._after(self._events and self._events[0], self.stream, self.side)
 
     def _join(self):
-        """Work queued on the main stream from here on starts after everything queued on the side stream so far."""
-        if self.side is not self.stream:
-            self._events[1].record(self.side)
-            self._events[1].wait(self.stream)
+        """The main stream from here on after the side stream so far."""
+        self._after(self._events and self._events[1], self.side, self.stream)
 
     def _fork_mix(self):
-        """Work queued on the mix stream from here on starts after everything queued on the main stream so far."""
-        if self.mix is not self.stream:
-            self._mix_events[0].record(self.stream)
-            self._mix_events[0].wait(self.mix)
+        """The mix stream from here on after the main stream so far."""
+        self._after(self._mix_events and self._mix_events[0], self.stream, self.mix)
 
     def _join_mix(self):
-        """Work queued on the main stream from here on starts after everything queued on the mix stream so far."""
-        if self.mix is not self.stream:
-            self._mix_events[1].record(self.mix)
-            self._mix_events[1].wait(self.stream)
+        """The main stream from here on after the mix stream so far."""
+        self._after(self._mix_events and self._mix_events[1], self.mix, self.stream)
 
     def _prefetch(self, what, lins):
         """Ask L2 for the byte weights of `lins` on the mix stream, forked here, when `what` is in l2_prefetch
