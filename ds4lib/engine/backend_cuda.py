@@ -401,11 +401,13 @@ class CudaBackend:
         """The main stream from here on after the mix stream so far."""
         self._after(self._mix_events and self._mix_events[1], self.mix, self.stream)
 
-    def _prefetch(self, what, lins):
-        """Ask L2 for the byte weights of `lins` on the mix stream, forked here, when `what` is in l2_prefetch
-        (joined with the mix stream before the FFN's hc_post)."""
-        ws = [lin.w for lin in lins if lin.w.dtype == np.uint8]
-        if what in self._l2_prefetch and ws:
+    def _prefetch(self, what, l, names):
+        """When `what` is in l2_prefetch: ask L2 for layer l's weights `names` (those it has, held as file bytes) on
+        the mix stream, forked here (and joined with it before the FFN's hc_post)."""
+        if what not in self._l2_prefetch:
+            return
+        ws = [self.L[l][n].w for n in names if n in self.L[l] and self.L[l][n].w.dtype == np.uint8]
+        if ws:
             self._fork_mix()
             prefetch.l2_prefetch(ws, stream=self.mix)
 
@@ -1140,7 +1142,7 @@ class CudaBackend:
             if self.roles[l].ratio and self.roles[l].owns_indexer:     # the indexer's head weights read x only
                 wts = self._index_weights(l, x, side=True)
         xq, qr, q3 = self._query(l, c, x, xq)
-        self._prefetch("wo", (self.L[l]["attn.wo_a.weight"], self.L[l]["attn.wo_b.weight"]))
+        self._prefetch("wo", l, ("attn.wo_a.weight", "attn.wo_b.weight"))
         self._join()
         if beside is not None:
             beside()
@@ -1412,7 +1414,7 @@ class CudaBackend:
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False, staged=staged,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
         if l + 1 < cfg.n_layers:                         # the next layer's query projections, beside the rest
-            self._prefetch("wq", (self.L[l + 1]["attn.wq_a.weight"], self.L[l + 1]["attn.wq_b.weight"]))
+            self._prefetch("wq", l + 1, ("attn.wq_a.weight", "attn.wq_b.weight"))
         ye = vq_gemv.vq_gemv(gu[0], plan, *vq, mats=(1,), shape=(D, F), x_div=1, scale=w["vq_scale"], quantize=True,
                              swiglu=(gu[1], rw.reshape(T * K), cfg.swiglu_limit),
                              out=self._buf("vq_ye", (1, T * K, D)), scratch=self.scr, stream=s)
