@@ -55,6 +55,9 @@
 #   priority  the same, graph only, with DS4_CUDA_PRIORITY=1: the main stream at the highest priority, the side
 #             stream at the lowest, captured into the graph's nodes (the twenty-ninth session's; not in the default
 #             list: name it, e.g. DS4_PARTS=decode,priority DS4_ROUNDS=3)
+#   prefetch  the same, graph only, with --l2-prefetch for each of DS4_PREFETCH's space-separated sets (default "wo
+#             wq wo,wq"): weights asked of L2 ahead of their GEMVs (the thirtieth session's kernels.prefetch; not in
+#             the default list: e.g. DS4_PARTS=decode,prefetch DS4_ROUNDS=2)
 #   vq        bench/dev/vq_probe.py at 13 and 12 bits, and bench/dev/q4k_probe.py --time on the FP8 (mma) and FP32
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
@@ -207,6 +210,12 @@ done
 if want priority; then
     run "decode, stream priorities on$S" 110 priority.log env DS4_CUDA_PRIORITY=1 $PY "${AB_DECODE[@]}" \
         --out "$OUT/decode_priority$S.jsonl"
+fi
+if want prefetch; then
+    for set in ${DS4_PREFETCH:-wo wq wo,wq}; do
+        run "decode, L2 prefetch $set$S" 110 prefetch.log $PY "${AB_DECODE[@]}" --l2-prefetch "$set" \
+            --out "$OUT/decode_prefetch_${set//,/_}$S.jsonl"
+    done
 fi
 done
 if want vq; then
