@@ -63,7 +63,8 @@
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
 #             are meant to keep the bits)
 #   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2; each kernel's events also in
-#             timeline_pdl0.jsonl, ~2,400 lines): with programmatic edges a kernel's traced
+#             timeline_pdl0.jsonl, ~2,400 lines, and their critical path in critical_path.txt,
+#             bench/dev/critical_path.py): with programmatic edges a kernel's traced
 #             time includes its wait for the one before, so only this table gives each kernel's own time
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
@@ -235,6 +236,8 @@ if want trace; then
     run "trace (DS4_CUDA_PDL=0)" "${DS4_TRACE_CAP:-90}" trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py \
         --contexts 1024 --rounds 1 --trace-steps 2 "${BENCH_ARGS[@]}" --out "$OUT/trace_pdl0.jsonl" \
         --timeline-out "$OUT/timeline_pdl0.jsonl"
+    [ -s "$OUT/timeline_pdl0.jsonl" ] && run "critical path of the trace" 30 critical_path.txt \
+        $PY bench/dev/critical_path.py "$OUT/timeline_pdl0.jsonl" --steps 2
 fi
 if want engine; then
     run engine "${DS4_ENGINE_CAP:-150}" pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
