@@ -48,7 +48,7 @@ from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit, q4k_gemv
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
-from kernels.mma import load4_device
+from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import im_stage_lane_device
 from kernels.rope import rope_pair_value_device
@@ -66,7 +66,6 @@ assert HEADS_PER_BLOCK == THREADS // WARP
 ROWS_PER_QUAD = 4            # most rows per quad of lanes in the score kernel (the launcher picks 1, 2 or 4)
 SCORE_ROWS = THREADS // 4 * ROWS_PER_QUAD          # at most 128 rows per score block
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
-LOAD4_ALIGN = None if SIM else 16    # q_sh, read by load4_device (LDS.128), starts on 16 bytes
 SCORE_BLOCKS = 1 if SIM else 256   # the score grid the launcher aims for (fewer rows per quad until it gets there)
 QUAD_SUMS = ROWS_PER_QUAD * HEADS_PER_BLOCK        # partial dot products per lane
 SCORE_GROUP = 8              # key words of a row a lane loads before it multiplies them (written out in the kernel)

@@ -60,11 +60,12 @@ __all__ = ["mma_e4m3_device", "mma_e4m3_f16_device", "mma_e4m3_f16h_device", "mm
            "e4m3x8_to_f16x2_device", "byte_perm_device",
            "load4_device", "load_at_device",
            "e4m3x8_to_f16_kernel", "byte_perm_kernel", "mma_e4m3_pair_kernel",
-           "MMA_EX_WORDS", "SIGNATURES"]
+           "MMA_EX_WORDS", "LOAD4_ALIGN", "SIGNATURES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
 MMA_EX_WORDS = 6                 # uint32 registers a lane publishes in the simulator (a0..a3, b0, b1)
+LOAD4_ALIGN = None if SIM else 16   # the alignment of a shared array read by load4_device (LDS.128)
 
 
 if SIM:

@@ -74,8 +74,8 @@ from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, roun
 from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
                          quant8_device, rint_step_device)
 from kernels.gemv import act_quant_fp8
-from kernels.mma import (MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, load_at_device,
-                         mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
+from kernels.mma import (LOAD4_ALIGN, MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device,
+                         load_at_device, mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.rms_norm import row_scale_words_device
 from kernels.warp import group_amax_device, quad_max_device, quad_sum_device, warp_sum_device, warp_tree_sum_device
@@ -90,7 +90,6 @@ __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "
            "EARLY_READS"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
-LOAD4_ALIGN = None if SIM else 16                 # a shared array read by load4_device (LDS.128) starts 16-aligned
 WARP = 32
 WARPS_PER_BLOCK = 4
 THREADS_ROWS = 128
