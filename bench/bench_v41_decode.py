@@ -100,9 +100,6 @@ def _args(argv=None):
     a.warm = a.warm if a.warm is not None else 0 if small else 3
     a.trace_steps = a.trace_steps if a.trace_steps is not None else (0 if small else 5)
     a.roofline_gib = a.roofline_gib if a.roofline_gib is not None else (1 / 1024 if small else 2.0)
-    bad = [n for n in a.l2_prefetch.split(",") if n and n not in ("wo", "wq")]
-    if bad:
-        p.error(f"--l2-prefetch: {bad[0]!r} is not wo or wq")
     return a
 
 
@@ -665,7 +662,11 @@ def table(run, rows):
 
 
 def main():
+    from ds4lib.engine.backend_cuda import L2_PREFETCH
     from ds4lib.quant.plan import parse_bits_plan
+    bad = [n for n in ARGS.l2_prefetch.split(",") if n and n not in L2_PREFETCH]
+    if bad:                                             # before the weights are made: the backend's own names
+        sys.exit(f"bench_v41_decode: --l2-prefetch: {bad[0]!r} is not among {', '.join(L2_PREFETCH)}")
     lines = []
     cfg = small_config() if SIM else ModelConfig.v41_flash()
     if ARGS.experts is not None:
