@@ -436,8 +436,8 @@ class Env:
     0 keeps default edges: the same kernels, launched only when their predecessors have finished).
     `cuda_priority`: the CUDA backend's main stream at the device's highest stream priority and its side stream at
     the lowest, and its graphs run their kernel nodes at the priorities captured from those streams, so that when
-    both have blocks waiting for an SM the critical path's go first (DS4_CUDA_PRIORITY, default off: not yet timed
-    on a whole step; the same kernels, the same bits)."""
+    both have blocks waiting for an SM the critical path's go first (DS4_CUDA_PRIORITY, default off: on an H100 it
+    made a V4.1 step 0.14-0.22 ms slower, BENCHMARKS.md, thirtieth session; the same kernels, the same bits)."""
 
     require_cuda: bool
     cache_dir: Path
