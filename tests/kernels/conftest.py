@@ -1,6 +1,8 @@
 """Kernel tests run three ways: under the CUDA simulator (CI), compiled for sm_90 without a GPU
 (test_compile_sm90.py, in a subprocess), and on a real GPU with DS4_REQUIRE_CUDA=1, where a skipped
-CUDA test is an error."""
+CUDA test is an error. A test that only the simulator can run (it records device calls through a Python stand-in,
+or tests the simulator's shim) is marked `simulator`: outside the simulator it is deselected, never skipped, so that
+a GPU run of its file still holds every other test to running."""
 import os
 
 import pytest
@@ -11,6 +13,15 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 if SIMULATOR:
     from tests.kernels.cudasim_shim import install
     install()
+
+
+def pytest_collection_modifyitems(config, items):
+    if SIMULATOR:
+        return
+    sim_only = [item for item in items if item.get_closest_marker("simulator")]
+    if sim_only:
+        config.hook.pytest_deselected(items=sim_only)
+        items[:] = [item for item in items if not item.get_closest_marker("simulator")]
 
 
 def pytest_runtest_makereport(item, call):

@@ -6,9 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tests.kernels.conftest import SIMULATOR
-
-pytestmark = pytest.mark.skipif(not SIMULATOR, reason="tests the CUDA simulator's shim")
+pytestmark = pytest.mark.simulator                 # tests the CUDA simulator's shim
 
 
 @cuda.jit

@@ -2,14 +2,11 @@
 it runs on a GPU without changing anything."""
 import numpy as np
 import pytest
-from numba.cuda.core import config as _cuda_config
 
 import kernels.prefetch as pf
 
-SIM = bool(_cuda_config.ENABLE_CUDASIM)
 
-
-@pytest.mark.skipif(not SIM, reason="records the device function's calls through the simulator")
+@pytest.mark.simulator             # records the device function's calls through a Python stand-in
 @pytest.mark.parametrize("n0,n1", [(3 * pf.CHUNK + 144, 0),              # a tail chunk, one array
                                    (144 * 9, 5 * pf.CHUNK),              # a short first array, a long second
                                    (pf.CHUNK * pf.BLOCKS * pf.THREADS + 32, 48)])   # more chunks than threads
