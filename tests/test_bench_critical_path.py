@@ -13,7 +13,8 @@ _spec.loader.exec_module(cp)
 
 
 def _row(kernel, start, dur, stream, grid=(1, 1, 1), context=1024):
-    return {"context": context, "kernel": kernel, "op": "x", "grid": list(grid), "block": [128, 1, 1],
+    """A row as bench_v41_decode.py's timeline_rows writes it (grid and block as "A,B,C")."""
+    return {"context": context, "kernel": kernel, "op": "x", "grid": ",".join(map(str, grid)), "block": "128,1,1",
             "stream": stream, "start_us": start, "dur_us": dur}
 
 
@@ -36,8 +37,12 @@ def test_the_report_gives_each_kernels_chain_time_a_step():
     assert rep["span_us"] == 45.0                         # 0 .. 90 over 2 steps
     assert rep["chain_us"] == 38.5                        # 10 + 19.5 + 9
     assert rep["gap_us"] == 6.5                           # 0.5 + 1 a step, and 10 between the steps, halved
-    assert rep["kernels"] == [["shared", "288x1x1", 19.5, 19.5, 1.0, 1.0], ["norm", "1x1x1", 10.0, 10.0, 1.0, 1.0],
-                              ["post", "1x1x1", 9.0, 9.0, 1.0, 1.0], ["route", "1x1x1", 0.0, 8.0, 0.0, 1.0]]
+    # waits: shared 0.5 after norm, post 1 after shared, norm (second step) 10 after post: halved
+    assert rep["kernels"] == [["shared", "288x1x1", 19.5, 19.5, 1.0, 1.0, 0.5],
+                              ["norm", "1x1x1", 10.0, 10.0, 1.0, 1.0, 5.0],
+                              ["post", "1x1x1", 9.0, 9.0, 1.0, 1.0, 1.0], ["route", "1x1x1", 0.0, 8.0, 0.0, 1.0, 0.0]]
+    as_lists = [{**r, "grid": [int(v) for v in r["grid"].split(",")]} for r in ROWS]
+    assert cp.report(as_lists, steps=2) == rep                # a grid given as a list reads the same
 
 
 def test_a_start_within_the_slack_of_an_end_still_chains():

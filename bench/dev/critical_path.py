@@ -8,8 +8,8 @@ The rows hold no graph edges, so the chain is inferred backwards in time: from t
 goes to the event that ended last at or before the current one's start (within --slack µs of clock jitter), on any
 stream. Under graph replay without programmatic edges a kernel starts only once its last dependency has ended, so
 that event is, as a rule, the dependency it waited for. The table gives, per kernel and launch shape, the µs a
-step it spends on that chain against its µs a step in all, and the gaps between chained events (launch latency and
-what the trace does not show). A kernel whose time is mostly off the chain (a side stream's) costs the step nothing
+step it spends on that chain against its µs a step in all, and the chain's idle time before its chained calls
+(launch latency, blocks waiting for room on the SMs, and what the trace does not show). A kernel whose time is mostly off the chain (a side stream's) costs the step nothing
 until it lands on it: the thirtieth session's MoE section had the side stream's shared expert and mixes on it."""
 import argparse
 import bisect
@@ -43,24 +43,34 @@ def chain(rows, slack_us=0.5):
 
 
 def _shape(r):
-    return (r["kernel"], "x".join(str(v) for v in r.get("grid") or []))
+    """(kernel, grid as "AxBxC"): bench_v41_decode.py writes the grid as "A,B,C"; a list is taken too."""
+    grid = r.get("grid") or ()
+    if isinstance(grid, str):
+        grid = grid.split(",")
+    return (r["kernel"], "x".join(str(v).strip() for v in grid))
 
 
 def report(rows, steps=1, slack_us=0.5):
-    """{"span_us", "chain_us", "gap_us", "kernels": [[kernel, grid, chain µs, all µs, chained calls, calls]...]}, µs a
-    step (divided by `steps`), kernels by chain time, largest first."""
+    """{"span_us", "chain_us", "gap_us", "kernels": [[kernel, grid, chain µs, all µs, chained calls, calls, wait µs]
+    ...]}, µs a step (divided by `steps`), kernels by chain time, largest first. `wait µs`: the chain's idle time just
+    before the kernel's chained calls (from its predecessor's end to its start): a kernel whose blocks found no room
+    (another stream's blocks holding the SMs) shows it there."""
     c = chain(rows, slack_us)
     on, every = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(lambda: [0.0, 0])
+    wait = collections.defaultdict(float)
     for r in rows:
         every[_shape(r)][0] += r["dur_us"]
         every[_shape(r)][1] += 1
     for r in c:
         on[_shape(r)][0] += r["dur_us"]
         on[_shape(r)][1] += 1
-    gap = sum(max(0.0, b["start_us"] - _end(a)) for a, b in zip(c, c[1:]))
+    for a, b in zip(c, c[1:]):
+        wait[_shape(b)] += max(0.0, b["start_us"] - _end(a))
+    gap = sum(wait.values())
     span = (_end(c[-1]) - c[0]["start_us"]) if c else 0.0
     kernels = sorted(([k, g, round(on[(k, g)][0] / steps, 2), round(every[(k, g)][0] / steps, 2),
-                       on[(k, g)][1] / steps, every[(k, g)][1] / steps] for (k, g) in every),
+                       on[(k, g)][1] / steps, every[(k, g)][1] / steps, round(wait[(k, g)] / steps, 2)]
+                      for (k, g) in every),
                      key=lambda row: (-row[2], -row[3], row[0], row[1]))
     return {"span_us": round(span / steps, 2), "chain_us": round(sum(r["dur_us"] for r in c) / steps, 2),
             "gap_us": round(gap / steps, 2), "kernels": kernels}
@@ -89,9 +99,9 @@ def main(argv=None):
     rep = report(rows, a.steps, a.slack)
     print(f"context {ctx}: span {rep['span_us']} µs a step, {rep['chain_us']} µs of it in chained kernels, "
           f"{rep['gap_us']} µs in gaps between them")
-    print(f"{'kernel':>32} {'grid':>10} {'chain us':>9} {'all us':>9} {'chained':>8} {'calls':>6}")
-    for k, g, c_us, all_us, n_on, n in rep["kernels"][:a.top]:
-        print(f"{k:>32} {g:>10} {c_us:>9} {all_us:>9} {n_on:>8g} {n:>6g}")
+    print(f"{'kernel':>32} {'grid':>12} {'chain us':>9} {'all us':>9} {'chained':>8} {'calls':>6} {'wait us':>8}")
+    for k, g, c_us, all_us, n_on, n, w_us in rep["kernels"][:a.top]:
+        print(f"{k:>32} {g:>12} {c_us:>9} {all_us:>9} {n_on:>8g} {n:>6g} {w_us:>8}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"context": ctx, "steps": a.steps, **rep}, f)
