@@ -35,7 +35,7 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
 4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
    (`inverse_rope`, kernels.rope's arithmetic) and the window ring's write after the attention read it (`window`,
    window_write's stores): one launch fewer per layer each; and the output staged for the output projection's
-   integer tensor-core path (`im_stage`, kernels.q4k_gemv.im_stage_lane_device: wo_a's q4k_im_stage launch).
+   integer tensor-core path (`im_stage`, kernels.im_operand.im_stage_lane_device: wo_a's q4k_im_stage launch).
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
 Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
@@ -46,11 +46,11 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, q4k_gemv
+from kernels import bounded_jit, im_operand
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
+from kernels.im_operand import im_stage_lane_device
 from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
-from kernels.q4k_gemv import im_stage_lane_device
 from kernels.rope import rope_pair_value_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.warp import warp_tree_sum_device
@@ -541,7 +541,7 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     query, and the scores use it rotated as `rope.rope(q, positions, cos, sin)` would leave it, without that launch
     (q itself is left as it is). `window` = (kv [T, Dh], positions [T], ring, ring_pos): after attending, the window
     ring is written as `window_write(*window)` would write it, by the combine kernel (one launch fewer; the ring
-    may be what win_keys views). `im_stage` = (digits, pairs) of kernels.q4k_gemv.im_stage_shapes(T, H * Dh): the
+    may be what win_keys views). `im_stage` = (digits, pairs) of kernels.im_operand.im_stage_shapes(T, H * Dh): the
     output is also staged for the output projection's integer path as `q4k_gemv.im_stage(out.reshape(T, H * Dh),
     quantize=False)` would stage it (finite outputs: bit for bit), for q4k_gemv(..., staged=im_stage); out must then
     be C-contiguous."""
@@ -596,7 +596,7 @@ def sparse_attention(q, win_keys, win_idx, cmp_keys, cmp_idx, sink, scale, out=N
     else:
         if not out.is_c_contiguous() or dh % WARP:
             raise ValueError("sparse_attention: im_stage needs a C-contiguous out and Dh % 32 == 0")
-        q4k_gemv.check_im_staged(im_stage, n_tok, n_heads * dh, "sparse_attention")
+        im_operand.check_im_staged(im_stage, n_tok, n_heads * dh, "sparse_attention")
         xd, ps = im_stage
     attn_combine_kernel[_blocks(n_tok * n_heads * dh), THREADS, stream](part, den, positions, cos, sin,
                                                                        inverse_rope is not None, kv, kv_pos, ring,

@@ -70,22 +70,23 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from kernels import bounded_jit
-from kernels.bf16 import bits_f32, f16_bits_device, f32_bits, f32x2_device, round_bf16_device
+from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
 from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
-                         quant8_device, rint_step_device)
+                         quant8_device)
 from kernels.gemv import act_quant_fp8
+from kernels.im_operand import (FLT_MAX, check_im_staged, im_bytes4_device, im_int_device, im_scale_device,
+                                im_stage_lane_device, im_stage_shapes)
 from kernels.mma import (LOAD4_ALIGN, MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device,
                          load_at_device, mma_e4m3_f16h_device, mma_u8s8_device, mma_u8u8_device)
 from kernels.pdl import grid_entry_device
 from kernels.rms_norm import row_scale_words_device
-from kernels.warp import group_amax_device, quad_max_device, quad_sum_device, warp_sum_device, warp_tree_sum_device
-from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
+from kernels.warp import quad_max_device, quad_sum_device, warp_sum_device
+from kernels.scratch import scratch_array as _scratch, scratch_arrays
 from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_imma_t1s_kernel",
-           "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "im_stage_shapes",
-           "im_stage_lane_device", "check_im_staged", "mma_splits", "mma_part_rows", "mma_part_bytes",
+           "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "mma_splits", "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS",
            "EARLY_READS"]
 
@@ -738,15 +739,12 @@ IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is 
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
-IM_E_TOP = 21                  # a block of 32 is scaled so that its largest |x| / p lies in [2^21, 2^22)
 IM_FP8_MIN_ROWS = 4096         # FP8-grid activations take this path for matrices of at least this many rows and
 IM_FP8_MIN_SB = 16             # super-blocks a row; the others keep q4k_mma (on the H200 only V4.1's wo_b gains:
                                # 21.1 -> 18.3 us; wq_b, K = 1,280, went 17.6 -> 23.6). A function of the shape
                                # alone, so a token's bits are the same in decode and batched calls
 IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
 IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
-INT_MAGIC = np.float32(12582912.0)                # 1.5 * 2^23: rint_step_device's magic for a step of 1
-FLT_MAX = np.float32(3.4028234663852886e38)
 
 if SIM:
     @cuda.jit(device=True)
@@ -765,63 +763,6 @@ else:
         """v of lane 4g + src (src 0..3) in every lane of quad g (a 64-bit shuffle: two 32-bit ones; `xch` unused)."""
         lane = cuda.threadIdx.x % WARP
         return np.uint64(cuda.shfl_sync(0xFFFFFFFF, np.int64(v), lane - lane % 4 + src))
-
-
-@cuda.jit(device=True, inline=True)
-def _im_int_device(v, inv):
-    """round(v * inv) as int32 (v * inv exact: inv a power of two; |v * inv| < 2^22, ties to even); 0 if not finite."""
-    s = v * inv
-    if not abs(s) <= FLT_MAX:
-        return np.int32(0)
-    return np.int32(rint_step_device(s, INT_MAGIC))
-
-
-@cuda.jit(device=True, inline=True)
-def _im_scale_device(am):
-    """(p, 1 / p) of a block whose largest |x| is am: max |x| / p in [2^IM_E_TOP, 2^(IM_E_TOP+1)), p = 1 for am = 0,
-    2^-126 <= p <= 2^126."""
-    e = np.int32(f32_bits(am) >> np.uint32(23)) - 127 - IM_E_TOP
-    e = min(max(e, -126), 126) if am != np.float32(0.0) else 0
-    return bits_f32(np.uint32(e + 127) << np.uint32(23)), bits_f32(np.uint32(127 - e) << np.uint32(23))
-
-
-@cuda.jit(device=True, inline=True)
-def im_stage_lane_device(v, blk, lane, live, xd, ps):
-    """q4k_im_stage_kernel's output (raw = False) for one input, from a producer whose warp holds an aligned block of
-    32 FP32 activations, one a lane: v, input `lane` of block `blk` of the flat [T * kx] activations (`live`: a real
-    input, else v is 0 and nothing is written). The block's max |v| and its non-finite flag by warp reductions, p and
-    X = round(v / p) as the staging kernel forms them (_im_scale_device, _im_int_device); the block's X summed over
-    the warp (an exact integer: the same value in any order); lanes 4i gather the X of lanes 4i .. 4i + 3 and write
-    their d0, d1, d2 bytes and a zero word into job 4 blk + i // 2's eight words (its inputs 0-3 from lane 8j, 4-7
-    from lane 8j + 4); lane 0 writes (p, sum), p NaN when the block holds a NaN or an infinity. The same bits as the
-    staging kernel for finite blocks (tests/kernels/test_attention.py); in a non-finite block the digits may differ
-    (the max of a NaN is taken in another order) but p is NaN either way, so are its rows' outputs. Every lane of the
-    warp calls it (shuffles)."""
-    fin = abs(v) <= FLT_MAX
-    bad = group_amax_device(np.float32(0.0) if fin else np.float32(1.0), WARP) > np.float32(0.0)
-    p, inv = _im_scale_device(group_amax_device(v if fin else np.float32(0.0), WARP))
-    x = _im_int_device(v, inv)
-    sm = warp_tree_sum_device(x)                             # lane 0's: exact, as the quads' sum
-    x1 = cuda.shfl_down_sync(0xFFFFFFFF, x, 1)
-    x2 = cuda.shfl_down_sync(0xFFFFFFFF, x, 2)
-    x3 = cuda.shfl_down_sync(0xFFFFFFFF, x, 3)
-    if live and lane % 4 == 0:
-        o = np.uint64(32 * blk + 8 * (lane // 8) + (lane % 8) // 4)
-        xd[o] = _im_bytes4_device(x, x1, x2, x3, 0)
-        xd[o + np.uint64(2)] = _im_bytes4_device(x, x1, x2, x3, 8)
-        xd[o + np.uint64(4)] = _im_bytes4_device(x, x1, x2, x3, 16)
-        xd[o + np.uint64(6)] = np.uint32(0)
-    if live and lane == 0:
-        ps[np.uint64(2 * blk)] = np.float32(np.nan) if bad else p
-        ps[np.uint64(2 * blk + 1)] = np.float32(sm)
-
-
-@cuda.jit(device=True, inline=True)
-def _im_bytes4_device(a, b, c, d, shift):
-    """Byte (x >> shift) & 255 of four int32 values packed low first (two's complement: a signed digit's byte)."""
-    m = np.int32(255)
-    return (np.uint32((a >> shift) & m) | (np.uint32((b >> shift) & m) << np.uint32(8))
-            | (np.uint32((c >> shift) & m) << np.uint32(16)) | (np.uint32((d >> shift) & m) << np.uint32(24)))
 
 
 @cuda.jit(cache=True)
@@ -848,18 +789,18 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
     fin = ((abs(v0) <= FLT_MAX and abs(v1) <= FLT_MAX) and (abs(v2) <= FLT_MAX and abs(v3) <= FLT_MAX)
            and (abs(v4) <= FLT_MAX and abs(v5) <= FLT_MAX) and (abs(v6) <= FLT_MAX and abs(v7) <= FLT_MAX))
     bad = quad_max_device(np.float32(0.0) if fin else np.float32(1.0), red[w]) > np.float32(0.0)
-    p, inv = _im_scale_device(am)
-    i0, i1, i2, i3 = _im_int_device(v0, inv), _im_int_device(v1, inv), _im_int_device(v2, inv), _im_int_device(v3, inv)
-    i4, i5, i6, i7 = _im_int_device(v4, inv), _im_int_device(v5, inv), _im_int_device(v6, inv), _im_int_device(v7, inv)
+    p, inv = im_scale_device(am)
+    i0, i1, i2, i3 = im_int_device(v0, inv), im_int_device(v1, inv), im_int_device(v2, inv), im_int_device(v3, inv)
+    i4, i5, i6, i7 = im_int_device(v4, inv), im_int_device(v5, inv), im_int_device(v6, inv), im_int_device(v7, inv)
     sm = quad_sum_device(((i0 + i1) + (i2 + i3)) + ((i4 + i5) + (i6 + i7)), redi[w])   # exact integers
     if ok:
         o = 8 * jj
-        xd[o] = _im_bytes4_device(i0, i1, i2, i3, 0)
-        xd[o + 1] = _im_bytes4_device(i4, i5, i6, i7, 0)
-        xd[o + 2] = _im_bytes4_device(i0, i1, i2, i3, 8)
-        xd[o + 3] = _im_bytes4_device(i4, i5, i6, i7, 8)
-        xd[o + 4] = _im_bytes4_device(i0, i1, i2, i3, 16)
-        xd[o + 5] = _im_bytes4_device(i4, i5, i6, i7, 16)
+        xd[o] = im_bytes4_device(i0, i1, i2, i3, 0)
+        xd[o + 1] = im_bytes4_device(i4, i5, i6, i7, 0)
+        xd[o + 2] = im_bytes4_device(i0, i1, i2, i3, 8)
+        xd[o + 3] = im_bytes4_device(i4, i5, i6, i7, 8)
+        xd[o + 4] = im_bytes4_device(i0, i1, i2, i3, 16)
+        xd[o + 5] = im_bytes4_device(i4, i5, i6, i7, 16)
         xd[o + 6] = np.uint32(0)
         xd[o + 7] = np.uint32(0)
         if jj % 4 == 0:
@@ -1355,21 +1296,11 @@ def stage_out_path(kind, n_rows, k, rows_per_group=None, n_tok=1, *, quantize, f
                 and im_path(kind, n_rows, k, rows_per_group, quantize=quantize, fp8_input=fp8_input))
 
 
-def im_stage_shapes(n_tok, kx):
-    """(shape, dtype) of the integer path's staged digits and of its (p, sum) pairs for n_tok rows of kx inputs."""
-    return ((n_tok * kx,), np.uint32), ((n_tok * kx // 16,), np.float32)
-
-
-def check_im_staged(staged, n_tok, kx, name):
-    """Refuses (with a ValueError naming `name`) a (digits, pairs) pair that is not of im_stage_shapes(n_tok, kx)."""
-    check_arrays(staged, im_stage_shapes(n_tok, kx), name, f"staged for {n_tok} rows of {kx} inputs")
-
-
 def im_stage(x, *, quantize, out, stream=0):
     """x float32 [T, kx] (C-contiguous, kx % 32 == 0) -> out = (digits, pairs) of im_stage_shapes(T, kx): the integer
     path's operands (q4k_im_stage_kernel; `quantize`: act_quant_fp8's rule first). What q4k_gemv launches first on
     that path unless it is given `staged`; a producer that holds the activations a warp block at a time can write the
-    same bits itself (im_stage_lane_device: kernels.attention.sparse_attention's `im_stage`)."""
+    same bits itself (kernels.im_operand.im_stage_lane_device: the attention's combine, the ffn norm)."""
     if x.dtype != np.float32 or len(tuple(x.shape)) != 2 or x.shape[1] % 32 or not _contiguous(x):
         raise ValueError(f"im_stage: x must be C-contiguous float32 [T, kx] with kx % 32 == 0, got {x.dtype} "
                          f"{tuple(x.shape)}")

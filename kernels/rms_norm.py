@@ -7,7 +7,9 @@ Owns:
   written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three. With `vq`
   it also stages out_q as kernels.vq_gemv's B operand (the halves and block scales vq_stage_kernel writes, bit for
   bit: kernels.vq_gemv.stage_lane_device on each warp's block of 32, stage_pad_device for the padded codewords), so
-  the MoE's gate / up GEMV launches no staging kernel (the ffn norm of a layer; 4.9 us a launch on the H200).
+  the MoE's gate / up GEMV launches no staging kernel (the ffn norm of a layer; 4.9 us a launch on the H200). With
+  `im` too it stages out_q as the integer tensor-core path's operand (kernels.im_operand.im_stage_lane_device), so
+  that the shared expert's gate / up launches no q4k_im_stage either (4.8 us on the side stream, H100).
 - `row_sumsq_words_device` / `row_scale_words_device`: a row's sum of squares / scale exactly as rms_norm_kernel
   forms them, from a block of any number of warps (the order played warp by warp): for a kernel that norms its
   input as it stages it (kernels.q4k_gemv's `norm`), so that no norm launch runs before it.
@@ -54,6 +56,7 @@ from kernels import bounded_jit
 from kernels.bf16 import f32x2_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_amax_device, act_quant_fp8_lane_device
 from kernels.hc import HC
+from kernels.im_operand import check_im_staged, im_stage_lane_device
 from kernels.pdl import grid_entry_device
 from kernels.rope import rope_pair_value_device
 from kernels.vq_gemv import check_staged, padded_codewords, stage_lane_device, stage_pad_device
@@ -61,7 +64,8 @@ from kernels.warp import block_sum_f64_device, warp_tree_sum_device
 
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
            "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
-           "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel",
+           "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel", "hc_rms_norm_qvi_kernel",
+           "hc_rms_norm_qvi_split_kernel",
            "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device", "SIGNATURES"]
 
 WARP = 32
@@ -180,14 +184,14 @@ def row_scale_words_device(x1, off, d, eps, sh):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_x_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+def _store_x_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """out[row, j] of element j (the thread's; not stored past the row)."""
     if j < d:
         out[row, j] = round_bf16_device(wv * (xv * scale))
 
 
 @cuda.jit(device=True, inline=True)
-def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_x_elem_device and act_quant_fp8 of the stored value: every lane of the warp calls it with the 32
     contiguous elements of one quantisation block (D % 32 == 0: a warp's block is whole)."""
     y = round_bf16_device(wv * (xv * scale))
@@ -198,13 +202,28 @@ def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
 
 
 @cuda.jit(device=True, inline=True)
-def _store_qv_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp):
+def _store_qv_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_q_elem_device, and the quantised value staged as the VQ GEMV's B operand (xh, scl1: the halves and
     scales vq_stage_kernel would write from out_q; kernels.vq_gemv.stage_lane_device)."""
     lane = cuda.threadIdx.x % WARP
     y = round_bf16_device(wv * (xv * scale))
     q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
     stage_lane_device(q, amq, (j - lane) // QUANT_BLOCK, lane, j < d, row, n_cwp, xh, scl1)
+    if j < d:
+        out[row, j] = y
+        out_q[row, j] = q
+
+
+@cuda.jit(device=True, inline=True)
+def _store_qvi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
+    """_store_qv_elem_device, and the quantised value also staged as the integer tensor-core path's operand (ixd,
+    ips: what kernels.q4k_gemv.im_stage(out_q, quantize=False) would write; kernels.im_operand.im_stage_lane_device)
+    for a q4_K GEMV of the same input (the shared expert's gate / up)."""
+    lane = cuda.threadIdx.x % WARP
+    y = round_bf16_device(wv * (xv * scale))
+    q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
+    stage_lane_device(q, amq, (j - lane) // QUANT_BLOCK, lane, j < d, row, n_cwp, xh, scl1)
+    im_stage_lane_device(q, (row * d + j - lane) // QUANT_BLOCK, lane, j < d, ixd, ips)
     if j < d:
         out[row, j] = y
         out_q[row, j] = q
@@ -236,20 +255,22 @@ def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
     _load_pass_device(x, w, row, base, d, xs, ws)
 
 
-def _make_norm_kernel(hc_in, quant, vq=False, split=1):
+def _make_norm_kernel(hc_in, quant, vq=False, split=1, im=False):
     """The row kernel of rms_norm (x [T, D]) or hc_rms_norm (`hc_in`: h [T, 4, D] and pre [T, 4] collapsed per
-    element), with act_quant_fp8 of the output into out_q (`quant`), and with `vq` (quant only) also out_q staged as
-    the VQ GEMV's B operand. Arguments (src, pre, w, eps, out, out_q), with `vq` then (xh, scl1, n_cwp); the forms
-    without pre / out_q take and ignore a dummy. One body, the loads and stores chosen at build time."""
+    element), with act_quant_fp8 of the output into out_q (`quant`), with `vq` (quant only) also out_q staged as
+    the VQ GEMV's B operand, and with `im` (vq only) also as the integer tensor-core path's. Arguments (src, pre, w,
+    eps, out, out_q), with `vq` then (xh, scl1, n_cwp), with `im` then (ixd, ips); the forms without pre / out_q
+    take and ignore a dummy. One body, the loads and stores chosen at build time."""
     prep = _load_pre_device if hc_in else _no_pre_device
     load = _load_hc_pass_device if hc_in else _load_x_pass_device
     load_one = _load_hc_elem_device if hc_in else _load_x_elem_device
-    store = _store_qv_elem_device if vq else _store_q_elem_device if quant else _store_x_elem_device
+    store = (_store_qvi_elem_device if im else _store_qv_elem_device if vq else _store_q_elem_device if quant
+             else _store_x_elem_device)
     pad = _stage_pad_device if vq else _no_pad_device
     jit = _row_jit()
 
     @cuda.jit(device=True, inline=True)
-    def body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
+    def body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips):
         row = cuda.blockIdx.x // split
         d = src.shape[src.ndim - 1]
         step = cuda.blockDim.x * ELEMS
@@ -269,27 +290,32 @@ def _make_norm_kernel(hc_in, quant, vq=False, split=1):
                     load(src, pv, w, row, base, d, xs, ws)
                 for m in range(ELEMS):
                     store(xs[m], ws[m], scale, row, base + m * cuda.blockDim.x + cuda.threadIdx.x, d, out, out_q,
-                          xh, scl1, n_cwp)
+                          xh, scl1, n_cwp, ixd, ips)
             pad(row, d, xh, scl1, n_cwp)
         else:                                     # one pass (_split's rule): the block's element m = part, reloaded
             part = cuda.blockIdx.x % split
             j = part * cuda.blockDim.x + cuda.threadIdx.x
             prep(pre, row, pv)                    # again: not held across the block sum (registers)
             xv, wv = load_one(src, pv, w, row, min(j, d - 1))
-            store(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp)
+            store(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips)
             if part == 0:
                 pad(row, d, xh, scl1, n_cwp)
 
-    if vq:
+    if im:
+        @jit
+        def rms_norm_row_kernel(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips):
+            grid_entry_device()
+            body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips)
+    elif vq:
         @jit
         def rms_norm_row_kernel(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
             grid_entry_device()
-            body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp)
+            body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, xh, scl1)    # (ixd, ips: not read)
     else:
         @jit
         def rms_norm_row_kernel(src, pre, w, eps, out, out_q):
             grid_entry_device()
-            body(src, pre, w, eps, out, out_q, out_q, out_q, 0)    # (xh, scl1, n_cwp: not read)
+            body(src, pre, w, eps, out, out_q, out_q, out_q, 0, out_q, out_q)    # (xh .. ips: not read)
     return rms_norm_row_kernel
 
 
@@ -298,12 +324,14 @@ rms_norm_q_kernel = _make_norm_kernel(False, True)         # and out_q[r] = act_
 hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pre), formed in registers
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 hc_rms_norm_qv_kernel = _make_norm_kernel(True, True, vq=True)   # and out_q staged for kernels.vq_gemv
+hc_rms_norm_qvi_kernel = _make_norm_kernel(True, True, vq=True, im=True)   # and for the integer path
 # the same, ELEMS blocks a row (r = blockIdx.x // ELEMS; one pass): the launchers' choice for a decode step's row
 # (_split); hc_rms_norm without out_q (no decode caller) keeps the one-block kernel
 rms_norm_split_kernel = _make_norm_kernel(False, False, split=ELEMS)
 rms_norm_q_split_kernel = _make_norm_kernel(False, True, split=ELEMS)
 hc_rms_norm_q_split_kernel = _make_norm_kernel(True, True, split=ELEMS)
 hc_rms_norm_qv_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS)
+hc_rms_norm_qvi_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS, im=True)
 
 
 def _make_rope_q_kernel():
@@ -357,9 +385,11 @@ _X_SIG = "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :],
 _HC_SIG = "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])"
 _HCV_SIG = ("void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :], uint32[:], "
             "float32[:], int64)")
+_HCVI_SIG = _HCV_SIG[:-1] + ", uint32[:], float32[:])"
 for _s in ("", "_split"):
     SIGNATURES.update({f"rms_norm{_s}_kernel": _X_SIG, f"rms_norm_q{_s}_kernel": _X_SIG,
-                       f"hc_rms_norm_q{_s}_kernel": _HC_SIG, f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG})
+                       f"hc_rms_norm_q{_s}_kernel": _HC_SIG, f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG,
+                       f"hc_rms_norm_qvi{_s}_kernel": _HCVI_SIG})
 SIGNATURES["hc_rms_norm_kernel"] = _HC_SIG
 
 
@@ -377,7 +407,8 @@ def _split(n_rows, d):
 
 
 _SPLIT_FORMS = {rms_norm_kernel: rms_norm_split_kernel, rms_norm_q_kernel: rms_norm_q_split_kernel,
-                hc_rms_norm_q_kernel: hc_rms_norm_q_split_kernel, hc_rms_norm_qv_kernel: hc_rms_norm_qv_split_kernel}
+                hc_rms_norm_q_kernel: hc_rms_norm_q_split_kernel, hc_rms_norm_qv_kernel: hc_rms_norm_qv_split_kernel,
+                hc_rms_norm_qvi_kernel: hc_rms_norm_qvi_split_kernel}
 
 
 def _launch(kernel, n_rows, d):
@@ -437,12 +468,14 @@ def rms_norm_rope_q(x, w, eps, positions, cos, sin, out, out_q, stream=0):
     return out
 
 
-def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
+def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, im=None, stream=0):
     """h [T, 4, D], pre [T, 4], w [D] float32 -> out = rms_norm(hc_pre(h, pre), w, eps) [T, D]; with out_q [T, D]
     (D % 32 == 0) also out_q = act_quant_fp8(out). The collapsed x is not written. `vq` = (halves, scales) of
     kernels.vq_gemv.stage_shapes(T, D) (with out_q): out_q also staged as the VQ GEMV's B operand, the bits
     vq_gemv.vq_stage(out_q, quantize=False) writes, for vq_gemv(..., staged=vq) (the MoE's w1 / w3 input: one
-    launch fewer)."""
+    launch fewer). `im` = (digits, pairs) of kernels.im_operand.im_stage_shapes(T, D) (with vq): out_q also staged
+    as the integer tensor-core path's operand, the bits kernels.q4k_gemv.im_stage(out_q, quantize=False) writes
+    (finite values), for q4k_gemv(..., staged=im) (the shared expert's gate / up: one launch fewer)."""
     shape = tuple(h.shape)
     if len(shape) != 3 or shape[1] != HC or h.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: h must be float32 [T, {HC}, D], got {h.dtype} {shape}")
@@ -450,13 +483,19 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, stream=0):
     if tuple(pre.shape) != (n_rows, HC) or pre.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
     out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
+    if im is not None and vq is None:
+        raise ValueError("hc_rms_norm: im needs vq (the one norm kernel that stages for the integer path stages "
+                         "for the VQ GEMV too)")
     if vq is not None:
         if out_q is None:
             raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")
         check_staged(vq, n_rows, d, "hc_rms_norm")
+        if im is not None:
+            check_im_staged(im, n_rows, d, "hc_rms_norm (im)")
         if n_rows and d:
-            kernel, blocks = _launch(hc_rms_norm_qv_kernel, n_rows, d)
-            kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq, padded_codewords(d))
+            kernel, blocks = _launch(hc_rms_norm_qv_kernel if im is None else hc_rms_norm_qvi_kernel, n_rows, d)
+            kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq, padded_codewords(d),
+                                                *(() if im is None else im))
     elif n_rows and d:
         kernel, blocks = _launch(hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel, n_rows, d)
         kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)

@@ -52,6 +52,8 @@
 #   unfused_route  the same, --split route: the router's top-k as its own launch again, not in the gate GEMV's last
 #             block (the twenty-seventh session's)
 #   unfused_norm  the same, --split norm: the decode step's norms in one block a row again (the same session's)
+#   unfused_sh_stage  the same, --split sh_stage: the shared expert's gate / up input staged by its own launch on
+#             the side stream again, not by the ffn norm (the thirty-first session's)
 #   priority  the same, graph only, with DS4_CUDA_PRIORITY=1: the main stream at the highest priority, the side
 #             stream at the lowest, captured into the graph's nodes (the twenty-ninth session's; not in the default
 #             list: name it, e.g. DS4_PARTS=decode,priority DS4_ROUNDS=3)
@@ -90,7 +92,8 @@ AB_HEAD=${AB_HEAD:-ab_head}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route,unfused_norm
+UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route,unfused_norm,\
+unfused_sh_stage
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 DS4_FLAGS=${DS4_FLAGS:-both}
@@ -201,7 +204,8 @@ if want flags; then
 fi
 for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
         "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging" \
-        "unfused_route route router top-k" "unfused_norm norm one-block norms"; do
+        "unfused_route route router top-k" "unfused_norm norm one-block norms" \
+        "unfused_sh_stage sh_stage shared expert staging"; do
     read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
     if want "$part"; then
         run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \

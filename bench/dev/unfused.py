@@ -1,7 +1,8 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|attn,vq,... --contexts 1024,65536 \
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|sh_stage|attn,vq,... \
+        --contexts 1024,65536 \
         --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
 - `attn` (the twenty-fourth session's fusions): the queries' RoPE as its own kernels.rope launch before the
@@ -11,7 +12,8 @@ either way, so the last greedy token must be too):
   session moved into the value kernel, stays there (its old kernel is gone: time it against the tree before the
   fusions, BENCHMARKS.md "Next device call").
 - `vq` (the twenty-fifth session's): the MoE's gate / up input staged by its own vq_stage launch again, not by the
-  ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`).
+  ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`); the shared expert's staging
+  (`sh_stage`), which rides on the same norm kernel, goes with it.
 - `wo_a` (the same session's): the attention output staged for wo_a's integer path by its own q4k_im_stage launch
   again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
 - `q_norm` (the twenty-sixth session's): the q latent normed by its own rms_norm launch again, not in the staging of
@@ -24,6 +26,9 @@ either way, so the last greedy token must be too):
   again, not in the GEMV's last block (kernels.moe.ROUTE_IN_GEMV off).
 - `norm` (the same session's): the decode step's norms in one block a row again, not ELEMS blocks a row
   (kernels.rms_norm.SPLIT_ROWS_MAX = 0).
+- `sh_stage` (the thirty-first session's): the shared expert's gate / up input staged for the integer path by its
+  own q4k_im_stage launch on the side stream again, not by the ffn norm (ds4lib.engine.backend_cuda
+  .STAGE_SHARED_IN_NORM off).
 """
 import argparse
 import runpy
@@ -68,6 +73,7 @@ def _drop_argument(module, fname, keyword):
 
 def _split_vq():
     _drop_argument(rms_norm, "hc_rms_norm", "vq")
+    _split_sh_stage()                 # hc_rms_norm refuses `im` without `vq` (one kernel stages for both)
     _drop_argument(vq_gemv, "vq_gemv", "staged")
 
 
@@ -96,9 +102,13 @@ def _split_norm():
     rms_norm.SPLIT_ROWS_MAX = 0
 
 
+def _split_sh_stage():
+    backend_cuda.STAGE_SHARED_IN_NORM = False
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
           "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route,
-          "norm": _split_norm}
+          "norm": _split_norm, "sh_stage": _split_sh_stage}
 
 
 def main(argv):

@@ -85,8 +85,8 @@ from ds4lib.ref.model import ForwardOut
 from ds4lib.ref.rope import rope_freqs
 from ds4lib.ref.sampling import NonFiniteLogits, check_finite
 from ds4lib.roles import layer_roles
-from kernels import (attention, compressor, dspark, engram, gemv, hc, indexer, moe, prefetch, q4k_gemv, rms_norm, rope,
-                     sampling, spec_accept, step, vq_gemv)
+from kernels import (attention, compressor, dspark, engram, gemv, hc, im_operand, indexer, moe, prefetch, q4k_gemv,
+                     rms_norm, rope, sampling, spec_accept, step, vq_gemv)
 
 __all__ = ["CudaBackend", "CudaState"]
 
@@ -106,6 +106,8 @@ L2_PREFETCH = ("wo", "wq")         # what CudaBackend.l2_prefetch may ask L2 for
 NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
 COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
+STAGE_SHARED_IN_NORM = True        # the ffn norm stages the shared expert's gate / up operands (`_layer`; tests
+                                   # compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -1095,7 +1097,9 @@ class CudaBackend:
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))
         staged = self._bufs("x_ffn_vq", vq_gemv.stage_shapes(T, D))
-        rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, stream=s)
+        sh_im = self._shared_im_staging(l, T)
+        rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, im=sh_im,
+                             stream=s)
 
         def mixes_f(stream, scratch):
             hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
@@ -1103,9 +1107,10 @@ class CudaBackend:
         if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE
             self._fork_mix()
             mixes_f(self.mix, self.scr_mix)
-            terms = self._moe(l, c, x, xq, observer, staged=staged)
+            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im)
         else:                                            # on the side stream, ahead of the shared expert
-            terms = self._moe(l, c, x, xq, observer, staged=staged, beside=lambda: mixes_f(self.side, self.scr_side))
+            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
+                              beside=lambda: mixes_f(self.side, self.scr_side))
         if self.ffn_mixes_apart or self._l2_prefetch:    # the mixes and the prefetches are done
             self._join_mix()
         if observer or not COMBINE_IN_POST:               # the combine on its own (the observer reads its output)
@@ -1165,7 +1170,18 @@ class CudaBackend:
         kx, rpg = cfg.n_heads * cfg.head_dim, cfg.o_lora_rank
         if not q4k_gemv.im_path(lin.kind, lin.rows, lin.k, rpg, quantize=False):
             return None
-        return self._bufs("attn_o_im", q4k_gemv.im_stage_shapes(T, kx))
+        return self._bufs("attn_o_im", im_operand.im_stage_shapes(T, kx))
+
+    def _shared_im_staging(self, l, T):
+        """Buffers for the ffn norm's FP8 output [T, D] staged as the shared expert's gate / up operands when that
+        GEMV takes the integer path (kernels.q4k_gemv.im_path for FP8 input: V4.1's 4,608 x 5,120), else None (or
+        with STAGE_SHARED_IN_NORM off): the norm writes them and the GEMV launches no staging. The side stream reads
+        them between the fork and the join; the next layer's norm writes them after the join."""
+        lin = self.L[l][SHARED_W13]
+        if not (STAGE_SHARED_IN_NORM and lin.kind == "q4_K"
+                and q4k_gemv.im_path(lin.kind, lin.rows, lin.k, quantize=False, fp8_input=True)):
+            return None
+        return self._bufs("x_ffn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
 
     def _window_rows(self, l, st, c, kvq, side=False):
         """One session's window keys kvq [T, Dh] written past the ring of layer l, and the window rows its queries
@@ -1272,7 +1288,7 @@ class CudaBackend:
         st_b = None
         if STAGE_WO_B and q4k_gemv.stage_out_path(wo_a.kind, wo_a.rows, wo_a.k, cfg.o_lora_rank, T, quantize=False) \
                 and q4k_gemv.im_path(wo_b.kind, wo_b.rows, wo_b.k, quantize=True):
-            st_b = self._bufs("wo_b_im", q4k_gemv.im_stage_shapes(T, n_u))
+            st_b = self._bufs("wo_b_im", im_operand.im_stage_shapes(T, n_u))
         u = self._linear(o.reshape(T, H * dh), wo_a, quantize=False, rpg=cfg.o_lora_rank,
                          out=self._buf("wo_a", (T, n_u)), staged=staged, stage_out=st_b)
         return self._linear(u, wo_b, quantize=True, out=self._buf("attn_y", (T, cfg.dim)), staged=st_b)
@@ -1374,9 +1390,10 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, xq, observer, beside=None, staged=None):
+    def _moe(self, l, c, x, xq, observer, beside=None, staged=None, sh_staged=None):
         """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values; `staged`: xq as the VQ GEMV's B operand,
-        written by the norm that made xq, else staged by the gate / up call): routing (with the expert plan for one
+        written by the norm that made xq, else staged by the gate / up call; `sh_staged`: xq as the shared expert's
+        gate / up integer-path operand, likewise (`_shared_im_staging`)): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
         the side stream from the fork on -> the combine's terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
@@ -1390,7 +1407,7 @@ class CudaBackend:
             self._fork()
             if beside is not None:
                 beside()
-            return self._shared_expert(l, T, xq, side=True) if shared else None
+            return self._shared_expert(l, T, xq, side=True, staged=sh_staged) if shared else None
 
         at = self.shared_expert_at
         if at == "early":
@@ -1409,7 +1426,7 @@ class CudaBackend:
             ysh = fork(True)                             # after the routing, beside the routed experts
         elif at == "main":
             fork(False)
-            ysh = self._shared_expert(l, T, xq, side=False)   # serially, before the routed experts
+            ysh = self._shared_expert(l, T, xq, side=False, staged=sh_staged)   # serially, before the routed ones
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False, staged=staged,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)
@@ -1429,12 +1446,14 @@ class CudaBackend:
             observer(l, "ysh", ysh.copy_to_host())
         return ye[0], ids, ysh
 
-    def _shared_expert(self, l, T, xq, side):
+    def _shared_expert(self, l, T, xq, side, staged=None):
         """Layer l's shared expert over xq [T, D] (act_quant_fp8 values) -> [T, D]: gate and up in one GEMV, SwiGLU
         writing the down projection's FP8 input, the down projection; on the side stream with its scratch (`side`,
-        between `_fork` and `_join`) or on the main stream with its own. The same buffers either way."""
+        between `_fork` and `_join`) or on the main stream with its own. The same buffers either way. `staged`: xq as
+        the gate / up GEMV's integer-path operands, written by the ffn norm (`_shared_im_staging`)."""
         cfg, w, F = self.cfg, self.L[l], self.cfg.moe_inter_dim
-        gu = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=side)
+        gu = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=side,
+                          staged=staged)
         a_q = self._buf("sh_aq", (T, F))
         moe.swiglu(gu[:, :F], gu[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
                    scratch=self.scr_side if side else self.scr, stream=self.side if side else self.stream)

@@ -140,6 +140,46 @@ def test_micro_fused_launches_give_the_launches_bits(micro_q256, monkeypatch):
     np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(PROMPT).argmax(-1))
 
 
+@pytest.fixture(scope="module")
+def micro_d256(tmp_path_factory):
+    """The micro model at D = 256, whose shared expert's gate / up (64 x 256) is q4_K rows of one super-block (the
+    micro model's D = 32 stores it otherwise); the CUDA engine only."""
+    from ds4lib.quant.base_file import quantize_checkpoint
+    from ds4lib.synth import write_random_checkpoint
+    root = tmp_path_factory.mktemp("micro_d256")
+    ckpt = write_random_checkpoint(root / "ckpt", micro_config().replace(dim=256), seed=2)
+    quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
+    return Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
+
+
+@pytest.mark.slow
+def test_micro_ffn_norm_stages_the_shared_experts_integer_operands(micro_d256, monkeypatch):
+    """Where the shared expert's gate / up takes the integer path (here let onto it through IM_FP8_MIN_*, as V4.1's
+    4,608 x 5,120 takes it as it is), the ffn norm stages its operands (`hc_rms_norm(im=)`) and the GEMV launches no
+    staging: two decode steps give the bits of the engine with the staging launched (STAGE_SHARED_IN_NORM off)."""
+    import kernels.q4k_gemv as qk
+    import kernels.rms_norm as rn
+    from ds4lib.engine.cuda_weights import SHARED_W13
+    cuda = micro_d256
+    lins = [cuda.backend.L[l][SHARED_W13] for l in range(cuda.cfg.n_layers)]
+    on_im = lambda: [qk.im_path(x.kind, x.rows, x.k, quantize=False, fp8_input=True) for x in lins]   # noqa: E731
+    assert lins[0].kind == "q4_K" and not any(on_im())
+    assert cuda.backend._shared_im_staging(0, 1) is None
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", lins[0].rows)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", lins[0].k // qk.QK_K)
+    assert all(on_im())
+    staged, real, ws = [], qk.q4k_gemv, {id(x.w) for x in lins}
+
+    def q4k_gemv(x, w, **kw):                     # whether each shared gate / up GEMV was given its operands
+        if id(w) in ws:
+            staged.append(kw.get("staged") is not None)
+        return real(x, w, **kw)
+    monkeypatch.setattr(qk, "q4k_gemv", q4k_gemv)
+    _fused_then_launched(monkeypatch, cuda, [(rn, "hc_rms_norm", {"im": cuda.cfg.n_layers})],
+                         ("STAGE_SHARED_IN_NORM",))
+    assert staged[0] and not staged[-1] and staged == sorted(staged, reverse=True)   # fused calls, then launched
+
+
 def test_micro_graph_keep_holds_every_scratch_dict(micro):
     """A captured graph keeps alive every array a launcher may have made for it: each scratch dict that
     `_capture_or_run` watches (the side stream's too), the RoPE tables and the caller's own buffers."""

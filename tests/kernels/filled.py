@@ -1,5 +1,5 @@
 """Device operands filled with one 32-bit pattern, to a launcher's (shape, dtype) specification (e.g.
-kernels.vq_gemv.stage_shapes, kernels.q4k_gemv.im_stage_shapes): a test that checks what a kernel writes starts from
+kernels.vq_gemv.stage_shapes, kernels.im_operand.im_stage_shapes): a test that checks what a kernel writes starts from
 a pattern the kernel never writes, so that a word it skipped shows."""
 import numpy as np
 

@@ -111,7 +111,8 @@ def test_output_staged_in_the_combine_equals_im_stage(cuda_ready, start, T):
     as kernels.q4k_gemv.im_stage of out [T, H * Dh] stages it (the launch it saves); operands of the wrong shape and a
     strided out are refused."""
     from kernels.attention import sparse_attention
-    from kernels.q4k_gemv import im_stage, im_stage_shapes
+    from kernels.im_operand import im_stage_shapes
+    from kernels.q4k_gemv import im_stage
     rng = np.random.default_rng(50 + T)
     ring, ring_pos, kv, P, _, _ = _setup(cuda_ready, rng, start, T)
     q = cuda_ready.to_device(round_bf16(rng.standard_normal((T, 4, DH))))

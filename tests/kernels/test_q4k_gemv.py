@@ -6,7 +6,8 @@ from numba import cuda                  # the simulator swaps this global inside
 from ds4lib.formats.floats import round_bf16
 from ds4lib.formats.q4k import dequantize_q4k, dequantize_q8_0, quantize_q4k, quantize_q8_0
 from ds4lib.ref.linear import einsum_f32, linear_f32, linear_q
-from kernels.q4k_gemv import _q4k_factor_pair_hw_device, _q4k_factors_hw_device, im_stage_lane_device
+from kernels.im_operand import im_stage_lane_device
+from kernels.q4k_gemv import _q4k_factor_pair_hw_device, _q4k_factors_hw_device
 from tests.kernels.filled import filled
 from tests.kernels.tolerances import assert_matches
 
@@ -326,7 +327,7 @@ def _im_lane_stage_kernel(x, xd, ps):
 
 
 def _im_staged(cuda_mod, T, kx, fill=0xFFFFFFFF):
-    from kernels.q4k_gemv import im_stage_shapes
+    from kernels.im_operand import im_stage_shapes
     return filled(cuda_mod, im_stage_shapes(T, kx), fill)
 
 

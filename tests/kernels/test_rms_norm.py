@@ -264,13 +264,39 @@ def test_hc_rms_norm_stages_the_vq_operand_as_vq_stage(cuda_ready, T, D, threads
     assert (halves & 0x8000).any() and (halves & 0x7FFF).any()         # negative and nonzero codes were staged
 
 
+@pytest.mark.parametrize("T,D", [(3, 96), (1, 512), (2, 1056)])
+def test_hc_rms_norm_stages_the_integer_operand_as_im_stage(cuda_ready, T, D):
+    """`im=` (with vq): out, out_q and the VQ staging as with vq alone, and the integer path's digits and (p, sum)
+    pairs bit-equal to kernels.q4k_gemv.im_stage of out_q (quantize=False), the launch it replaces, into arrays
+    filled with all-ones words (an unwritten word shows); one block a row (T = 3) and the split kernels (T = 1)."""
+    from kernels.im_operand import im_stage_shapes
+    from kernels.q4k_gemv import im_stage
+    from kernels.rms_norm import hc_rms_norm
+    rng = np.random.default_rng(60 + D)
+    h, pre, w = _hc_case(rng, T, D)
+    d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
+    outs = [cuda_ready.device_array((T, D), np.float32) for _ in range(4)]
+    want_vq, got_vq = _staged(cuda_ready, T, D, 0xFFFFFFFF), _staged(cuda_ready, T, D, 0xFFFFFFFF)
+    got_im = filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF)
+    hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[0], out_q=outs[1], vq=want_vq)
+    hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[2], out_q=outs[3], vq=got_vq, im=got_im)
+    want_im = im_stage(outs[1], quantize=False, out=filled(cuda_ready, im_stage_shapes(T, D), 0x7F7F7F7F))
+    for i in (0, 1):
+        np.testing.assert_array_equal(_bits(outs[i + 2].copy_to_host()), _bits(outs[i].copy_to_host()))
+    for g, e in zip(got_vq + got_im, want_vq + want_im):
+        np.testing.assert_array_equal(g.copy_to_host().view(np.uint32), e.copy_to_host().view(np.uint32))
+    pairs = want_im[1].copy_to_host()
+    assert np.isfinite(pairs).all() and (pairs[1::2] != 0).any()        # real blocks: finite p, nonzero sums
+
+
 @pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
 def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
     """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share
-    of the elements: every output of the four split forms (out, out_q, the VQ staging with its padded codewords)
-    equals the one-block kernels', into outputs filled with NaN so that an element no block stores shows
-    (hc_rms_norm without out_q keeps one block)."""
+    of the elements: every output of the five split forms (out, out_q, the VQ staging with its padded codewords, the
+    integer path's staging) equals the one-block kernels', into outputs filled with NaN or all-ones words so that an
+    element no block stores shows (hc_rms_norm without out_q keeps one block)."""
     import kernels.rms_norm as rn
+    from kernels.im_operand import im_stage_shapes
     rng = np.random.default_rng(50 + D)
     h, pre, w = _hc_case(rng, T, D)
     d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
@@ -279,13 +305,16 @@ def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, 
     def run(rows_max):
         monkeypatch.setattr(rn, "SPLIT_ROWS_MAX", rows_max)
         assert rn._split(T, D) == (rn.ELEMS if rows_max else 1)
-        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(7)]
-        vq = _staged(cuda_ready, T, D, 0xFFFFFFFF)
+        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(8)]
+        vq, vq2 = _staged(cuda_ready, T, D, 0xFFFFFFFF), _staged(cuda_ready, T, D, 0xFFFFFFFF)
+        im = filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF)
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[0])
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[1], out_q=outs[2])
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[3])
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[4], out_q=outs[5], vq=vq)
-        return [o.copy_to_host().view(np.uint32) for o in outs[:6]] + [a.copy_to_host().view(np.uint32) for a in vq]
+        rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[6], out_q=outs[7], vq=vq2, im=im)
+        return [o.copy_to_host().view(np.uint32) for o in outs] + [a.copy_to_host().view(np.uint32)
+                                                                   for a in vq + vq2 + im]
     want, got = run(0), run(T)
     for i, (g, e) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(g, e, err_msg=f"output {i}")
@@ -313,11 +342,20 @@ def test_fused_rms_norms_refuse_bad_arguments():
                             vq=_host_staged(1, 96)),                                       # vq for one row
         lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
                             vq=_host_staged(2, 96)[::-1]),                                 # vq's arrays swapped
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
+                            im=_host_im(2, 96)),                                           # im without vq
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96), vq=_host_staged(2, 96),
+                            im=_host_im(1, 96)),                                           # im for one row
     ]
     for i, call in enumerate(bad):
         with pytest.raises(ValueError):
             call()
             pytest.fail(f"case {i} did not raise")
+
+
+def _host_im(T, D):
+    from kernels.im_operand import im_stage_shapes
+    return tuple(np.zeros(sh, dt) for sh, dt in im_stage_shapes(T, D))
 
 
 def _host_staged(T, D):
