@@ -86,7 +86,8 @@ from kernels.ticket import take_ticket_device
 
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_imma_t1s_kernel",
-           "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "mma_splits", "mma_part_rows", "mma_part_bytes",
+           "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "mma_splits",
+           "mma_part_rows", "mma_part_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS",
            "EARLY_READS"]
 
