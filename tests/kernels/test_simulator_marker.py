@@ -12,8 +12,8 @@ def _pytest(tmp_path, simulator):
     (tmp_path / "test_marked.py").write_text(
         "import pytest\n\n\n@pytest.mark.simulator\ndef test_sim_only():\n    pass\n\n\n"
         "def test_everywhere():\n    pass\n")
-    env = {**os.environ, "DS4_REQUIRE_CUDA": "1", "NUMBA_ENABLE_CUDASIM": "1" if simulator else "0",
-           "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}      # the child's pytest: its own options
+    env.update(DS4_REQUIRE_CUDA="1", NUMBA_ENABLE_CUDASIM="1" if simulator else "0", PYTHONPATH=str(ROOT))
     # the test file sits beside a copy of the conftest under test, so that its hooks apply
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "kernels" / "conftest.py").read_text())
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA",
