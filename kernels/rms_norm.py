@@ -205,13 +205,7 @@ def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, 
 def _store_qv_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_q_elem_device, and the quantised value staged as the VQ GEMV's B operand (xh, scl1: the halves and
     scales vq_stage_kernel would write from out_q; kernels.vq_gemv.stage_lane_device)."""
-    lane = cuda.threadIdx.x % WARP
-    y = round_bf16_device(wv * (xv * scale))
-    q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
-    stage_lane_device(q, amq, (j - lane) // QUANT_BLOCK, lane, j < d, row, n_cwp, xh, scl1)
-    if j < d:
-        out[row, j] = y
-        out_q[row, j] = q
+    _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, False)
 
 
 @cuda.jit(device=True, inline=True)
@@ -219,11 +213,19 @@ def _store_qvi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp
     """_store_qv_elem_device, and the quantised value also staged as the integer tensor-core path's operand (ixd,
     ips: what kernels.q4k_gemv.im_stage(out_q, quantize=False) would write; kernels.im_operand.im_stage_lane_device)
     for a q4_K GEMV of the same input (the shared expert's gate / up)."""
+    _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, True)
+
+
+@cuda.jit(device=True, inline=True)
+def _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, im):
+    """The two staging stores' one body (`im`: a constant of the caller's, so that the integer staging is compiled
+    in or out)."""
     lane = cuda.threadIdx.x % WARP
     y = round_bf16_device(wv * (xv * scale))
     q, amq = act_quant_fp8_lane_amax_device(y if j < d else np.float32(0.0))   # every lane: a warp reduction
     stage_lane_device(q, amq, (j - lane) // QUANT_BLOCK, lane, j < d, row, n_cwp, xh, scl1)
-    im_stage_lane_device(q, (row * d + j - lane) // QUANT_BLOCK, lane, j < d, ixd, ips)
+    if im:
+        im_stage_lane_device(q, (row * d + j - lane) // QUANT_BLOCK, lane, j < d, ixd, ips)
     if j < d:
         out[row, j] = y
         out_q[row, j] = q

@@ -1178,8 +1178,7 @@ class CudaBackend:
         with STAGE_SHARED_IN_NORM off): the norm writes them and the GEMV launches no staging. The side stream reads
         them between the fork and the join; the next layer's norm writes them after the join."""
         lin = self.L[l][SHARED_W13]
-        if not (STAGE_SHARED_IN_NORM and lin.kind == "q4_K"
-                and q4k_gemv.im_path(lin.kind, lin.rows, lin.k, quantize=False, fp8_input=True)):
+        if not (STAGE_SHARED_IN_NORM and q4k_gemv.im_path(lin.kind, lin.rows, lin.k, quantize=False, fp8_input=True)):
             return None
         return self._bufs("x_ffn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
 
