@@ -147,7 +147,7 @@ def contiguous_signature(sig):
 def probe(target, nvdisasm, dump=None, contiguous=False):
     cu = compile_sm90._compiler()
     mod_name, kname = target.split(":")
-    mod = importlib.import_module(f"kernels.{mod_name}")
+    mod = importlib.import_module(mod_name if "." in mod_name else f"kernels.{mod_name}")
     sig = mod.SIGNATURES[kname]
     ptx = compile_sm90._ptx_of(cu, getattr(mod, kname), contiguous_signature(sig) if contiguous else sig)
     res = compile_sm90.ptxas_resources(ptx)
@@ -170,7 +170,8 @@ def probe(target, nvdisasm, dump=None, contiguous=False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("targets", nargs="+", help="module:kernel, as in kernels/<module>.py's SIGNATURES")
+    ap.add_argument("targets", nargs="+", help="module:kernel, as in kernels/<module>.py's SIGNATURES (a dotted "
+                                               "module is imported as named: bench.dev.vq_lut:vq_lut_kernel)")
     ap.add_argument("--nvdisasm", help="path of nvdisasm (else $NVDISASM, else PATH)")
     ap.add_argument("--dump", help="folder to keep each kernel's PTX and SASS in")
     ap.add_argument("--contiguous", action="store_true",

@@ -1,0 +1,346 @@
+"""Dev probe (not a benchmark of record, not used by the engine): the routed experts' gate / up GEMV of one V4.1
+layer at decode through a lookup table of the layer's codebook against the token's activations, in place of
+kernels.vq_gemv's per-weight codebook gathers.
+
+Why. At decode every routed expert's gate and up matrix multiplies the same activation row x. With a codebook of C
+codewords of 8 weights, the dot product of codeword c with chunk j of x (inputs 8j .. 8j+7) is one number,
+LUT[j, c], the same for every row of every selected expert that holds index c at chunk j. A row's sum is then one
+4-byte table read a chunk, where kernels.vq_gemv reads the 8-byte codeword, converts its 8 codes and feeds them to an
+MMA. The table (C x D/8 entries) is built by the tensor cores: a codeword's 8 codes are one row of an f16 MMA's A,
+a chunk's 8 activation codes one column of B (k 8..15 zero), so an MMA gives 16 codewords x 4 chunks of it.
+
+The kernel (`vq_lut_kernel`, one block of THREADS an SM): block b takes chunk range cc = b % n_cc (J / n_cc chunks,
+`passes` passes of 4 chunks: one act_quant block of 32 inputs a pass) and row range b // n_cc (rows_blk rows). A pass
+builds the 4 chunks' table in shared memory (f32, chunk stride C + PAD: the MMA outputs' stores are free of bank
+conflicts), then every thread adds 4 table entries to each of its rows' sums (kept in shared memory across the
+passes), reading a row's 4 indices as one uint64 (16 bits each) loaded before the table is built and one group of
+rows ahead. The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
+n_cc partial sums of a row in order and applies the row gain. The same sums in the same order whatever the grid.
+
+Layout of the probe's indices: uint64 [n_cc, passes, R], the 4 indices of a row in a pass in 16-bit fields, chunk
+order from the low field (2 bytes an index: the file's 13-bit layers hold 1.625, so the probe reads 23 % more).
+
+    python bench/dev/vq_lut.py [--bits 13|12] [--cc 32] [--rr 4] [--reps 64] [--bufs 8] [--small]
+
+prints one JSON line: µs a call of the table kernel, of the reduction and of both (CUDA-graph replay, the index
+buffers cycled so that every call reads cold), the index bytes and their GB/s, registers and local bytes, and the
+largest error of 64 rows against the float64 sum of the same codes. --small: tiny shapes under the simulator.
+"""
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+if __name__ == "__main__":
+    sys.path.insert(0, ".")
+    _ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _ap.add_argument("--bits", type=int, default=13, choices=(12, 13))
+    _ap.add_argument("--cc", type=int, default=32, help="chunk ranges (blocks along the input)")
+    _ap.add_argument("--rr", type=int, default=4, help="row ranges (blocks along the output)")
+    _ap.add_argument("--reps", type=int, default=64)
+    _ap.add_argument("--bufs", type=int, default=8, help="index buffers cycled (cold reads)")
+    _ap.add_argument("--small", action="store_true", help="tiny shapes under the simulator (a smoke run)")
+    ARGS = _ap.parse_args()
+    if ARGS.small:
+        from bench.timing import use_simulator
+        use_simulator()
+
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32, uint16 as nb_u16, uint32 as nb_u32  # noqa: E402
+from numba.cuda.core import config as _cuda_config  # noqa: E402
+
+from ds4lib.formats.fp8 import E4M3_VALUES  # noqa: E402
+from kernels import bounded_jit  # noqa: E402
+from kernels.mma import MMA_EX_WORDS, mma_f16_device  # noqa: E402
+
+SIM = bool(_cuda_config.ENABLE_CUDASIM)
+WARP = 32
+THREADS = 32 if SIM else 512
+WARPS = THREADS // WARP
+EXW = WARPS if SIM else 1
+CHUNKS = 4                      # chunks of a pass: an act_quant block of 32 inputs
+PAD = 8                         # floats between two chunks' tables (chunk stride C + PAD: stores without conflicts)
+GROUP = 4                       # rows a thread takes at once (their index words loaded one group ahead)
+REDUCE_THREADS = 32 if SIM else 256
+SMEM_LIMIT = 227 * 1024
+
+if SIM:
+    from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
+
+    @cuda.jit(device=True)
+    def pair_f16x2_device(pair):
+        """Two E4M3 codes (uint16, the first in the low byte) -> their halves in a uint32 (software decode)."""
+        p = np.uint32(pair)
+        lo = f16_of_e4m3_value_device(e4m3_decode_device(p & np.uint32(0xFF)))
+        hi = f16_of_e4m3_value_device(e4m3_decode_device((p >> np.uint32(8)) & np.uint32(0xFF)))
+        return np.uint32(lo | (hi << np.uint32(16)))
+else:
+    from llvmlite import ir as _ir
+    from numba.core import types as _types
+    from numba.core.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _cvt_e4m3x2(typingctx, pair):
+        """cvt.rn.f16x2.e4m3x2 of a 16-bit register."""
+        sig = _types.uint32(_types.uint16)
+
+        def codegen(context, builder, signature, args):
+            fnty = _ir.FunctionType(_ir.IntType(32), [_ir.IntType(16)])
+            return builder.call(_ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h"), args)
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def pair_f16x2_device(pair):
+        """Two E4M3 codes (uint16, the first in the low byte) -> their halves in a uint32 (one conversion)."""
+        return _cvt_e4m3x2(np.uint16(pair))
+
+
+U32 = np.uint32
+
+
+@cuda.jit(device=True, inline=True)
+def _load_group_device(idx, base, nr, r0):
+    """The index words of rows r0, r0 + THREADS, r0 + 2 THREADS, r0 + 3 THREADS (clamped to the last row; uint32
+    arithmetic: no negative-index wrap-around in the addressing)."""
+    last = nr - U32(1)
+    return (idx[base + min(r0, last)], idx[base + min(r0 + U32(THREADS), last)],
+            idx[base + min(r0 + U32(2 * THREADS), last)], idx[base + min(r0 + U32(3 * THREADS), last)])
+
+
+@cuda.jit(device=True, inline=True)
+def _acc_row_device(sf, acc0, ls, r, nr, w):
+    """Row r's sum += its 4 chunks' table entries, in chunk order (nothing past the last row)."""
+    if r < nr:
+        lo = U32(w & np.uint64(0xFFFFFFFF))
+        hi = U32(w >> np.uint64(32))
+        ra = acc0 + r
+        a = sf[ra]
+        a += sf[lo & U32(0xFFFF)]
+        a += sf[ls + (lo >> U32(16))]
+        a += sf[ls + ls + (hi & U32(0xFFFF))]
+        a += sf[ls + ls + ls + (hi >> U32(16))]
+        sf[ra] = a
+
+
+@bounded_jit(THREADS)
+def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, part):
+    """part[cc, r] = sum over the chunks j of range cc of xs[j // 4] * (codeword idx[r, j] . activation codes of
+    chunk j) (module docstring). cb32: the codebook's codes as uint32 [2 C]; xw: uint32 [J, 4], the f16x2 of codes
+    2t, 2t+1 of chunk j at [j, t]; xs: float32 [J / 4] block scales; idx: uint64 [n_cc, passes, R]."""
+    tid = U32(cuda.threadIdx.x)
+    lane = tid % U32(WARP)
+    warp = tid // U32(WARP)
+    sf = cuda.shared.array(0, nb_f32)
+    su = cuda.shared.array(0, nb_u32)
+    sh = cuda.shared.array(0, nb_u16)
+    ex = cuda.shared.array((EXW, WARP, MMA_EX_WORDS), np.uint32)
+    exl = ex[warp % U32(EXW)]
+    ls = U32(n_cw + PAD)
+    acc0 = U32(CHUNKS) * ls
+    cbo = acc0 + U32(rows_blk)                 # the codebook's first word
+    for i in range(tid, U32(2 * n_cw), U32(THREADS)):
+        su[cbo + i] = cb32[i]
+    blk = U32(cuda.blockIdx.x)
+    ncc = U32(n_cc)
+    nrows = U32(n_rows)
+    cc = blk % ncc
+    row0 = (blk // ncc) * U32(rows_blk)
+    nr = min(U32(rows_blk), nrows - row0)
+    for i in range(tid, nr, U32(THREADS)):
+        sf[acc0 + i] = np.float32(0.0)
+    g = lane // U32(4)
+    t = lane % U32(4)
+    n_tiles = U32(n_cw // 16)
+    per = U32(GROUP * THREADS)
+    n_groups = (nr + per - U32(1)) // per
+    h0 = U32(2) * cbo + t                      # the lane's pair of codeword 0 among the uint16 of shared memory
+    st0 = U32(2) * t * ls + g                  # the lane's first table store, less the tile's 16 codewords
+    npass = U32(passes)
+    for p in range(npass):
+        rp = cc * npass + p                    # this range's pass p among all passes
+        base = rp * nrows + row0
+        w0, w1, w2, w3 = _load_group_device(idx, base, nr, tid)
+        cuda.syncthreads()                     # the table is free (the last pass's lookups are done)
+        b0 = xw[(rp * U32(CHUNKS) + g) * U32(4) + t] if g < U32(CHUNKS) else U32(0)
+        s = xs[rp]
+        for tile in range(warp, n_tiles, U32(WARPS)):
+            cw = tile * U32(16) + g
+            a0 = pair_f16x2_device(sh[h0 + U32(4) * cw])
+            a1 = pair_f16x2_device(sh[h0 + U32(4) * cw + U32(32)])
+            c0, c1, c2, c3 = mma_f16_device(a0, a1, U32(0), U32(0), b0, U32(0), np.float32(0.0), np.float32(0.0),
+                                            np.float32(0.0), np.float32(0.0), exl)
+            if t < U32(2):                     # columns 2t, 2t + 1 are chunks; 4 .. 7 are zero
+                k = st0 + tile * U32(16)
+                sf[k] = c0 * s
+                sf[k + ls] = c1 * s
+                sf[k + U32(8)] = c2 * s
+                sf[k + ls + U32(8)] = c3 * s
+        cuda.syncthreads()
+        for q in range(n_groups):
+            v0, v1, v2, v3 = w0, w1, w2, w3
+            r = q * per + tid
+            if q + U32(1) < n_groups:
+                w0, w1, w2, w3 = _load_group_device(idx, base, nr, r + per)
+            _acc_row_device(sf, acc0, ls, r, nr, v0)
+            _acc_row_device(sf, acc0, ls, r + U32(THREADS), nr, v1)
+            _acc_row_device(sf, acc0, ls, r + U32(2 * THREADS), nr, v2)
+            _acc_row_device(sf, acc0, ls, r + U32(3 * THREADS), nr, v3)
+    cuda.syncthreads()
+    out0 = cc * nrows + row0
+    for i in range(tid, nr, U32(THREADS)):
+        part[out0 + i] = sf[acc0 + i]
+
+
+@cuda.jit(cache=True)
+def vq_lut_reduce_kernel(part, n_cc, n_rows, gains, out):
+    """out[r] = gains[r] * (part[0, r] + part[1, r] + ... ) in chunk-range order."""
+    r = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if r >= n_rows:
+        return
+    a = np.float32(0.0)
+    for c in range(n_cc):
+        a += part[c * n_rows + r]
+    out[r] = a * gains[r]
+
+
+SIGNATURES = {
+    "vq_lut_kernel": "void(uint32[::1], int64, uint32[::1], float32[::1], uint64[::1], int64, int64, int64, int64, "
+                     "float32[::1])",
+    "vq_lut_reduce_kernel": "void(float32[::1], int64, int64, float32[::1], float32[::1])",
+}
+
+
+def geometry(n_chunks, n_rows, n_cc, n_rr):
+    """(passes, rows a block) of a grid of n_cc x n_rr blocks; refused unless each range is whole passes."""
+    if n_chunks % (n_cc * CHUNKS):
+        raise ValueError(f"vq_lut: {n_chunks} chunks are not {n_cc} ranges of whole passes of {CHUNKS}")
+    return n_chunks // (n_cc * CHUNKS), -(-n_rows // n_rr)
+
+
+def smem_bytes(n_cw, rows_blk):
+    return 4 * (CHUNKS * (n_cw + PAD) + rows_blk + 2 * n_cw)
+
+
+def _raise_smem(nbytes):
+    def callback(kernel, launch_config):
+        from numba.cuda.cudadrv.driver import binding, driver
+        cufunc = kernel._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+    return callback
+
+
+def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, stream=0, reduce=True, table=True):
+    """One call: the table kernel over n_cc x n_rr blocks, then the reduction (either may be left out: timing)."""
+    passes, rows_blk = geometry(xs.shape[0] * CHUNKS, n_rows, n_cc, n_rr)
+    smem = smem_bytes(n_cw, rows_blk)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"vq_lut: {smem} bytes of shared memory a block (> {SMEM_LIMIT}): more row ranges")
+    if table:
+        launch = vq_lut_kernel[n_cc * n_rr, THREADS, stream, smem]
+        if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
+            launch.pre_launch_callbacks.append(_raise_smem(smem))
+        launch(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, part)
+    if reduce:
+        vq_lut_reduce_kernel[-(-n_rows // REDUCE_THREADS), REDUCE_THREADS, stream](part, n_cc, n_rows, gains, out)
+
+
+def make_inputs(rng, n_cw, n_chunks, n_rows, n_cc):
+    """Random host inputs: codebook codes [C, 8] (no NaN codes), activation codes [J * 8] and power-of-two block
+    scales [J / 4], indices [J, R] -> (codes, x_codes, scales, idx_jr)."""
+    ok = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    codes = rng.choice(ok, size=(n_cw, 8))
+    x_codes = rng.choice(ok, size=n_chunks * 8)
+    scales = np.exp2(rng.integers(-8, 3, n_chunks // CHUNKS)).astype(np.float32)
+    idx_jr = rng.integers(0, n_cw, size=(n_chunks, n_rows), dtype=np.uint16)
+    return codes, x_codes, scales, idx_jr
+
+
+def device_operands(codes, x_codes, idx_jr, n_cc):
+    """(cb32 [2 C], xw [J * 4], idx [n_cc * passes * R] uint64) of the host inputs, as the kernel reads them."""
+    n_chunks, n_rows = idx_jr.shape
+    passes = n_chunks // (n_cc * CHUNKS)
+    halves = E4M3_VALUES[x_codes].astype(np.float16).view(np.uint16).astype(np.uint32)
+    xw = (halves[0::2] | (halves[1::2] << np.uint32(16))).astype(np.uint32)
+    grouped = idx_jr.reshape(n_cc * passes, CHUNKS, n_rows).transpose(0, 2, 1)   # [range-pass, R, 4]
+    idx = np.ascontiguousarray(grouped).view(np.uint64).reshape(-1)
+    return np.ascontiguousarray(codes).view(np.uint32).reshape(-1), xw, idx
+
+
+def reference(codes, x_codes, scales, idx_jr, gains, rows):
+    """(float64 gains[r] * sum_j scales[j // 4] * (codeword idx[j, r] . x codes of chunk j), the same sum of the
+    terms' magnitudes) of `rows`: the second scales the error of an FP32 sum of those terms."""
+    cv = E4M3_VALUES[codes].astype(np.float64)                  # [C, 8]
+    xv = E4M3_VALUES[x_codes].astype(np.float64).reshape(-1, 8)  # [J, 8]
+    sj = np.repeat(scales.astype(np.float64), CHUNKS)[None, :]
+    lut, mag = (cv @ xv.T) * sj, (np.abs(cv) @ np.abs(xv).T) * sj   # [C, J]
+    j = np.arange(idx_jr.shape[0])
+    return (np.array([gains[r] * lut[idx_jr[:, r], j].sum() for r in rows]),
+            np.array([gains[r] * mag[idx_jr[:, r], j].sum() for r in rows]))
+
+
+def max_error(got, codes, x_codes, scales, idx_jr, gains, rows):
+    """The largest |got - reference| of `rows` over the row's sum of magnitudes."""
+    want, mag = reference(codes, x_codes, scales, idx_jr, gains, rows)
+    return float(np.max(np.abs(got[rows].astype(np.float64) - want) / mag))
+
+
+def _main(a):
+    from bench.timing import eager_time, graph_time
+    n_cw = 1 << a.bits
+    n_chunks, n_rows = (32, 300) if a.small else (5120 // 8, 6 * 2 * 2304)   # V4.1: D 5120, 6 experts' w1 + w3
+    n_cc, n_rr = (2, 2) if a.small else (a.cc, a.rr)
+    if a.small:
+        n_cw = 256
+    rng = np.random.default_rng(0)
+    codes, x_codes, scales, idx_jr = make_inputs(rng, n_cw, n_chunks, n_rows, n_cc)
+    gains = rng.uniform(0.5, 2.0, n_rows).astype(np.float32)
+    cb32, xw, idx = device_operands(codes, x_codes, idx_jr, n_cc)
+    s = cuda.stream()
+    bufs = [cuda.to_device(idx, stream=s)]
+    for k in range(1, 1 if a.small else a.bufs):                 # the same rows shuffled: other bytes, same work
+        bufs.append(cuda.to_device(np.ascontiguousarray(idx.reshape(-1, n_rows)[:, rng.permutation(n_rows)])
+                                   .reshape(-1), stream=s))
+    d = dict(cb32=cuda.to_device(cb32, stream=s), xw=cuda.to_device(xw, stream=s),
+             xs=cuda.to_device(scales, stream=s), gains=cuda.to_device(gains, stream=s),
+             part=cuda.device_array(n_cc * n_rows, np.float32, stream=s),
+             out=cuda.device_array(n_rows, np.float32, stream=s))
+    it = [0]
+
+    def call(reduce=True, table=True):
+        buf = bufs[it[0] % len(bufs)]
+        it[0] += 1
+        vq_lut_gemv(d["cb32"], n_cw, d["xw"], d["xs"], buf, n_rows, n_cc, n_rr, d["part"], d["gains"], d["out"],
+                    stream=s, reduce=reduce, table=table)
+
+    it[0] = 0
+    call()
+    s.synchronize()
+    got = d["out"].copy_to_host()
+    rows = rng.choice(n_rows, min(64, n_rows), replace=False)
+    err = max_error(got, codes, x_codes, scales, idx_jr, gains, rows)
+    res = {}
+    for name, kw in (("table", dict(reduce=False)), ("reduce", dict(table=False)), ("both", {})):
+        run = lambda kw=kw: call(**kw)  # noqa: E731
+        res[name] = eager_time(run, s, 1, simulator=True) if a.small else graph_time(run, s, a.reps)
+    passes, rows_blk = geometry(n_chunks, n_rows, n_cc, n_rr)
+    idx_bytes = n_chunks * n_rows * 2
+    regs = "n/a"
+    if not SIM:
+        try:
+            regs = next(iter(vq_lut_kernel.get_regs_per_thread().values()))
+        except Exception as exc:  # noqa: BLE001  (a probe: report, do not stop)
+            regs = repr(exc)
+    print(json.dumps(dict(bits=a.bits, n_cw=n_cw, chunks=n_chunks, rows=n_rows, cc=n_cc, rr=n_rr, passes=passes,
+                          rows_blk=rows_blk, smem=smem_bytes(n_cw, rows_blk), threads=THREADS, bufs=len(bufs),
+                          us={k: round(v * 1e6, 2) for k, v in res.items()}, idx_mb=round(idx_bytes / 1e6, 2),
+                          table_gbps=round(idx_bytes / res["table"] / 1e9, 1), regs=regs,
+                          max_rel_err=err, part_mb=round(n_cc * n_rows * 4 / 1e6, 2))), flush=True)
+    if not math.isfinite(err) or err > 1e-5:
+        sys.exit(f"vq_lut: max relative error {err}")
+
+
+if __name__ == "__main__":
+    _main(ARGS)
