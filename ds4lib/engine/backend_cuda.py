@@ -108,8 +108,6 @@ COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_po
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
 STAGE_SHARED_IN_NORM = True        # the ffn norm stages the shared expert's gate / up operands (`_layer`; tests
                                    # compare)
-ROUTE_AHEAD = ("", "order", "mixes")   # how `_moe` orders the routing against the work forked at the ffn norm
-ROUTE_FIRST = ""                   # one of ROUTE_AHEAD (`_moe`; tests compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -396,20 +394,6 @@ class CudaBackend:
     def _join(self):
         """The main stream from here on after the side stream so far."""
         self._after(self._events and self._events[1], self.side, self.stream)
-
-    def _fork_pending(self, events, stream, work):
-        """A fork recorded on the main stream now, started later: -> a function that queues `work()` on `stream`
-        after the main stream as of this call (launches queued on the main stream in between are not waited for,
-        but are created ahead of `work`'s in a captured graph) and returns what `work` returns."""
-        first = self.stream
-        if stream is not first:
-            events[0].record(first)
-
-        def start():
-            if stream is not first:
-                events[0].wait(stream)
-            return work()
-        return start
 
     def _fork_mix(self):
         """The mix stream from here on after the main stream so far."""
@@ -1121,8 +1105,9 @@ class CudaBackend:
             hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
                         **{**kw, "stream": stream, "scratch": scratch})
         if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE
-            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
-                              mixes=lambda: mixes_f(self.mix, self.scr_mix))
+            self._fork_mix()
+            mixes_f(self.mix, self.scr_mix)
+            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im)
         else:                                            # on the side stream, ahead of the shared expert
             terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
                               beside=lambda: mixes_f(self.side, self.scr_side))
@@ -1404,38 +1389,28 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, xq, observer, beside=None, staged=None, sh_staged=None, mixes=None):
+    def _moe(self, l, c, x, xq, observer, beside=None, staged=None, sh_staged=None):
         """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values; `staged`: xq as the VQ GEMV's B operand,
         written by the norm that made xq, else staged by the gate / up call; `sh_staged`: xq as the shared expert's
         gate / up integer-path operand, likewise (`_shared_im_staging`)): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
-        the side stream from the fork on, `mixes()` (the caller's, or None) on the mix stream forked here -> the
-        combine's terms (ye, ids, shared) of kernels.vq_gemv.moe_combine, which the caller's hc_post forms (`_layer`).
-        The side stream's work reads only xq, h and weights, and writes only its own buffers and scratch: the routing
-        may run beside it ("early"). ROUTE_FIRST "order" queues the routing ahead of the work forked here (the same
-        dependencies; a captured graph launches it first), "mixes" also starts `mixes()` after the routing."""
+        the side stream from the fork on -> the combine's terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
+        which the caller's hc_post forms (`_layer`). The side stream's work reads only xq, h and weights, and writes
+        only its own buffers and scratch: the routing may run beside it ("early")."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]
 
-        got = {}
-
-        def side_work(shared):                           # the side stream's work: `beside`, then the shared expert
+        def fork(shared):                                # the side stream's work: `beside`, then the shared expert
+            self._fork()
             if beside is not None:
                 beside()
-            got["ysh"] = self._shared_expert(l, T, xq, side=True, staged=sh_staged) if shared else None
+            return self._shared_expert(l, T, xq, side=True, staged=sh_staged) if shared else None
 
-        at, ahead = self.shared_expert_at, ROUTE_FIRST
-        if ahead not in ROUTE_AHEAD:
-            raise ValueError(f"ROUTE_FIRST {ahead!r}: expected one of {ROUTE_AHEAD}")
-        starts = []                                      # forked here: started now, or once the routing is queued
-        if mixes is not None and ahead != "mixes":
-            starts.append(self._fork_pending(self._mix_events, self.mix, mixes))
-        if at == "early":                                # the shared expert beside the routing too
-            starts.append(self._fork_pending(self._events, self.side, lambda: side_work(True)))
-        for start in starts if not ahead else ():
-            start()
+        at = self.shared_expert_at
+        if at == "early":
+            ysh = fork(True)                             # beside the routing too
         rout = (self._buf("r_scores", (T, E)), self._buf("r_ids", (T, K), np.int32), self._buf("r_w", (T, K)))
         key = ("plan", T, E, K)
         plan = self._const.get(key)
@@ -1446,19 +1421,11 @@ class CudaBackend:
         _, ids, rw = rout
         plan = plan._replace(ids=ids) if T == 1 else vq_gemv.vq_plan(ids, E, tile_rows=plan.tile_rows, out=plan,
                                                                       stream=s)
-        for start in starts if ahead else ():
-            start()
-        if mixes is not None and ahead == "mixes":       # after the routing
-            self._fork_mix()
-            mixes()
-        if at == "side":                                 # after the routing, beside the routed experts
-            self._fork()
-            side_work(True)
+        if at == "side":
+            ysh = fork(True)                             # after the routing, beside the routed experts
         elif at == "main":
-            self._fork()
-            side_work(False)
-            got["ysh"] = self._shared_expert(l, T, xq, side=False, staged=sh_staged)   # serially, before the routed
-        ysh = got["ysh"]
+            fork(False)
+            ysh = self._shared_expert(l, T, xq, side=False, staged=sh_staged)   # serially, before the routed ones
         vq = (w["vq_cb"], w["vq_index"], w["vq_plane"], w["vq_gains"])
         gu = vq_gemv.vq_gemv(xq, plan, *vq, mats=(0, 2), shape=(F, D), x_div=K, quantize=False, staged=staged,
                              out=self._buf("vq_gu", (2, T * K, F)), scratch=self.scr, stream=s)

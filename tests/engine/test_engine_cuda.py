@@ -194,31 +194,24 @@ def test_micro_graph_keep_holds_every_scratch_dict(micro):
         del be.scr_side["probe"]
 
 
-def test_micro_shared_expert_placements_give_the_same_bits(micro, monkeypatch):
+def test_micro_shared_expert_placements_give_the_same_bits(micro):
     """`shared_expert_at` moves the shared expert (forked before the routing, after it, or on the main stream with
-    the main scratch), `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's) and
-    ROUTE_FIRST the routing's place among the launches forked at the ffn norm, without changing a bit: one decode
-    step per placement against the default placement's, eager (a pooled state's graph would replay the placement it
-    was captured with; the default's graphs are the other tests')."""
-    from ds4lib.engine import backend_cuda
+    the main scratch) and `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's)
+    without changing a bit: one decode step per placement against the default placement's, eager (a pooled state's
+    graph would replay the placement it was captured with; the default's graphs are the other tests')."""
     _, cuda = micro
     be = cuda.backend
-    assert (be.shared_expert_at, be.ffn_mixes_apart, backend_cuda.ROUTE_FIRST) == ("early", True, "")
+    assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
     got = {}
     graphs, be.graphs = be.graphs, False
     try:
         for at in ("early", "side", "main"):
-            for apart, ahead in ((True, ""), (False, ""), (True, "order"), (True, "mixes")):
+            for apart in (True, False):
                 be.shared_expert_at, be.ffn_mixes_apart = at, apart
-                monkeypatch.setattr(backend_cuda, "ROUTE_FIRST", ahead)
-                got[at, apart, ahead] = cuda.logits([0], split=0)
-        monkeypatch.setattr(backend_cuda, "ROUTE_FIRST", "last")
-        with pytest.raises(ValueError, match=r"ROUTE_FIRST 'last'"):
-            cuda.logits([0], split=0)
+                got[at, apart] = cuda.logits([0], split=0)
     finally:
         be.shared_expert_at, be.ffn_mixes_apart, be.graphs = "early", True, graphs
-        monkeypatch.setattr(backend_cuda, "ROUTE_FIRST", "")
-    want = got["early", True, ""]
+    want = got["early", True]
     assert np.isfinite(want).all()
     assert be.scr_mix, "the mix stream's launchers made no scratch of their own"
     for key, logits in got.items():
