@@ -11,10 +11,12 @@ a chunk's 8 activation codes one column of B (k 8..15 zero), so an MMA gives 16 
 
 The kernel (`vq_lut_kernel`, one block of THREADS an SM): block b takes chunk range cc = b % n_cc (J / n_cc chunks,
 `passes` passes of 4 chunks: one act_quant block of 32 inputs a pass) and row range b // n_cc (rows_blk rows). A pass
-builds the 4 chunks' table in shared memory (f32, chunk stride C + PAD: the MMA outputs' stores are free of bank
-conflicts), then every thread adds 4 table entries to each of its rows' sums (kept in shared memory across the
-passes), reading a row's 4 indices as one uint64 (16 bits each) loaded before the table is built and one group of
-rows ahead. The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
+builds the 4 chunks' table of unscaled dot products in shared memory (f32, chunk stride C + PAD; an MMA takes 16
+codewords from each half of the codebook, A's k 0-7 and 8-15, so that all 8 of its columns are table entries and one
+store instruction writes them without bank conflicts), then every thread adds to each of its ROWS_T rows' sums (kept
+in shared memory across the passes) the pass's block scale times its 4 chunks' entries, reading a row's 4 indices
+as one uint64 (16 bits each). A thread's words of a pass are all loaded a pass ahead (during the last pass's build
+and lookups). The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
 n_cc partial sums of a row in order and applies the row gain. The same sums in the same order whatever the grid.
 
 Layout of the probe's indices: uint64 [n_cc, passes, R], the 4 indices of a row in a pass in 16-bit fields, chunk
@@ -22,8 +24,8 @@ order from the low field (2 bytes an index: the file's 13-bit layers hold 1.625,
 
     python bench/dev/vq_lut.py [--bits 13|12] [--cc 32] [--rr 4] [--reps 64] [--bufs 8] [--small]
 
-prints one JSON line: µs a call of the table kernel, of the reduction and of both (CUDA-graph replay, the index
-buffers cycled so that every call reads cold), the index bytes and their GB/s, registers and local bytes, and the
+prints one JSON line: µs a call of the table kernel, of its builds alone and its lookups alone, of the reduction and
+of both (CUDA-graph replay, the index buffers cycled so that every call reads cold), the index bytes and their GB/s, registers and local bytes, and the
 largest error of 64 rows against the float64 sum of the same codes. --small: tiny shapes under the simulator.
 """
 import argparse
@@ -62,7 +64,7 @@ WARPS = THREADS // WARP
 EXW = WARPS if SIM else 1
 CHUNKS = 4                      # chunks of a pass: an act_quant block of 32 inputs
 PAD = 8                         # floats between two chunks' tables (chunk stride C + PAD: stores without conflicts)
-GROUP = 4                       # rows a thread takes at once (their index words loaded one group ahead)
+ROWS_T = 16                     # rows a thread takes in a pass (their index words all loaded one pass ahead)
 REDUCE_THREADS = 32 if SIM else 256
 SMEM_LIMIT = 227 * 1024
 
@@ -101,34 +103,66 @@ U32 = np.uint32
 
 
 @cuda.jit(device=True, inline=True)
-def _load_group_device(idx, base, nr, r0):
-    """The index words of rows r0, r0 + THREADS, r0 + 2 THREADS, r0 + 3 THREADS (clamped to the last row; uint32
-    arithmetic: no negative-index wrap-around in the addressing)."""
-    last = nr - U32(1)
-    return (idx[base + min(r0, last)], idx[base + min(r0 + U32(THREADS), last)],
-            idx[base + min(r0 + U32(2 * THREADS), last)], idx[base + min(r0 + U32(3 * THREADS), last)])
+def _word_device(idx, base, nr, r):
+    return idx[base + min(r, nr - U32(1))]
 
 
 @cuda.jit(device=True, inline=True)
-def _acc_row_device(sf, acc0, ls, r, nr, w):
-    """Row r's sum += its 4 chunks' table entries, in chunk order (nothing past the last row)."""
+def _load_pass_device(idx, base, nr, tid):
+    """The index words of the thread's ROWS_T rows tid + k THREADS of a pass (clamped to the last row), all issued
+    together: they are read a pass later."""
+    return (_word_device(idx, base, nr, tid), _word_device(idx, base, nr, tid + U32(THREADS)),
+            _word_device(idx, base, nr, tid + U32(2 * THREADS)), _word_device(idx, base, nr, tid + U32(3 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(4 * THREADS)), _word_device(idx, base, nr, tid + U32(5 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(6 * THREADS)), _word_device(idx, base, nr, tid + U32(7 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(8 * THREADS)), _word_device(idx, base, nr, tid + U32(9 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(10 * THREADS)), _word_device(idx, base, nr, tid + U32(11 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(12 * THREADS)), _word_device(idx, base, nr, tid + U32(13 * THREADS)),
+            _word_device(idx, base, nr, tid + U32(14 * THREADS)), _word_device(idx, base, nr, tid + U32(15 * THREADS)))
+
+
+@cuda.jit(device=True, inline=True)
+def _acc_row_device(sf, acc0, ls, s, r, nr, w):
+    """Row r's sum += s * (its 4 chunks' table entries added in chunk order) (nothing past the last row). The table
+    holds the unscaled dot products: s, a power of two, scales the pass's sum exactly as it would each entry."""
     if r < nr:
         lo = U32(w & np.uint64(0xFFFFFFFF))
         hi = U32(w >> np.uint64(32))
+        v = sf[lo & U32(0xFFFF)] + sf[ls + (lo >> U32(16))]
+        v = v + sf[ls + ls + (hi & U32(0xFFFF))]
+        v = v + sf[ls + ls + ls + (hi >> U32(16))]
         ra = acc0 + r
-        a = sf[ra]
-        a += sf[lo & U32(0xFFFF)]
-        a += sf[ls + (lo >> U32(16))]
-        a += sf[ls + ls + (hi & U32(0xFFFF))]
-        a += sf[ls + ls + ls + (hi >> U32(16))]
-        sf[ra] = a
+        sf[ra] = sf[ra] + v * s
+
+
+@cuda.jit(device=True, inline=True)
+def _acc_pass_device(sf, acc0, ls, s, nr, tid, ws):
+    T = U32(THREADS)
+    _acc_row_device(sf, acc0, ls, s, tid, nr, ws[0])
+    _acc_row_device(sf, acc0, ls, s, tid + T, nr, ws[1])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(2) * T, nr, ws[2])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(3) * T, nr, ws[3])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(4) * T, nr, ws[4])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(5) * T, nr, ws[5])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(6) * T, nr, ws[6])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(7) * T, nr, ws[7])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(8) * T, nr, ws[8])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(9) * T, nr, ws[9])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(10) * T, nr, ws[10])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(11) * T, nr, ws[11])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(12) * T, nr, ws[12])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(13) * T, nr, ws[13])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(14) * T, nr, ws[14])
+    _acc_row_device(sf, acc0, ls, s, tid + U32(15) * T, nr, ws[15])
 
 
 @bounded_jit(THREADS)
-def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, part):
-    """part[cc, r] = sum over the chunks j of range cc of xs[j // 4] * (codeword idx[r, j] . activation codes of
-    chunk j) (module docstring). cb32: the codebook's codes as uint32 [2 C]; xw: uint32 [J, 4], the f16x2 of codes
-    2t, 2t+1 of chunk j at [j, t]; xs: float32 [J / 4] block scales; idx: uint64 [n_cc, passes, R]."""
+def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode, part):
+    """part[cc, r] = sum over the passes of the chunk range cc of xs[pass] * (sum over its 4 chunks j of codeword
+    idx[r, j] . activation codes of chunk j) (module docstring). cb32: the codebook's codes as uint32 [2 C]; xw:
+    uint32 [J, 4], the f16x2 of codes 2t, 2t+1 of chunk j at [j, t]; xs: float32 [J / 4] block scales; idx: uint64
+    [n_cc, passes, R]; rows_blk <= ROWS_T * THREADS. `mode` (timing): 3 the kernel, 1 the tables' builds alone, 2
+    the lookups alone (over whatever the table holds)."""
     tid = U32(cuda.threadIdx.x)
     lane = tid % U32(WARP)
     warp = tid // U32(WARP)
@@ -137,56 +171,59 @@ def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, part)
     sh = cuda.shared.array(0, nb_u16)
     ex = cuda.shared.array((EXW, WARP, MMA_EX_WORDS), np.uint32)
     exl = ex[warp % U32(EXW)]
+    blk = U32(cuda.blockIdx.x)
+    ncc = U32(n_cc)
+    nrows = U32(n_rows)
+    npass = U32(passes)
+    cc = blk % ncc
+    row0 = (blk // ncc) * U32(rows_blk)
+    nr = min(U32(rows_blk), nrows - row0)
+    nxt = _load_pass_device(idx, cc * npass * nrows + row0, nr, tid)    # in flight while the codebook is staged
     ls = U32(n_cw + PAD)
     acc0 = U32(CHUNKS) * ls
     cbo = acc0 + U32(rows_blk)                 # the codebook's first word
     for i in range(tid, U32(2 * n_cw), U32(THREADS)):
         su[cbo + i] = cb32[i]
-    blk = U32(cuda.blockIdx.x)
-    ncc = U32(n_cc)
-    nrows = U32(n_rows)
-    cc = blk % ncc
-    row0 = (blk // ncc) * U32(rows_blk)
-    nr = min(U32(rows_blk), nrows - row0)
     for i in range(tid, nr, U32(THREADS)):
         sf[acc0 + i] = np.float32(0.0)
     g = lane // U32(4)
     t = lane % U32(4)
-    n_tiles = U32(n_cw // 16)
-    per = U32(GROUP * THREADS)
-    n_groups = (nr + per - U32(1)) // per
+    half = U32(n_cw // 2)
+    n_tiles = half // U32(16)
+    # An MMA takes 16 codewords of each half of the codebook: A's row g is [codes of codeword g | codes of codeword
+    # half + g], B's columns 0-3 are chunks 0-3 over k 0-7 and columns 4-7 chunks 1, 0, 3, 2 over k 8-15, so lane t
+    # holds chunks k0, k0 ^ 1 of the lower codewords (t < 2) or of the upper ones (t >= 2): one store instruction
+    # writes four chunks' tables (strides of 8 banks) at 8 codewords each, without bank conflicts.
     h0 = U32(2) * cbo + t                      # the lane's pair of codeword 0 among the uint16 of shared memory
-    st0 = U32(2) * t * ls + g                  # the lane's first table store, less the tile's 16 codewords
-    npass = U32(passes)
+    up = U32(4) * half                         # codeword half's offset among those uint16
+    k0 = (U32(2) * t & U32(3)) ^ (t >> U32(1))
+    st0 = k0 * ls + g + (half if t >= U32(2) else U32(0))
+    st1 = (k0 ^ U32(1)) * ls + g + (half if t >= U32(2) else U32(0))
     for p in range(npass):
         rp = cc * npass + p                    # this range's pass p among all passes
-        base = rp * nrows + row0
-        w0, w1, w2, w3 = _load_group_device(idx, base, nr, tid)
+        cur = nxt
+        if p + U32(1) < npass:
+            nxt = _load_pass_device(idx, (rp + U32(1)) * nrows + row0, nr, tid)
         cuda.syncthreads()                     # the table is free (the last pass's lookups are done)
-        b0 = xw[(rp * U32(CHUNKS) + g) * U32(4) + t] if g < U32(CHUNKS) else U32(0)
-        s = xs[rp]
-        for tile in range(warp, n_tiles, U32(WARPS)):
-            cw = tile * U32(16) + g
-            a0 = pair_f16x2_device(sh[h0 + U32(4) * cw])
-            a1 = pair_f16x2_device(sh[h0 + U32(4) * cw + U32(32)])
-            c0, c1, c2, c3 = mma_f16_device(a0, a1, U32(0), U32(0), b0, U32(0), np.float32(0.0), np.float32(0.0),
+        xb = (rp * U32(CHUNKS)) * U32(4) + t
+        b0 = xw[xb + U32(4) * g] if g < U32(CHUNKS) else U32(0)
+        b1 = xw[xb + U32(4) * ((g - U32(CHUNKS)) ^ U32(1))] if g >= U32(CHUNKS) else U32(0)
+        for tile in range(warp, n_tiles if mode & 1 else U32(0), U32(WARPS)):
+            cw = tile * U32(16)
+            ha = h0 + U32(4) * (cw + g)
+            a0 = pair_f16x2_device(sh[ha])
+            a1 = pair_f16x2_device(sh[ha + U32(32)])
+            a2 = pair_f16x2_device(sh[ha + up])
+            a3 = pair_f16x2_device(sh[ha + up + U32(32)])
+            c0, c1, c2, c3 = mma_f16_device(a0, a1, a2, a3, b0, b1, np.float32(0.0), np.float32(0.0),
                                             np.float32(0.0), np.float32(0.0), exl)
-            if t < U32(2):                     # columns 2t, 2t + 1 are chunks; 4 .. 7 are zero
-                k = st0 + tile * U32(16)
-                sf[k] = c0 * s
-                sf[k + ls] = c1 * s
-                sf[k + U32(8)] = c2 * s
-                sf[k + ls + U32(8)] = c3 * s
+            sf[st0 + cw] = c0
+            sf[st1 + cw] = c1
+            sf[st0 + cw + U32(8)] = c2
+            sf[st1 + cw + U32(8)] = c3
         cuda.syncthreads()
-        for q in range(n_groups):
-            v0, v1, v2, v3 = w0, w1, w2, w3
-            r = q * per + tid
-            if q + U32(1) < n_groups:
-                w0, w1, w2, w3 = _load_group_device(idx, base, nr, r + per)
-            _acc_row_device(sf, acc0, ls, r, nr, v0)
-            _acc_row_device(sf, acc0, ls, r + U32(THREADS), nr, v1)
-            _acc_row_device(sf, acc0, ls, r + U32(2 * THREADS), nr, v2)
-            _acc_row_device(sf, acc0, ls, r + U32(3 * THREADS), nr, v3)
+        if mode & 2:
+            _acc_pass_device(sf, acc0, ls, xs[rp], nr, tid, cur)
     cuda.syncthreads()
     out0 = cc * nrows + row0
     for i in range(tid, nr, U32(THREADS)):
@@ -207,7 +244,7 @@ def vq_lut_reduce_kernel(part, n_cc, n_rows, gains, out):
 
 SIGNATURES = {
     "vq_lut_kernel": "void(uint32[::1], int64, uint32[::1], float32[::1], uint64[::1], int64, int64, int64, int64, "
-                     "float32[::1])",
+                     "int64, float32[::1])",
     "vq_lut_reduce_kernel": "void(float32[::1], int64, int64, float32[::1], float32[::1])",
 }
 
@@ -216,7 +253,10 @@ def geometry(n_chunks, n_rows, n_cc, n_rr):
     """(passes, rows a block) of a grid of n_cc x n_rr blocks; refused unless each range is whole passes."""
     if n_chunks % (n_cc * CHUNKS):
         raise ValueError(f"vq_lut: {n_chunks} chunks are not {n_cc} ranges of whole passes of {CHUNKS}")
-    return n_chunks // (n_cc * CHUNKS), -(-n_rows // n_rr)
+    rows_blk = -(-n_rows // n_rr)
+    if rows_blk > ROWS_T * THREADS:
+        raise ValueError(f"vq_lut: {rows_blk} rows a block (> {ROWS_T * THREADS}): more row ranges")
+    return n_chunks // (n_cc * CHUNKS), rows_blk
 
 
 def smem_bytes(n_cw, rows_blk):
@@ -232,17 +272,18 @@ def _raise_smem(nbytes):
     return callback
 
 
-def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, stream=0, reduce=True, table=True):
-    """One call: the table kernel over n_cc x n_rr blocks, then the reduction (either may be left out: timing)."""
+def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, stream=0, reduce=True, mode=3):
+    """One call: the table kernel over n_cc x n_rr blocks (`mode` 0: not launched; else vq_lut_kernel's), then the
+    reduction (`reduce`)."""
     passes, rows_blk = geometry(xs.shape[0] * CHUNKS, n_rows, n_cc, n_rr)
     smem = smem_bytes(n_cw, rows_blk)
     if smem > SMEM_LIMIT:
         raise ValueError(f"vq_lut: {smem} bytes of shared memory a block (> {SMEM_LIMIT}): more row ranges")
-    if table:
+    if mode:
         launch = vq_lut_kernel[n_cc * n_rr, THREADS, stream, smem]
         if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
             launch.pre_launch_callbacks.append(_raise_smem(smem))
-        launch(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, part)
+        launch(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode, part)
     if reduce:
         vq_lut_reduce_kernel[-(-n_rows // REDUCE_THREADS), REDUCE_THREADS, stream](part, n_cc, n_rows, gains, out)
 
@@ -294,6 +335,7 @@ def _main(a):
     n_cc, n_rr = (2, 2) if a.small else (a.cc, a.rr)
     if a.small:
         n_cw = 256
+    geometry(n_chunks, n_rows, n_cc, n_rr)                      # refused before anything is made
     rng = np.random.default_rng(0)
     codes, x_codes, scales, idx_jr = make_inputs(rng, n_cw, n_chunks, n_rows, n_cc)
     gains = rng.uniform(0.5, 2.0, n_rows).astype(np.float32)
@@ -309,11 +351,11 @@ def _main(a):
              out=cuda.device_array(n_rows, np.float32, stream=s))
     it = [0]
 
-    def call(reduce=True, table=True):
+    def call(reduce=True, mode=3):
         buf = bufs[it[0] % len(bufs)]
         it[0] += 1
         vq_lut_gemv(d["cb32"], n_cw, d["xw"], d["xs"], buf, n_rows, n_cc, n_rr, d["part"], d["gains"], d["out"],
-                    stream=s, reduce=reduce, table=table)
+                    stream=s, reduce=reduce, mode=mode)
 
     it[0] = 0
     call()
@@ -322,7 +364,8 @@ def _main(a):
     rows = rng.choice(n_rows, min(64, n_rows), replace=False)
     err = max_error(got, codes, x_codes, scales, idx_jr, gains, rows)
     res = {}
-    for name, kw in (("table", dict(reduce=False)), ("reduce", dict(table=False)), ("both", {})):
+    for name, kw in (("table", dict(reduce=False)), ("build", dict(reduce=False, mode=1)),
+                     ("lookups", dict(reduce=False, mode=2)), ("reduce", dict(mode=0)), ("both", {})):
         run = lambda kw=kw: call(**kw)  # noqa: E731
         res[name] = eager_time(run, s, 1, simulator=True) if a.small else graph_time(run, s, a.reps)
     passes, rows_blk = geometry(n_chunks, n_rows, n_cc, n_rr)

@@ -37,5 +37,8 @@ def test_the_grid_changes_no_sum_it_is_not_meant_to(cuda_ready):
 def test_refusals():
     with pytest.raises(ValueError, match="are not 3 ranges of whole passes of 4"):
         vq_lut.geometry(16, 40, 3, 1)
-    assert vq_lut.geometry(640, 27648, 32, 4) == (5, 6912)
+    most = vq_lut.ROWS_T * vq_lut.THREADS
+    assert vq_lut.geometry(640, 2 * most, 32, 2) == (5, most)
+    with pytest.raises(ValueError, match="more row ranges"):
+        vq_lut.geometry(640, 2 * most + 1, 32, 2)
     assert vq_lut.smem_bytes(8192, 6912) <= vq_lut.SMEM_LIMIT < vq_lut.smem_bytes(8192, 13824)
