@@ -7,16 +7,16 @@ codewords of 8 weights, the dot product of codeword c with chunk j of x (inputs 
 LUT[j, c], the same for every row of every selected expert that holds index c at chunk j. A row's sum is then one
 4-byte table read a chunk, where kernels.vq_gemv reads the 8-byte codeword, converts its 8 codes and feeds them to an
 MMA. The table (C x D/8 entries) is built by the tensor cores: a codeword's 8 codes are one row of an f16 MMA's A,
-a chunk's 8 activation codes one column of B (k 8..15 zero), so an MMA gives 16 codewords x 4 chunks of it.
+a chunk's 8 activation codes one column of B.
 
 The kernel (`vq_lut_kernel`, one block of THREADS an SM): block b takes chunk range cc = b % n_cc (J / n_cc chunks,
 `passes` passes of 4 chunks: one act_quant block of 32 inputs a pass) and row range b // n_cc (rows_blk rows). A pass
-builds the 4 chunks' table of unscaled dot products in shared memory (f32, chunk stride C + PAD; an MMA takes 16
+builds the 4 chunks' table of unscaled dot products in shared memory (f32, chunk stride LS; an MMA takes 16
 codewords from each half of the codebook, A's k 0-7 and 8-15, so that all 8 of its columns are table entries and one
-store instruction writes them without bank conflicts), then every thread adds to each of its ROWS_T rows' sums (kept
-in shared memory across the passes) the pass's block scale times its 4 chunks' entries, reading a row's 4 indices
-as one uint64 (16 bits each). A thread's words of a pass are all loaded a pass ahead (during the last pass's build
-and lookups). The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
+store instruction writes them without bank conflicts), then every thread adds to each of its ROWS_T rows' sums (in
+registers across the passes) the pass's block scale times its 4 chunks' entries, reading a row's 4 indices as one
+uint64 (16 bits each); the chunk stride is a constant, so a lookup is one mask or shift and one load. A thread's
+words of a pass are all loaded a pass ahead (during the last pass's build and lookups). The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
 n_cc partial sums of a row in order and applies the row gain. The same sums in the same order whatever the grid.
 
 Layout of the probe's indices: uint64 [n_cc, passes, R], the 4 indices of a row in a pass in 16-bit fields, chunk
@@ -55,7 +55,7 @@ from numba.cuda.core import config as _cuda_config  # noqa: E402
 
 from ds4lib.formats.fp8 import E4M3_VALUES  # noqa: E402
 from kernels import bounded_jit  # noqa: E402
-from kernels.mma import MMA_EX_WORDS, mma_f16_device  # noqa: E402
+from kernels.mma import MMA_EX_WORDS, load_at_device, mma_f16_device  # noqa: E402
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -63,8 +63,9 @@ THREADS = 32 if SIM else 512
 WARPS = THREADS // WARP
 EXW = WARPS if SIM else 1
 CHUNKS = 4                      # chunks of a pass: an act_quant block of 32 inputs
-PAD = 8                         # floats between two chunks' tables (chunk stride C + PAD: stores without conflicts)
-ROWS_T = 16                     # rows a thread takes in a pass (their index words all loaded one pass ahead)
+PAD = 8                         # floats between two chunks' tables (stores without bank conflicts)
+LS = 8192 + PAD                 # a chunk's table stride, for the largest codebook (a constant: it folds into the loads)
+ROWS_T = 14                     # rows a thread takes (sums in registers, index words of a pass loaded a pass ahead)
 REDUCE_THREADS = 32 if SIM else 256
 SMEM_LIMIT = 227 * 1024
 
@@ -109,51 +110,45 @@ def _word_device(idx, base, nr, r):
 
 @cuda.jit(device=True, inline=True)
 def _load_pass_device(idx, base, nr, tid):
-    """The index words of the thread's ROWS_T rows tid + k THREADS of a pass (clamped to the last row), all issued
-    together: they are read a pass later."""
+    """The index words of the thread's ROWS_T rows tid + k THREADS of a pass (clamped to the last row: a row past
+    it sums the last row's entries and is never stored), all issued together: they are read a pass later."""
     return (_word_device(idx, base, nr, tid), _word_device(idx, base, nr, tid + U32(THREADS)),
             _word_device(idx, base, nr, tid + U32(2 * THREADS)), _word_device(idx, base, nr, tid + U32(3 * THREADS)),
             _word_device(idx, base, nr, tid + U32(4 * THREADS)), _word_device(idx, base, nr, tid + U32(5 * THREADS)),
             _word_device(idx, base, nr, tid + U32(6 * THREADS)), _word_device(idx, base, nr, tid + U32(7 * THREADS)),
             _word_device(idx, base, nr, tid + U32(8 * THREADS)), _word_device(idx, base, nr, tid + U32(9 * THREADS)),
             _word_device(idx, base, nr, tid + U32(10 * THREADS)), _word_device(idx, base, nr, tid + U32(11 * THREADS)),
-            _word_device(idx, base, nr, tid + U32(12 * THREADS)), _word_device(idx, base, nr, tid + U32(13 * THREADS)),
-            _word_device(idx, base, nr, tid + U32(14 * THREADS)), _word_device(idx, base, nr, tid + U32(15 * THREADS)))
+            _word_device(idx, base, nr, tid + U32(12 * THREADS)), _word_device(idx, base, nr, tid + U32(13 * THREADS)))
 
 
 @cuda.jit(device=True, inline=True)
-def _acc_row_device(sf, acc0, ls, s, r, nr, w):
-    """Row r's sum += s * (its 4 chunks' table entries added in chunk order) (nothing past the last row). The table
-    holds the unscaled dot products: s, a power of two, scales the pass's sum exactly as it would each entry."""
+def _pass_row_device(sf, s, a, w):
+    """A row's sum a + s * (its 4 chunks' table entries added in chunk order). The table holds the unscaled dot
+    products: s, a power of two, scales the pass's sum exactly as it would each entry."""
+    lo = U32(w & np.uint64(0xFFFFFFFF))
+    hi = U32(w >> np.uint64(32))
+    v = load_at_device(sf, lo & U32(0xFFFF), 0) + load_at_device(sf, lo >> U32(16), LS)
+    v = v + load_at_device(sf, hi & U32(0xFFFF), 2 * LS)
+    v = v + load_at_device(sf, hi >> U32(16), 3 * LS)
+    return a + v * s
+
+
+@cuda.jit(device=True, inline=True)
+def _acc_pass_device(sf, s, acc, ws):
+    """The thread's ROWS_T sums after one pass (registers: a tuple in, a tuple out)."""
+    return (_pass_row_device(sf, s, acc[0], ws[0]), _pass_row_device(sf, s, acc[1], ws[1]),
+            _pass_row_device(sf, s, acc[2], ws[2]), _pass_row_device(sf, s, acc[3], ws[3]),
+            _pass_row_device(sf, s, acc[4], ws[4]), _pass_row_device(sf, s, acc[5], ws[5]),
+            _pass_row_device(sf, s, acc[6], ws[6]), _pass_row_device(sf, s, acc[7], ws[7]),
+            _pass_row_device(sf, s, acc[8], ws[8]), _pass_row_device(sf, s, acc[9], ws[9]),
+            _pass_row_device(sf, s, acc[10], ws[10]), _pass_row_device(sf, s, acc[11], ws[11]),
+            _pass_row_device(sf, s, acc[12], ws[12]), _pass_row_device(sf, s, acc[13], ws[13]))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_row_device(part, out0, r, nr, a):
     if r < nr:
-        lo = U32(w & np.uint64(0xFFFFFFFF))
-        hi = U32(w >> np.uint64(32))
-        v = sf[lo & U32(0xFFFF)] + sf[ls + (lo >> U32(16))]
-        v = v + sf[ls + ls + (hi & U32(0xFFFF))]
-        v = v + sf[ls + ls + ls + (hi >> U32(16))]
-        ra = acc0 + r
-        sf[ra] = sf[ra] + v * s
-
-
-@cuda.jit(device=True, inline=True)
-def _acc_pass_device(sf, acc0, ls, s, nr, tid, ws):
-    T = U32(THREADS)
-    _acc_row_device(sf, acc0, ls, s, tid, nr, ws[0])
-    _acc_row_device(sf, acc0, ls, s, tid + T, nr, ws[1])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(2) * T, nr, ws[2])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(3) * T, nr, ws[3])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(4) * T, nr, ws[4])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(5) * T, nr, ws[5])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(6) * T, nr, ws[6])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(7) * T, nr, ws[7])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(8) * T, nr, ws[8])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(9) * T, nr, ws[9])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(10) * T, nr, ws[10])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(11) * T, nr, ws[11])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(12) * T, nr, ws[12])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(13) * T, nr, ws[13])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(14) * T, nr, ws[14])
-    _acc_row_device(sf, acc0, ls, s, tid + U32(15) * T, nr, ws[15])
+        part[out0 + r] = a
 
 
 @bounded_jit(THREADS)
@@ -179,13 +174,12 @@ def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode,
     row0 = (blk // ncc) * U32(rows_blk)
     nr = min(U32(rows_blk), nrows - row0)
     nxt = _load_pass_device(idx, cc * npass * nrows + row0, nr, tid)    # in flight while the codebook is staged
-    ls = U32(n_cw + PAD)
-    acc0 = U32(CHUNKS) * ls
-    cbo = acc0 + U32(rows_blk)                 # the codebook's first word
+    ls = U32(LS)
+    cbo = U32(CHUNKS * LS)                     # the codebook's first word
     for i in range(tid, U32(2 * n_cw), U32(THREADS)):
         su[cbo + i] = cb32[i]
-    for i in range(tid, nr, U32(THREADS)):
-        sf[acc0 + i] = np.float32(0.0)
+    z = np.float32(0.0)
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z)
     g = lane // U32(4)
     t = lane % U32(4)
     half = U32(n_cw // 2)
@@ -223,11 +217,22 @@ def vq_lut_kernel(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode,
             sf[st1 + cw + U32(8)] = c3
         cuda.syncthreads()
         if mode & 2:
-            _acc_pass_device(sf, acc0, ls, xs[rp], nr, tid, cur)
-    cuda.syncthreads()
+            acc = _acc_pass_device(sf, xs[rp], acc, cur)
     out0 = cc * nrows + row0
-    for i in range(tid, nr, U32(THREADS)):
-        part[out0 + i] = sf[acc0 + i]
+    _store_row_device(part, out0, tid + U32(0 * THREADS), nr, acc[0])
+    _store_row_device(part, out0, tid + U32(1 * THREADS), nr, acc[1])
+    _store_row_device(part, out0, tid + U32(2 * THREADS), nr, acc[2])
+    _store_row_device(part, out0, tid + U32(3 * THREADS), nr, acc[3])
+    _store_row_device(part, out0, tid + U32(4 * THREADS), nr, acc[4])
+    _store_row_device(part, out0, tid + U32(5 * THREADS), nr, acc[5])
+    _store_row_device(part, out0, tid + U32(6 * THREADS), nr, acc[6])
+    _store_row_device(part, out0, tid + U32(7 * THREADS), nr, acc[7])
+    _store_row_device(part, out0, tid + U32(8 * THREADS), nr, acc[8])
+    _store_row_device(part, out0, tid + U32(9 * THREADS), nr, acc[9])
+    _store_row_device(part, out0, tid + U32(10 * THREADS), nr, acc[10])
+    _store_row_device(part, out0, tid + U32(11 * THREADS), nr, acc[11])
+    _store_row_device(part, out0, tid + U32(12 * THREADS), nr, acc[12])
+    _store_row_device(part, out0, tid + U32(13 * THREADS), nr, acc[13])
 
 
 @cuda.jit(cache=True)
@@ -259,8 +264,9 @@ def geometry(n_chunks, n_rows, n_cc, n_rr):
     return n_chunks // (n_cc * CHUNKS), rows_blk
 
 
-def smem_bytes(n_cw, rows_blk):
-    return 4 * (CHUNKS * (n_cw + PAD) + rows_blk + 2 * n_cw)
+def smem_bytes(n_cw):
+    """A block's dynamic shared memory: the pass's table and the codebook."""
+    return 4 * (CHUNKS * LS + 2 * n_cw)
 
 
 def _raise_smem(nbytes):
@@ -276,7 +282,7 @@ def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, s
     """One call: the table kernel over n_cc x n_rr blocks (`mode` 0: not launched; else vq_lut_kernel's), then the
     reduction (`reduce`)."""
     passes, rows_blk = geometry(xs.shape[0] * CHUNKS, n_rows, n_cc, n_rr)
-    smem = smem_bytes(n_cw, rows_blk)
+    smem = smem_bytes(n_cw)
     if smem > SMEM_LIMIT:
         raise ValueError(f"vq_lut: {smem} bytes of shared memory a block (> {SMEM_LIMIT}): more row ranges")
     if mode:
@@ -377,7 +383,7 @@ def _main(a):
         except Exception as exc:  # noqa: BLE001  (a probe: report, do not stop)
             regs = repr(exc)
     print(json.dumps(dict(bits=a.bits, n_cw=n_cw, chunks=n_chunks, rows=n_rows, cc=n_cc, rr=n_rr, passes=passes,
-                          rows_blk=rows_blk, smem=smem_bytes(n_cw, rows_blk), threads=THREADS, bufs=len(bufs),
+                          rows_blk=rows_blk, smem=smem_bytes(n_cw), threads=THREADS, bufs=len(bufs),
                           us={k: round(v * 1e6, 2) for k, v in res.items()}, idx_mb=round(idx_bytes / 1e6, 2),
                           table_gbps=round(idx_bytes / res["table"] / 1e9, 1), regs=regs,
                           max_rel_err=err, part_mb=round(n_cc * n_rows * 4 / 1e6, 2))), flush=True)
