@@ -16,8 +16,9 @@ codewords from each half of the codebook, A's k 0-7 and 8-15, so that all 8 of i
 store instruction writes them without bank conflicts), then every thread adds to each of its ROWS_T rows' sums (in
 registers across the passes) the pass's block scale times its 4 chunks' entries, reading a row's 4 indices as one
 uint64 (16 bits each); the chunk stride is a constant, so a lookup is one mask or shift and one load. A thread's
-words of a pass are all loaded a pass ahead (during the last pass's build and lookups). The block writes its rows' sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the
-n_cc partial sums of a row in order and applies the row gain. The same sums in the same order whatever the grid.
+words of a pass are all loaded a pass ahead (during the last pass's build and lookups). The block writes its rows'
+sums of its chunk range (`part` [n_cc, R]); `vq_lut_reduce_kernel` adds the n_cc partial sums of a row in order and
+applies the row gain. The same sums in the same order whatever the grid.
 
 Layout of the probe's indices: uint64 [n_cc, passes, R], the 4 indices of a row in a pass in 16-bit fields, chunk
 order from the low field (2 bytes an index: the file's 13-bit layers hold 1.625, so the probe reads 23 % more).
@@ -25,8 +26,9 @@ order from the low field (2 bytes an index: the file's 13-bit layers hold 1.625,
     python bench/dev/vq_lut.py [--bits 13|12] [--cc 32] [--rr 4] [--reps 64] [--bufs 8] [--small]
 
 prints one JSON line: µs a call of the table kernel, of its builds alone and its lookups alone, of the reduction and
-of both (CUDA-graph replay, the index buffers cycled so that every call reads cold), the index bytes and their GB/s, registers and local bytes, and the
-largest error of 64 rows against the float64 sum of the same codes. --small: tiny shapes under the simulator.
+of both (CUDA-graph replay, the index buffers cycled so that every call reads cold), the index bytes and their GB/s,
+registers, and the largest error of 64 rows against the float64 sum of the same codes. --small: tiny shapes under the
+simulator.
 """
 import argparse
 import json
