@@ -64,6 +64,9 @@
 #             (imma: head, wo_a) paths, this tree, then the "before" files (same lease); q4k_probe --check --save of
 #             both trees, and whether their tensor-core outputs are equal (the twenty-first session's q4_K changes
 #             are meant to keep the bits)
+#   lut       bench/dev/vq_lut.py (the lookup-table form of the decode gate / up GEMV, a probe) at 13 and 12 bits, and
+#             bench/dev/vq_probe.py at 13 bits in the same lease (the thirty-second session's; not in the default
+#             list: DS4_PARTS=lut, about 30 s on a warm machine)
 #   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2; each kernel's events also in
 #             timeline_pdl0.jsonl, ~2,400 lines, and their critical path in critical_path.txt,
 #             bench/dev/critical_path.py): with programmatic edges a kernel's traced
@@ -235,6 +238,11 @@ bad = [os.path.basename(f) for f in fs
        if not np.array_equal(np.load(f), np.load(os.path.join(sys.argv[2], os.path.basename(f))))]
 print({'compared': len(fs), 'differ': bad}); sys.exit(1 if bad or not fs else 0)" "$OUT/bits" "$OUT/bits_before"
     fi
+fi
+if want lut; then
+    run "lookup-table probe, 13-bit" 60 lut.jsonl $PY bench/dev/vq_lut.py --bits 13
+    run "lookup-table probe, 12-bit" 60 lut.jsonl $PY bench/dev/vq_lut.py --bits 12
+    run "vq_probe, 13-bit (the same lease)" 60 lut.jsonl $PY bench/dev/vq_probe.py --bits 13
 fi
 if want trace; then
     run "trace (DS4_CUDA_PDL=0)" "${DS4_TRACE_CAP:-90}" trace.log env DS4_CUDA_PDL=0 $PY bench/bench_v41_decode.py \
