@@ -283,6 +283,8 @@ def _raise_smem(nbytes):
 def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, stream=0, reduce=True, mode=3):
     """One call: the table kernel over n_cc x n_rr blocks (`mode` 0: not launched; else vq_lut_kernel's), then the
     reduction (`reduce`)."""
+    if n_cw % 32 or not 0 < n_cw <= LS - PAD:
+        raise ValueError(f"vq_lut: {n_cw} codewords (a multiple of 32 up to {LS - PAD} expected)")
     passes, rows_blk = geometry(xs.shape[0] * CHUNKS, n_rows, n_cc, n_rr)
     smem = smem_bytes(n_cw)
     if smem > SMEM_LIMIT:

@@ -35,6 +35,9 @@ def test_the_grid_changes_no_sum_it_is_not_meant_to(cuda_ready):
 
 
 def test_refusals():
+    for n_cw in (48, 16384):
+        with pytest.raises(ValueError, match=f"{n_cw} codewords"):
+            vq_lut.vq_lut_gemv(None, n_cw, None, None, None, 40, 1, 1, None, None, None)
     with pytest.raises(ValueError, match="are not 3 ranges of whole passes of 4"):
         vq_lut.geometry(16, 40, 3, 1)
     most = vq_lut.ROWS_T * vq_lut.THREADS
