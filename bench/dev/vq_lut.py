@@ -57,7 +57,8 @@ from numba.cuda.core import config as _cuda_config  # noqa: E402
 
 from ds4lib.formats.fp8 import E4M3_VALUES  # noqa: E402
 from kernels import bounded_jit  # noqa: E402
-from kernels.mma import MMA_EX_WORDS, load_at_device, mma_f16_device  # noqa: E402
+from kernels.mma import MMA_EX_WORDS, e4m3x8_to_f16x2_device, load_at_device, mma_f16_device  # noqa: E402
+from kernels.vq_gemv import SMEM_LIMIT, _raise_smem_limit  # noqa: E402  (the GEMV's opt-in past 48 KB)
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -69,18 +70,13 @@ PAD = 8                         # floats between two chunks' tables (stores with
 LS = 8192 + PAD                 # a chunk's table stride, for the largest codebook (a constant: it folds into the loads)
 ROWS_T = 14                     # rows a thread takes (sums in registers, index words of a pass loaded a pass ahead)
 REDUCE_THREADS = 32 if SIM else 256
-SMEM_LIMIT = 227 * 1024
 
 if SIM:
-    from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
-
     @cuda.jit(device=True)
     def pair_f16x2_device(pair):
-        """Two E4M3 codes (uint16, the first in the low byte) -> their halves in a uint32 (software decode)."""
-        p = np.uint32(pair)
-        lo = f16_of_e4m3_value_device(e4m3_decode_device(p & np.uint32(0xFF)))
-        hi = f16_of_e4m3_value_device(e4m3_decode_device((p >> np.uint32(8)) & np.uint32(0xFF)))
-        return np.uint32(lo | (hi << np.uint32(16)))
+        """Two E4M3 codes (uint16, the first in the low byte) -> their halves in a uint32 (kernels.mma's software
+        decode of a word's first pair)."""
+        return e4m3x8_to_f16x2_device(np.uint64(pair))[0]
 else:
     from llvmlite import ir as _ir
     from numba.core import types as _types
@@ -271,15 +267,6 @@ def smem_bytes(n_cw):
     return 4 * (CHUNKS * LS + 2 * n_cw)
 
 
-def _raise_smem(nbytes):
-    def callback(kernel, launch_config):
-        from numba.cuda.cudadrv.driver import binding, driver
-        cufunc = kernel._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
-    return callback
-
-
 def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, stream=0, reduce=True, mode=3):
     """One call: the table kernel over n_cc x n_rr blocks (`mode` 0: not launched; else vq_lut_kernel's), then the
     reduction (`reduce`)."""
@@ -292,7 +279,7 @@ def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, s
     if mode:
         launch = vq_lut_kernel[n_cc * n_rr, THREADS, stream, smem]
         if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
-            launch.pre_launch_callbacks.append(_raise_smem(smem))
+            launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
         launch(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode, part)
     if reduce:
         vq_lut_reduce_kernel[-(-n_rows // REDUCE_THREADS), REDUCE_THREADS, stream](part, n_cc, n_rows, gains, out)
@@ -367,7 +354,6 @@ def _main(a):
         vq_lut_gemv(d["cb32"], n_cw, d["xw"], d["xs"], buf, n_rows, n_cc, n_rr, d["part"], d["gains"], d["out"],
                     stream=s, reduce=reduce, mode=mode)
 
-    it[0] = 0
     call()
     s.synchronize()
     got = d["out"].copy_to_host()
