@@ -19,6 +19,9 @@ rather than loading stale code. Old `kernels-*` directories are never read again
 on the GPU it passes the launch bounds to ptxas, which then keeps the kernel's registers within what `min_blocks`
 resident blocks of that size may use (the simulator takes no bounds).
 
+`smem_launch(kernel, grid, threads, stream, smem)` configures a launch with `smem` bytes of dynamic shared memory,
+opting the compiled kernel in past 48 KB of static + dynamic shared memory (at most SMEM_LIMIT) on the GPU.
+
 `rows_grid(x_blocks, n_rows)` is the grid of a launcher that puts rows or tokens on the y axis (kernels.hc,
 kernels.vq_gemv: no 64-bit division of a flat index, docs/toolchain.md §4.9): at most GRID_Y_MAX (CUDA's largest
 grid y) rows of blocks, and their kernels step over the rest by gridDim.y.
@@ -86,3 +89,33 @@ def bounded_jit(threads, min_blocks=1):
     if _cuda_config.ENABLE_CUDASIM:
         return cuda.jit(cache=True)
     return cuda.jit(launch_bounds=(threads, min_blocks), cache=True)
+
+
+SMEM_LIMIT = 227 * 1024          # static + dynamic shared memory one block may use on sm_90
+_SMEM_MAX = {}
+
+
+def raise_smem_limit(nbytes):
+    """A pre-launch callback that lets a kernel use `nbytes` of dynamic shared memory (past 48 KB of static + dynamic
+    needs opting in). The limit is a property of the compiled function: it is only ever raised (launches of one
+    kernel with several sizes share it, and lowering it for a small one would make the next large launch invalid)."""
+    def callback(kernel, launch_config):
+        from numba.cuda.cudadrv.driver import binding, driver
+        cufunc = kernel._codelibrary.get_cufunc()
+        key = id(cufunc)
+        if _SMEM_MAX.get(key, 0) >= nbytes:
+            return
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+        _SMEM_MAX[key] = nbytes
+    return callback
+
+
+def smem_launch(kernel, grid, threads, stream, smem):
+    """kernel[grid, threads, stream, smem], with raise_smem_limit(smem) registered on the GPU (numba caches
+    configured launches, so once per configuration) when smem > 0: the kernel's static shared memory is not known
+    here, and opting in to a size it does not need changes nothing."""
+    launch = kernel[grid, threads, stream, smem]
+    if not _cuda_config.ENABLE_CUDASIM and smem > 0 and not launch.pre_launch_callbacks:
+        launch.pre_launch_callbacks.append(raise_smem_limit(smem))
+    return launch

@@ -46,6 +46,10 @@ without the norm's launch (the engine's q latent into wq_b).
 Both tensor-core kernels load their first weight words (q4k_mma: the first super-block; q4k_imma: the first batch)
 before their grid entry (EARLY_WEIGHTS; kernels.pdl): weights are never written by a step's kernels, so inside a
 graph with programmatic edges those DRAM reads overlap the predecessor's end. The same loads, the same bits.
+The one-token FP8 kernel (q4k_mma_t1_kernel) takes its weights through a ring of MMA_RING super-block tiles a warp
+in shared memory, filled by cp.async (kernels.cp_async): the next tiles are on their way from DRAM while the warp
+computes, without holding registers (the register path, ring 0, has one super-block in flight), and the first ones
+are issued before the grid entry. A lane reads the words the register path loads: the same bits.
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
@@ -69,8 +73,9 @@ from numba import cuda
 from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit
+from kernels import bounded_jit, smem_launch
 from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
+from kernels.cp_async import cp_async16_device, cp_async_commit_device, cp_async_wait_device
 from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
                          quant8_device)
 from kernels.gemv import act_quant_fp8
@@ -112,6 +117,13 @@ MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their groups of 8 c
 MMA_CODES_U32 = 4 * MMA_CODES_WORDS                        # their halves as uint32 (two a word)
 MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many blocks (a function of its shape)
 MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
+MMA_RING = 2                   # the decode kernel's weight tiles in flight per warp (cp.async into shared memory;
+                               # 0: the register path, the next super-block's words loaded one ahead)
+RING_ROW_WORDS = 20            # a ring row: one super-block of a weight row (18 words) and 16 bytes of padding,
+                               # so the 8-byte reads of a half warp (4 rows x 4 lanes) hit distinct banks
+RING_TILE_WORDS = 16 * RING_ROW_WORDS             # a warp's 16 rows of one super-block (the MMA's M)
+RING_COPIES = 5                                   # copies a lane issues a tile (9 pieces of a row, two lanes)
+RING_ALIGN = None if SIM else 16                  # cp.async's 16-byte destinations
 MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
@@ -518,6 +530,33 @@ def _mma_words_device(w1, wa, wb, sb, lw):
 
 
 @cuda.jit(device=True, inline=True)
+def _ring_issue_device(wr, w1, src, dst, half, sb, slot):
+    """Start copying the lane's pieces of super-block sb into tile `slot` of the warp's ring wr. A tile is 16 rows x
+    9 pieces of 16 bytes; lane (half, row) = (lane // 16, lane % 16) copies pieces half, half + 2, ... of its row
+    (the first half-warp five, the second four), so each copy instruction reads two neighbouring pieces of every
+    row (a 32-byte sector each). src: the word of the row's first piece of the lane in w1 (rows past the end read
+    the last row, never stored); dst: its word in a tile."""
+    s0 = src + np.uint64(Q4K_WORDS * sb)
+    d0 = dst + np.uint64(slot * RING_TILE_WORDS)
+    for j in range(RING_COPIES):
+        if j < RING_COPIES - 1 or half == 0:
+            cp_async16_device(wr, d0 + np.uint64(4 * j), w1, s0 + np.uint64(4 * j))
+
+
+@cuda.jit(device=True, inline=True)
+def _ring_words_device(wr, slot, g, lw):
+    """_mma_words_device's twelve words of the lane, read from tile `slot` of the warp's ring (rows g and g + 8)."""
+    ba = np.uint64(slot * RING_TILE_WORDS + RING_ROW_WORDS * g)
+    bb = ba + np.uint64(8 * RING_ROW_WORDS)
+    la = ba + lw
+    lb = bb + lw
+    return (load_at_device(wr, ba, 0), load_at_device(wr, ba, 1), load_at_device(wr, bb, 0),
+            load_at_device(wr, bb, 1), load_at_device(wr, la, 0), load_at_device(wr, la, 4),
+            load_at_device(wr, la, 8), load_at_device(wr, la, 12), load_at_device(wr, lb, 0),
+            load_at_device(wr, lb, 4), load_at_device(wr, lb, 8), load_at_device(wr, lb, 12))
+
+
+@cuda.jit(device=True, inline=True)
 def _pick4(c, v0, v1, v2, v3):
     return v0 if c == 0 else (v1 if c == 1 else (v2 if c == 2 else v3))
 
@@ -584,11 +623,18 @@ def _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3,
             p[4 * c + 3] = _sub_block_term_device(ddb, dmb, d3, xsum[b1], scl[b1], p[4 * c + 3])
 
 
-def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
+def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS, ring=0):
     """q4k_mma_kernel for one-token calls (`decode`: the batched branch compiled out, fewer registers) or any
     token count; `min_blocks` resident blocks per SM bound its registers (launch_bounds); `early`: the first
-    super-block's weight words loaded before the grid entry."""
+    super-block's weight words loaded before the grid entry. `ring` (decode only; 0 or more): the weights come
+    through a ring of that many super-block tiles a warp in shared memory, filled by cp.async (the kernel's
+    docstring); 0 keeps them in registers, one super-block ahead."""
+    if ring and not decode:
+        raise ValueError("_make_mma_kernel: the weight ring is for the decode kernel")
     jit = bounded_jit(MMA_WARPS * WARP, min_blocks)
+    ring_pending = max(ring - 1, 0)        # groups of copies a warp leaves in flight when it reads a tile
+    ring_mod = max(ring, 1)
+    ring_words = ring * RING_TILE_WORDS
 
     @jit
     def q4k_mma_kernel(x1, kx, w1, n_words, sps, n_slices, out_bf16, raw, norm, nw1, eps, part, counters, out):
@@ -616,9 +662,17 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
         and the GEMV's input is act_quant_fp8(rms_norm(x)): every block forms each token's row scale itself
         (kernels.rms_norm.row_scale_words_device: rms_norm_kernel's sum to the bit), while its first weight words are
         in flight, and the staging norms the values it stages (the same bits as launching rms_norm(..., out_q=)
-        first and passing out_q as FP8-grid input, without that launch)."""
+        first and passing out_q as FP8-grid input, without that launch).
+
+        `ring` (the decode kernel): each warp keeps its next `ring` super-blocks' tiles (16 rows x 144 bytes) on
+        their way from global memory into a ring in shared memory (cp.async: the copies hold no registers), issued
+        before the grid entry for the first ones and refilled as each tile is read; the lane reads its twelve words
+        from the tile, the same words the register path loads, so the same bits."""
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         early                      # (the same)
+        ring                       # (the same)
+        ring_mod                   # (the same)
+        ring_pending               # (the same)
         codes = cuda.shared.array(MMA_CODES_U32, np.uint32, alignment=LOAD4_ALIGN)     # halves, read 16 bytes a load
         scl = cuda.shared.array(MMA_STAGE_BLK, np.float32)
         xsum = cuda.shared.array(MMA_STAGE_BLK, np.float32)
@@ -627,6 +681,7 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
         last = cuda.shared.array(1, np.int32)
         nsh = cuda.shared.array((MMA_TOK, WARP), np.float64)            # the norm's warp sums, a token row each
         nscl = cuda.shared.array(MMA_TOK, np.float32)                  # and its row scales
+        rings = cuda.shared.array(0, np.uint64, alignment=RING_ALIGN)    # dynamic: ring_bytes(ring) at launch
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -643,8 +698,17 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
         sb0 = sl * sps
         sb1 = min(nb, sb0 + sps)
         one = decode
-        if early:                  # weights are never written by a graph's kernels: their first words may be in
-            pre = _mma_words_device(w1, wa, wb, min(sb0, nb - 1), lw)   # flight while the predecessor finishes
+        wr = rings[warp * ring_words:(warp + 1) * ring_words]
+        half = lane // 16
+        src = np.uint64(min(r0 + lane % 16, n_rows - 1)) * np.uint64(n_words) + np.uint64(2 * half)
+        dst = np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half)
+        if ring:                   # weights are never written by a graph's kernels: the first tiles may be in
+            for k in range(ring):  # flight while the predecessor finishes
+                if sb0 + k < sb1:
+                    _ring_issue_device(wr, w1, src, dst, half, sb0 + k, k)
+                cp_async_commit_device()
+        elif early:                # (the same for the register path's first words)
+            pre = _mma_words_device(w1, wa, wb, min(sb0, nb - 1), lw)
         grid_entry_device()
         p = cuda.local.array(16, np.float32)                  # [c][row g / g+8][column 2t / 2t+1]
         for t0 in range(0, n_tok, MMA_TOK):
@@ -659,7 +723,9 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
                 p[i] = np.float32(0.0)
             for cb in range(sb0, sb1, csb):
                 ce = min(sb1, cb + csb)
-                if early and t0 == 0 and cb == sb0:
+                if ring:
+                    pass                                        # each super-block's words come from the ring
+                elif early and t0 == 0 and cb == sb0:
                     (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = pre
                 else:
                     (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _mma_words_device(w1, wa, wb, cb,
@@ -674,18 +740,30 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
                                   norm, nw1, nscl)
                 cuda.syncthreads()
                 for sb in range(cb, ce):
-                    # the next super-block's words; past the chunk, the chunk's last again (never used: the next
-                    # chunk loads its own first words), a load with no branch or zeros around it
-                    (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
-                        w1, wa, wb, min(sb + 1, ce - 1), lw)
+                    if ring:               # tile sb - sb0 is the oldest group of copies: wait for it, read the
+                        slot = (sb - sb0) % ring_mod               # lane's words, refill the slot with sb + ring
+                        cp_async_wait_device(ring_pending)
+                        cuda.syncwarp(0xFFFFFFFF)              # the other lanes' copies of the tile landed
+                        (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _ring_words_device(wr, slot,
+                                                                                                        g, lw)
+                        cuda.syncwarp(0xFFFFFFFF)              # every lane has read the slot before it is refilled
+                        if sb + ring < sb1:
+                            _ring_issue_device(wr, w1, src, dst, half, sb + ring, slot)
+                        cp_async_commit_device()
+                    else:
+                        # the next super-block's words; past the chunk, the chunk's last again (never used: the next
+                        # chunk loads its own first words), a load with no branch or zeros around it
+                        (na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3) = _mma_words_device(
+                            w1, wa, wb, min(sb + 1, ce - 1), lw)
                     if one:
                         _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb),
                                             t, codes, xsum, scl, ex[warp], p)
                     else:
                         _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, 8 * (sb - cb), t,
                                          tr, n0, n1, nblk, stride, codes, xsum, scl, ex[warp], p)
-                    (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
-                        na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
+                    if not ring:
+                        (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = (
+                            na0, na1, nb0, nb1, nqa0, nqa1, nqa2, nqa3, nqb0, nqb1, nqb2, nqb3)
             if one:
                 sa = quad_sum_device(p[0], red[warp])
                 sbv = quad_sum_device(p[2], red[warp])
@@ -715,7 +793,13 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS):
                         out[tok, row] = round_bf16_device(v) if out_bf16 else v
                 if tid == 0:
                     counters[cuda.blockIdx.x] = 0
+    q4k_mma_kernel.ring_tiles = ring       # the launcher sizes the dynamic shared memory from it (ring_bytes)
     return q4k_mma_kernel
+
+
+def ring_bytes(ring):
+    """Dynamic shared memory of a block of the decode kernel with a ring of `ring` tiles a warp."""
+    return MMA_WARPS * ring * RING_TILE_WORDS * 8
 
 
 @cuda.jit(device=True, inline=True)
@@ -728,7 +812,7 @@ def _mma_store_device(v, tok, row, sl, n_slices, out_bf16, part, out):
             part[sl, tok, row] = v
 
 
-q4k_mma_t1_kernel = _make_mma_kernel(True, MMA_MIN_BLOCKS_T1)
+q4k_mma_t1_kernel = _make_mma_kernel(True, MMA_MIN_BLOCKS_T1, ring=MMA_RING)
 q4k_mma_kernel = _make_mma_kernel(False, MMA_MIN_BLOCKS)
 
 
@@ -1385,7 +1469,7 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         eps = np.float32(0.0 if norm is None else norm[1])
         for t0 in range(0, n_tok, step):
             xs, os_ = (x, out) if step == n_tok else (x[t0:t0 + step], out[t0:t0 + step])
-            kernel[(row_blocks, n_slices), MMA_WARPS * WARP, stream](
+            smem_launch(kernel, (row_blocks, n_slices), MMA_WARPS * WARP, stream, ring_bytes(kernel.ring_tiles))(
                 xs.view(np.uint64).reshape(xs.shape[0] * k // 2), k, w64.reshape(w64.shape[0] * w64.shape[1]),
                 w64.shape[1], sps, n_slices, bool(out_bf16), bool(quantize), norm is not None, nw1, eps, part,
                 counters, os_)

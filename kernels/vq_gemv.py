@@ -74,7 +74,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels import bounded_jit, rows_grid
+from kernels import bounded_jit, rows_grid, smem_launch
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.fp8 import (code_word_device, f16_of_e4m3_value_device, fp8_block_scale_device, pow2_inverse_device,
                          quant8_device)
@@ -804,26 +804,6 @@ SIGNATURES = {
 }
 
 
-_SMEM_MAX = {}
-SMEM_LIMIT = 227 * 1024          # dynamic + static shared memory one block may use on sm_90
-
-
-def _raise_smem_limit(nbytes):
-    """A pre-launch callback that lets a kernel use `nbytes` of dynamic shared memory (> 48 KB needs opting in).
-    The limit is a property of the compiled function: it is only ever raised (12-bit and 13-bit layers share the
-    kernel, and lowering it for a 12-bit layer would make the next 13-bit launch invalid)."""
-    def callback(kernel, launch_config):
-        from numba.cuda.cudadrv.driver import binding, driver
-        cufunc = kernel._codelibrary.get_cufunc()
-        key = id(cufunc)
-        if _SMEM_MAX.get(key, 0) >= nbytes:
-            return
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
-        _SMEM_MAX[key] = nbytes
-    return callback
-
-
 _SM_COUNT = []
 
 
@@ -1026,10 +1006,7 @@ def vq_gemv(x, plan, codebook, index, plane, gains, *, mats, shape, x_div=1, sca
     grid = max(1, min(_persistent_blocks(), -(-n_units // (threads // WARP))))
     smem = n_cw * 8
     kernel = vq_gemv_wide_kernel if wide else vq_gemv_kernel
-    launch = kernel[grid, threads, stream, smem]
-    if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
-        # numba caches configured launches (lru_cache on configure): register the callback once per configuration
-        launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
+    launch = smem_launch(kernel, grid, threads, stream, smem)
     m0, step = mats[0], (mats[1] - mats[0] if n_mats == 2 else 0)
     idx_words = s_len // 4
     plane_len = int(plane.shape[2]) if has_plane else 0

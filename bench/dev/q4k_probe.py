@@ -6,6 +6,7 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
     python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
     python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
     python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
+    python bench/dev/q4k_probe.py --time --mode mma --rings 0,1,2   # the same per weight-ring depth (decode kernel)
     python bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a --im 2,3/4,2   # FP32 activations on the integer
         tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
         times the FMA kernel the same calls took before it
@@ -41,6 +42,9 @@ ap.add_argument("--save", default=None,
                 help="with --check: also write each shape's tensor-core outputs to SAVE/MODE_SHAPE.npy (to compare the "
                      "bits of two kernel trees)")
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
+ap.add_argument("--rings", default=None,
+                help="comma list of weight-ring depths of the decode kernel to time (--time --mode mma; 0: the "
+                     "register path; default: MMA_RING)")
 a = ap.parse_args()
 if a.shapes:
     SHAPES = {k: v for k, v in SHAPES.items() if k in a.shapes.split(",")}
@@ -48,6 +52,8 @@ qk.USE_IMMA = a.mode in ("imma", "imma8")                 # deep: the FMA kernel
 qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inputs on the integer path, any shape
 qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
+RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
+RING_KERNELS = {}
 if a.check:
     import json
 
@@ -115,17 +121,23 @@ if a.time:
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
                      scratch=scratch, stream=s, fp8_input=a.mode in ("mma", "imma8"))
             it[0] += 1
-        for target in ([int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]):
-            for iv in IM_VARIANTS:
+        for target, iv, ring in [(tg, iv, rg) for tg in ([int(v) for v in a.targets.split(",")] if a.targets else
+                                                          [qk.MMA_TARGET_BLOCKS])
+                                 for iv in IM_VARIANTS for rg in RINGS]:
                 qk.MMA_TARGET_BLOCKS = target
                 if iv is not None:
                     qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
+                if ring is not None:
+                    if ring not in RING_KERNELS:
+                        RING_KERNELS[ring] = qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring)
+                    qk.q4k_mma_t1_kernel = RING_KERNELS[ring]
                 scratch.clear()
                 call()
                 s.synchronize()
                 sec = graph_time(call, s, max(copies * 4, 40))
                 print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
-                                  "splits": qk.mma_splits(N, K // 256), "im": iv, "us": round(sec * 1e6, 2),
+                                  "splits": qk.mma_splits(N, K // 256), "im": iv,
+                                  "ring": qk.MMA_RING if ring is None else ring, "us": round(sec * 1e6, 2),
                                   "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)

@@ -58,7 +58,7 @@ from numba.cuda.core import config as _cuda_config  # noqa: E402
 from ds4lib.formats.fp8 import E4M3_VALUES  # noqa: E402
 from kernels import bounded_jit  # noqa: E402
 from kernels.mma import MMA_EX_WORDS, e4m3x8_to_f16x2_device, load_at_device, mma_f16_device  # noqa: E402
-from kernels.vq_gemv import SMEM_LIMIT, _raise_smem_limit  # noqa: E402  (the GEMV's opt-in past 48 KB)
+from kernels import SMEM_LIMIT, smem_launch  # noqa: E402  (the opt-in past 48 KB of shared memory)
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 WARP = 32
@@ -277,10 +277,7 @@ def vq_lut_gemv(cb32, n_cw, xw, xs, idx, n_rows, n_cc, n_rr, part, gains, out, s
     if smem > SMEM_LIMIT:
         raise ValueError(f"vq_lut: {smem} bytes of shared memory a block (> {SMEM_LIMIT}): more row ranges")
     if mode:
-        launch = vq_lut_kernel[n_cc * n_rr, THREADS, stream, smem]
-        if not SIM and smem > 48 * 1024 and not launch.pre_launch_callbacks:
-            launch.pre_launch_callbacks.append(_raise_smem_limit(smem))
-        launch(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode, part)
+        smem_launch(vq_lut_kernel, n_cc * n_rr, THREADS, stream, smem)(cb32, n_cw, xw, xs, idx, n_rows, rows_blk, n_cc, passes, mode, part)
     if reduce:
         vq_lut_reduce_kernel[-(-n_rows // REDUCE_THREADS), REDUCE_THREADS, stream](part, n_cc, n_rows, gains, out)
 

@@ -145,7 +145,10 @@ def ptxas_resources(ptx, timeout=300):
 
 
 _MEMORY_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|atom|red|cp\.async)\.(?!param|local)", re.M)
-_WRITE_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:st|atom|red|cp\.async)\.(?!param|local|shared)", re.M)
+# what an early kernel may not do before its entry: write global memory (cp.async from global memory into its own
+# shared memory, and that copy's commits and waits, are reads of weights)
+_WRITE_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(?:st|atom|red|cp\.async)\."
+                       r"(?!param|local|shared|c[ag]\.shared|commit_group|wait_group)", re.M)
 
 
 def entry_first(ptx, early=False):
@@ -153,7 +156,8 @@ def entry_first(ptx, early=False):
     first load, store or atomic (the entry block comes first in the text), parameter loads and a thread's own local
     memory aside (LLVM may zero a local array above the entry: no other thread or grid sees it). `early` (a kernel
     of a module's EARLY_READS, whose code above the entry reads weights only: tests/kernels/test_pdl.py): loads and
-    its own shared memory may come first, but no other store or atomic."""
+    its own shared memory (cp.async from global memory into it included) may come first, but no other store or
+    atomic."""
     body = ptx[ptx.find(".entry"):]
     wait = body.find("griddepcontrol.wait;")
     trigger = body.find("griddepcontrol.launch_dependents;")

@@ -123,6 +123,7 @@ def lock_simulator_shared_arrays():
             raise RuntimeError("Array alignment is not supported in cudasim")
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
+        dtype = np.dtype(dtype)                    # a NumPy scalar type (np.uint64) has no itemsize of its own
         if shape == 0:
             count = self._dynshared_size // dtype.itemsize
             return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)

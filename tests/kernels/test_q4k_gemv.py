@@ -164,6 +164,34 @@ def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
     assert_matches("gemv_bf16", many, linear_q(x, w, True))
 
 
+@pytest.mark.parametrize("ring", [0, 1, 3])
+@pytest.mark.parametrize("target", [1, 2])
+def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, target):
+    """The decode kernel with its weights through a ring of `ring` tiles a warp (0: in registers, one super-block
+    ahead) gives the bits of the default ring (MMA_RING): 40 rows (a block's last warps read clamped rows) of 5
+    super-blocks, in one slice (target 1) or two uneven ones (target 2: 3 + 2), so the ring wraps and its last
+    refills are skipped."""
+    import kernels.q4k_gemv as qk
+    monkeypatch.setattr(qk, "MMA_TARGET_BLOCKS", target)
+    assert qk.mma_splits(40, 5) == ((5, 1) if target == 1 else (3, 2))
+    rng = np.random.default_rng(31)
+    q, w = _q4k(rng, 40, 256 * 5)
+    x = cuda_ready.to_device(round_bf16(rng.standard_normal((1, 256 * 5)) * 2))
+    d_q = cuda_ready.to_device(q)
+    scratch = {}
+    want = qk.q4k_gemv(x, d_q, scratch=scratch).copy_to_host()
+    assert _mma_taken(scratch)
+    monkeypatch.setattr(qk, "q4k_mma_t1_kernel", qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring))
+    np.testing.assert_array_equal(qk.q4k_gemv(x, d_q).copy_to_host(), want)
+    assert_matches("gemv_bf16", want, linear_q(x.copy_to_host(), w, True))
+
+
+def test_weight_ring_is_for_the_decode_kernel():
+    import kernels.q4k_gemv as qk
+    with pytest.raises(ValueError, match="decode kernel"):
+        qk._make_mma_kernel(False, qk.MMA_MIN_BLOCKS, ring=2)
+
+
 def test_mma_fp8_input_and_block_scales(cuda_ready):
     """Pre-quantised activations with fp8_input=True give the bits of quantize=True on the raw values (8 tokens over
     two stages of activations in shared memory); blocks of 32
