@@ -798,7 +798,8 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS, ring=0):
 
 
 def ring_bytes(ring):
-    """Dynamic shared memory of a block of the decode kernel with a ring of `ring` tiles a warp."""
+    """Dynamic shared memory of a block of a decode kernel with a ring of `ring` tiles a warp (the FP8 and the
+    integer kernels both have 4 warps a block)."""
     return MMA_WARPS * ring * RING_TILE_WORDS * 8
 
 
@@ -821,6 +822,8 @@ IM_WARPS = 4                   # warps of a block: the K quarters of one 16-row 
 IM_ROWS = 16                   # rows of a block (the MMA's M)
 IM_BATCH = 2                   # super-blocks whose weight words a lane loads before using any of them,
 IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
+IM_RING = 2                    # the one-token kernels' weight tiles in flight per warp (cp.async; 0: IM_BATCH
+                               # super-blocks' words loaded into registers at a time)
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
@@ -907,6 +910,23 @@ def _im_words_device(w1, wa, wb, sb, t, live):
     hw = w1[(ba if t < 2 else bb) + np.uint64(t % 2)]
     return (hw, w1[ba + lw], w1[ba + lw + np.uint64(4)], w1[ba + lw + np.uint64(8)], w1[ba + lw + np.uint64(12)],
             w1[bb + lw], w1[bb + lw + np.uint64(4)], w1[bb + lw + np.uint64(8)], w1[bb + lw + np.uint64(12)])
+
+
+@cuda.jit(device=True, inline=True)
+def _ring_im_words_device(wr, slot, g, t, live):
+    """_im_words_device's nine words of the lane, read from tile `slot` of the warp's ring; zeros when not `live`."""
+    z = np.uint64(0)
+    if not live:
+        return z, z, z, z, z, z, z, z, z
+    ba = np.uint64(slot * RING_TILE_WORDS + RING_ROW_WORDS * g)
+    bb = ba + np.uint64(8 * RING_ROW_WORDS)
+    lw = np.uint64(2 + t)
+    la = ba + lw
+    lb = bb + lw
+    hw = wr[(ba if t < 2 else bb) + np.uint64(t % 2)]
+    return (hw, load_at_device(wr, la, 0), load_at_device(wr, la, 4), load_at_device(wr, la, 8),
+            load_at_device(wr, la, 12), load_at_device(wr, lb, 0), load_at_device(wr, lb, 4),
+            load_at_device(wr, lb, 8), load_at_device(wr, lb, 12))
 
 
 @cuda.jit(device=True, inline=True)
@@ -1026,13 +1046,21 @@ def _im_copy_device(src, o, n4, dst):
         dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
 
 
-def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False, early=EARLY_WEIGHTS):
+def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False, early=EARLY_WEIGHTS, ring=0):
     """q4k_imma kernel for one token (`decode`) or any token count (the same operations per token either way);
     `batch` (2 or 4) super-blocks' weight words loaded together, `min_blocks` resident blocks per SM bounding the
     registers (bench/dev/q4k_probe.py compares variants); `stage` (with decode): the output also staged for the next
-    GEMV (a kernel of its own: the staging's code cost the one-token kernel 8 registers and spills in its loop)."""
+    GEMV (a kernel of its own: the staging's code cost the one-token kernel 8 registers and spills in its loop).
+    `ring` (decode only): the weights come through a ring of that many super-block tiles a warp in dynamic shared
+    memory, filled by cp.async (as q4k_mma_kernel's), a super-block at a time (`batch` then unused)."""
+    if ring and not decode:
+        raise ValueError("_make_im_kernel: the weight ring is for the decode kernel")
     jit = bounded_jit(IM_WARPS * WARP, min_blocks)
-    four = batch == 4
+    step = 1 if ring else batch
+    four = step == 4
+    ring_mod = max(ring, 1)
+    ring_words = ring * RING_TILE_WORDS
+    ring_pending = max(ring - 1, 0)
 
     @jit
     def q4k_imma_kernel(xd, ps, kx, w1, n_words, rows_per_group, out_bf16, out, sxd, sps, pairs):
@@ -1048,7 +1076,9 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         token the terms go into p_c over sub-blocks 2c, 2c+1 in super-block order, the quarter's value is (p_0 + p_1)
         + (p_2 + p_3) and the row's ((q_0 + q_1) + (q_2 + q_3)) over the quarters. A one-token call has lane t form
         p_t (the digit sums of group c == t kept), a wider one every lane all four for its two columns: the same
-        operations in the same order, so a token's result does not depend on the tokens beside it.
+        operations in the same order, so a token's result does not depend on the tokens beside it. With `ring`, a
+        warp's next super-blocks' tiles are on their way into shared memory by cp.async (q4k_mma_kernel's ring, the
+        first tiles issued before the grid entry) and the lane reads the words it would load: the same bits.
 
         `stage` (a one-token kernel of its own): the output is also staged as the next GEMV's integer-path operands,
         what im_stage(out, quantize=True) writes into (sxd, sps): blocks 2i and 2i + 1 hold the rows of one block of
@@ -1057,7 +1087,11 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         (im_stage_lane_device): the staging launch before that GEMV goes (wo_a's output for wo_b)."""
         min_blocks                 # named: a closure value, so in the cache key (kernels.bounded_jit)
         early                      # (the same)
+        ring                       # (the same)
+        ring_mod                   # (the same)
+        ring_pending               # (the same)
         ex = cuda.shared.array((IM_WARPS, WARP, MMA_EX_WORDS), np.uint32)
+        rings = cuda.shared.array(0, np.uint64, alignment=RING_ALIGN)    # dynamic: ring_bytes(ring) at launch
         xch = cuda.shared.array((IM_WARPS, WARP), nb_uint64)
         red = cuda.shared.array((IM_WARPS, WARP), np.float32)
         qsum = cuda.shared.array((IM_WARPS, MMA_TOK, IM_ROWS), np.float32)
@@ -1077,8 +1111,17 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         sbe = sb0 + quarter                              # add exact zeros
         nblk = kx // 32
         p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
-        if early:                  # weights are never written by a graph's kernels: the first batch's words may be
-            pre0 = _im_words_device(w1, wa, wb, sb0, t, sb0 < sb1)       # in flight while the predecessor finishes
+        wr = rings[warp * ring_words:(warp + 1) * ring_words]
+        half = lane // 16
+        src = np.uint64(min(r0 + lane % 16, n_rows - 1)) * np.uint64(n_words) + np.uint64(2 * half)
+        dst = np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half)
+        if ring:                   # weights are never written by a graph's kernels: the first tiles may be in
+            for k in range(ring):  # flight while the predecessor finishes
+                if sb0 + k < sb1:
+                    _ring_issue_device(wr, w1, src, dst, half, sb0 + k, k)
+                cp_async_commit_device()
+        elif early:                # (the same for the register path's first batch)
+            pre0 = _im_words_device(w1, wa, wb, sb0, t, sb0 < sb1)
             pre1 = _im_words_device(w1, wa, wb, sb0 + 1, t, sb0 + 1 < sb1)
         grid_entry_device()
         if decode:                                       # the tile's hi / lo words and (p, X) pairs -> shared memory
@@ -1096,8 +1139,20 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
                 p[i] = np.float32(0.0)
             pa = np.float32(0.0)
             pb = np.float32(0.0)
-            for cb in range(sb0, sbe, batch):
-                if early and t0 == 0 and cb == sb0:
+            for cb in range(sb0, sbe, step):
+                if ring:                                 # the oldest tile: wait, read, refill its slot with cb + ring
+                    slot = (cb - sb0) % ring_mod
+                    cp_async_wait_device(ring_pending)
+                    cuda.syncwarp(0xFFFFFFFF)                  # the other lanes' copies of the tile landed
+                    (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _ring_im_words_device(wr, slot, g, t,
+                                                                                                    cb < sb1)
+                    cuda.syncwarp(0xFFFFFFFF)                  # every lane has read the slot before it is refilled
+                    if cb + ring < sb1:
+                        _ring_issue_device(wr, w1, src, dst, half, cb + ring, slot)
+                    cp_async_commit_device()
+                    (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = (e0, qa00, qa01, qa02, qa03, qb00, qb01,
+                                                                            qb02, qb03)       # (unused: one a step)
+                elif early and t0 == 0 and cb == sb0:
                     (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = pre0
                     (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = pre1
                 else:
@@ -1110,7 +1165,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
                                                                                                cb + 2 < sb1)
                     (e3, qa30, qa31, qa32, qa33, qb30, qb31, qb32, qb33) = _im_words_device(w1, wa, wb, cb + 3, t,
                                                                                                cb + 3 < sb1)
-                for i in range(batch):
+                for i in range(step):
                     sb = cb + i
                     if sb < sbe:                         # block-uniform
                         sbc = min(sb, nb - 1)                # a dead step reads a live step's activations
@@ -1170,6 +1225,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
             cuda.syncthreads()
         if decode and stage:                            # the barrier above follows the output's stores
             _stage_pair_device(out, sxd, sps, pairs)
+    q4k_imma_kernel.ring_tiles = ring      # the launcher sizes the dynamic shared memory from it (ring_bytes)
     return q4k_imma_kernel
 
 
@@ -1189,8 +1245,8 @@ def _stage_pair_device(out, sxd, sps, pairs):
             pairs[blk] = 0
 
 
-q4k_imma_t1_kernel = _make_im_kernel(True)
-q4k_imma_t1s_kernel = _make_im_kernel(True, stage=True)     # and the output staged for the next GEMV (stage_out)
+q4k_imma_t1_kernel = _make_im_kernel(True, ring=IM_RING)
+q4k_imma_t1s_kernel = _make_im_kernel(True, stage=True, ring=IM_RING)   # and the output staged for the next GEMV
 q4k_imma_kernel = _make_im_kernel(False, min_blocks=2)   # its p[16] needs registers
 
 
@@ -1488,7 +1544,7 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             kernel = q4k_imma_t1s_kernel
             sxd, sps = stage_out
             pairs = _scratch(scratch, "im_pairs", (n_rows // 32,), np.int32, stream, zero=True)
-        kernel[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](
+        smem_launch(kernel, -(-n_rows // IM_ROWS), IM_WARPS * WARP, stream, ring_bytes(kernel.ring_tiles))(
             xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out, sxd, sps,
             pairs)
     elif kind == "q4_K" and n_tok == 1 and _contiguous(x):

@@ -6,7 +6,8 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
     python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
     python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
     python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
-    python bench/dev/q4k_probe.py --time --mode mma --rings 0,1,2   # the same per weight-ring depth (decode kernel)
+    python bench/dev/q4k_probe.py --time --mode mma --rings 0,1,2   # the same per weight-ring depth (decode kernel;
+        --mode imma: the integer path's)
     python bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a --im 2,3/4,2   # FP32 activations on the integer
         tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
         times the FMA kernel the same calls took before it
@@ -43,8 +44,8 @@ ap.add_argument("--save", default=None,
                      "bits of two kernel trees)")
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
 ap.add_argument("--rings", default=None,
-                help="comma list of weight-ring depths of the decode kernel to time (--time --mode mma; 0: the "
-                     "register path; default: MMA_RING)")
+                help="comma list of weight-ring depths of the one-token kernel to time (--time; --mode mma: "
+                     "q4k_mma's, MMA_RING; imma / imma8: q4k_imma's, IM_RING; 0: the register path)")
 a = ap.parse_args()
 if a.shapes:
     SHAPES = {k: v for k, v in SHAPES.items() if k in a.shapes.split(",")}
@@ -53,6 +54,7 @@ qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inp
 qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
+IM_MODE = a.mode in ("imma", "imma8")                     # --rings: the integer path's one-token kernel
 RING_KERNELS = {}
 if a.check:
     import json
@@ -129,15 +131,19 @@ if a.time:
                     qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
                 if ring is not None:
                     if ring not in RING_KERNELS:
-                        RING_KERNELS[ring] = qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring)
-                    qk.q4k_mma_t1_kernel = RING_KERNELS[ring]
+                        RING_KERNELS[ring] = (qk._make_im_kernel(True, ring=ring) if IM_MODE else
+                                              qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring))
+                    if IM_MODE:
+                        qk.q4k_imma_t1_kernel = RING_KERNELS[ring]
+                    else:
+                        qk.q4k_mma_t1_kernel = RING_KERNELS[ring]
                 scratch.clear()
                 call()
                 s.synchronize()
                 sec = graph_time(call, s, max(copies * 4, 40))
                 print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
                                   "splits": qk.mma_splits(N, K // 256), "im": iv,
-                                  "ring": qk.MMA_RING if ring is None else ring, "us": round(sec * 1e6, 2),
+                                  "ring": (qk.IM_RING if IM_MODE else qk.MMA_RING) if ring is None else ring, "us": round(sec * 1e6, 2),
                                   "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)

@@ -190,6 +190,8 @@ def test_weight_ring_is_for_the_decode_kernel():
     import kernels.q4k_gemv as qk
     with pytest.raises(ValueError, match="decode kernel"):
         qk._make_mma_kernel(False, qk.MMA_MIN_BLOCKS, ring=2)
+    with pytest.raises(ValueError, match="decode kernel"):
+        qk._make_im_kernel(False, ring=2)
 
 
 def test_mma_fp8_input_and_block_scales(cuda_ready):
@@ -299,6 +301,25 @@ def test_imma_prefill_rows_equal_decode(cuda_ready, rows, k):
     assert_matches("gemv_f32", many, linear_f32(x, w), bf16=False)
     bf = q4k_gemv(cuda_ready.to_device(x), d_q, quantize=False).copy_to_host()
     np.testing.assert_array_equal(bf, round_bf16(many))
+
+
+@pytest.mark.parametrize("ring", [0, 1, 3])
+def test_integer_path_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring):
+    """The integer path's one-token kernel with its weights through a ring of `ring` tiles a warp (0: IM_BATCH
+    super-blocks' words in registers at a time) gives the bits of the default ring (IM_RING): 40 rows (a tail tile)
+    of 10 super-blocks, K quarters of 3, 3, 3 and 1 (the last warp's two dead steps read zeros, not the tile its
+    ring still holds), so the ring wraps (depth 1 and 2) or not (3)."""
+    import kernels.q4k_gemv as qk
+    rng = np.random.default_rng(41)
+    q, w = _q4k(rng, 40, 256 * 10)
+    x = cuda_ready.to_device((rng.standard_normal((1, 256 * 10)) * 3).astype(np.float32))
+    d_q = cuda_ready.to_device(q)
+    scratch = {}
+    want = qk.q4k_gemv(x, d_q, quantize=False, out_bf16=False, scratch=scratch).copy_to_host()
+    assert _im_taken(scratch)
+    monkeypatch.setattr(qk, "q4k_imma_t1_kernel", qk._make_im_kernel(True, ring=ring))
+    np.testing.assert_array_equal(qk.q4k_gemv(x, d_q, quantize=False, out_bf16=False).copy_to_host(), want)
+    assert_matches("gemv_f32", want, linear_f32(x.copy_to_host(), w), bf16=False)
 
 
 def test_imma_grouped_rows_and_block_scales(cuda_ready):
