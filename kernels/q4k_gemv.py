@@ -544,6 +544,32 @@ def _ring_issue_device(wr, w1, src, dst, half, sb, slot):
 
 
 @cuda.jit(device=True, inline=True)
+def _ring_lane_device(r0, lane, n_rows, n_words):
+    """(src, dst, half) of the lane's copies into a warp's ring of rows r0 .. r0 + 15 (_ring_issue_device)."""
+    half = lane // 16
+    src = np.uint64(min(r0 + lane % 16, n_rows - 1)) * np.uint64(n_words) + np.uint64(2 * half)
+    return src, np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half), half
+
+
+@cuda.jit(device=True, inline=True)
+def _ring_fill_device(wr, w1, src, dst, half, sb0, sb1, ring):
+    """The ring's first `ring` tiles, super-blocks sb0 .. (those below sb1), a group of copies each (an empty group
+    past sb1, so that every step waits for the same count)."""
+    for k in range(ring):
+        if sb0 + k < sb1:
+            _ring_issue_device(wr, w1, src, dst, half, sb0 + k, k)
+        cp_async_commit_device()
+
+
+@cuda.jit(device=True, inline=True)
+def _ring_refill_device(wr, w1, src, dst, half, sb, sb1, slot):
+    """After tile `slot` was read: super-block sb into it if below sb1, and the step's group closed either way."""
+    if sb < sb1:
+        _ring_issue_device(wr, w1, src, dst, half, sb, slot)
+    cp_async_commit_device()
+
+
+@cuda.jit(device=True, inline=True)
 def _ring_words_device(wr, slot, g, lw):
     """_mma_words_device's twelve words of the lane, read from tile `slot` of the warp's ring (rows g and g + 8)."""
     ba = np.uint64(slot * RING_TILE_WORDS + RING_ROW_WORDS * g)
@@ -699,14 +725,9 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS, ring=0):
         sb1 = min(nb, sb0 + sps)
         one = decode
         wr = rings[warp * ring_words:(warp + 1) * ring_words]
-        half = lane // 16
-        src = np.uint64(min(r0 + lane % 16, n_rows - 1)) * np.uint64(n_words) + np.uint64(2 * half)
-        dst = np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half)
+        src, dst, half = _ring_lane_device(r0, lane, n_rows, n_words)
         if ring:                   # weights are never written by a graph's kernels: the first tiles may be in
-            for k in range(ring):  # flight while the predecessor finishes
-                if sb0 + k < sb1:
-                    _ring_issue_device(wr, w1, src, dst, half, sb0 + k, k)
-                cp_async_commit_device()
+            _ring_fill_device(wr, w1, src, dst, half, sb0, sb1, ring)     # flight while the predecessor finishes
         elif early:                # (the same for the register path's first words)
             pre = _mma_words_device(w1, wa, wb, min(sb0, nb - 1), lw)
         grid_entry_device()
@@ -747,9 +768,7 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS, ring=0):
                         (ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3) = _ring_words_device(wr, slot,
                                                                                                         g, lw)
                         cuda.syncwarp(0xFFFFFFFF)              # every lane has read the slot before it is refilled
-                        if sb + ring < sb1:
-                            _ring_issue_device(wr, w1, src, dst, half, sb + ring, slot)
-                        cp_async_commit_device()
+                        _ring_refill_device(wr, w1, src, dst, half, sb + ring, sb1, slot)
                     else:
                         # the next super-block's words; past the chunk, the chunk's last again (never used: the next
                         # chunk loads its own first words), a load with no branch or zeros around it
@@ -1112,14 +1131,9 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
         nblk = kx // 32
         p = cuda.local.array(16, np.float32)             # [c][row g / g+8][column 2t / 2t+1] (wider calls)
         wr = rings[warp * ring_words:(warp + 1) * ring_words]
-        half = lane // 16
-        src = np.uint64(min(r0 + lane % 16, n_rows - 1)) * np.uint64(n_words) + np.uint64(2 * half)
-        dst = np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half)
+        src, dst, half = _ring_lane_device(r0, lane, n_rows, n_words)
         if ring:                   # weights are never written by a graph's kernels: the first tiles may be in
-            for k in range(ring):  # flight while the predecessor finishes
-                if sb0 + k < sb1:
-                    _ring_issue_device(wr, w1, src, dst, half, sb0 + k, k)
-                cp_async_commit_device()
+            _ring_fill_device(wr, w1, src, dst, half, sb0, sb1, ring)     # flight while the predecessor finishes
         elif early:                # (the same for the register path's first batch)
             pre0 = _im_words_device(w1, wa, wb, sb0, t, sb0 < sb1)
             pre1 = _im_words_device(w1, wa, wb, sb0 + 1, t, sb0 + 1 < sb1)
@@ -1147,9 +1161,7 @@ def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=Fals
                     (e0, qa00, qa01, qa02, qa03, qb00, qb01, qb02, qb03) = _ring_im_words_device(wr, slot, g, t,
                                                                                                     cb < sb1)
                     cuda.syncwarp(0xFFFFFFFF)                  # every lane has read the slot before it is refilled
-                    if cb + ring < sb1:
-                        _ring_issue_device(wr, w1, src, dst, half, cb + ring, slot)
-                    cp_async_commit_device()
+                    _ring_refill_device(wr, w1, src, dst, half, cb + ring, sb1, slot)
                     (e1, qa10, qa11, qa12, qa13, qb10, qb11, qb12, qb13) = (e0, qa00, qa01, qa02, qa03, qb00, qb01,
                                                                             qb02, qb03)       # (unused: one a step)
                 elif early and t0 == 0 and cb == sb0:
