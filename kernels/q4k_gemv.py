@@ -816,6 +816,15 @@ def _make_mma_kernel(decode, min_blocks, early=EARLY_WEIGHTS, ring=0):
     return q4k_mma_kernel
 
 
+def _check_ring_alignment(kernel, w):
+    """Refuses (ValueError) weights whose device address is not on 16 bytes for a kernel with a weight ring: its
+    cp.async copies read 16-byte pieces (a q4_K row is a multiple of 16 bytes, so the first row's address decides).
+    The engine's weights are allocations of their own (256-byte aligned) or row ranges of one."""
+    if kernel.ring_tiles and not SIM and w.device_ctypes_pointer.value % 16:
+        raise ValueError(f"q4k_gemv: the weights' device address {w.device_ctypes_pointer.value:#x} is not on 16 "
+                         f"bytes, which the one-token kernels' cp.async copies need")
+
+
 def ring_bytes(ring):
     """Dynamic shared memory of a block of a decode kernel with a ring of `ring` tiles a warp (the FP8 and the
     integer kernels both have 4 warps a block)."""
@@ -1532,6 +1541,7 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
         counters = _scratch(scratch, "mma_counters", (row_blocks,), np.int32, stream, zero=True)
         w64 = w.view(np.uint64)
         kernel = q4k_mma_t1_kernel if n_tok == 1 else q4k_mma_kernel
+        _check_ring_alignment(kernel, w)
         step = n_tok if n_slices == 1 else max(1, part.shape[1])          # tokens per launch
         nw1 = w64[0] if norm is None else nw.view(np.uint64)              # (without a norm: not read)
         eps = np.float32(0.0 if norm is None else norm[1])
@@ -1556,6 +1566,7 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             kernel = q4k_imma_t1s_kernel
             sxd, sps = stage_out
             pairs = _scratch(scratch, "im_pairs", (n_rows // 32,), np.int32, stream, zero=True)
+        _check_ring_alignment(kernel, w)
         smem_launch(kernel, -(-n_rows // IM_ROWS), IM_WARPS * WARP, stream, ring_bytes(kernel.ring_tiles))(
             xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out, sxd, sps,
             pairs)

@@ -186,6 +186,25 @@ def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, ta
     assert_matches("gemv_bf16", want, linear_q(x.copy_to_host(), w, True))
 
 
+def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready):
+    """The one-token kernels' cp.async copies read 16-byte pieces: weights at an address 8 bytes off are refused with
+    a clear error on both tensor-core paths, not a fault (on a GPU; the simulator has no device addresses)."""
+    from tests.kernels.conftest import SIMULATOR
+    if SIMULATOR:
+        pytest.skip("the simulator's arrays have no device addresses")
+    from kernels.q4k_gemv import q4k_gemv
+    rng = np.random.default_rng(5)
+    q, _ = _q4k(rng, 16, 256)
+    flat = cuda_ready.device_array(q.size + 8, np.uint8)
+    w = flat[8:].reshape(q.shape)
+    w.copy_to_device(q)
+    x = cuda_ready.to_device(rng.standard_normal((1, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match="16 bytes"):
+        q4k_gemv(x, w)                                   # FP8 path (quantize=True)
+    with pytest.raises(ValueError, match="16 bytes"):
+        q4k_gemv(x, w, quantize=False)                   # integer path (FP32 x)
+
+
 def test_weight_ring_is_for_the_decode_kernel():
     import kernels.q4k_gemv as qk
     with pytest.raises(ValueError, match="decode kernel"):
