@@ -3,10 +3,12 @@ import numpy as np
 from numba import cuda                  # the simulator swaps this global inside kernels (conftest chose the mode)
 
 from kernels.cp_async import cp_async16_device, cp_async_commit_device, cp_async_wait_device
+from tests.kernels.conftest import SIMULATOR
 
 GROUPS = 3
 PENDING = GROUPS - 1                    # a global: the wait's count is typed as a literal
 SH_WORDS = 2 * 32 * GROUPS
+ALIGN = None if SIMULATOR else 16       # cp.async's destinations lie on 16 bytes
 
 
 @cuda.jit
@@ -14,7 +16,7 @@ def _groups_kernel(src, out):
     """Each of 32 threads copies piece (lane + 32 g) of src in group g (three groups), reads group 0 back after
     waiting with two groups in flight and the rest after waiting for all; a lane reads its neighbour's pieces
     (copied by another thread), so the warp barrier is what makes them visible."""
-    sh = cuda.shared.array(SH_WORDS, np.uint64)
+    sh = cuda.shared.array(SH_WORDS, np.uint64, alignment=ALIGN)
     lane = cuda.threadIdx.x
     for g in range(GROUPS):
         j = lane + 32 * g
