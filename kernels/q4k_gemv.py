@@ -46,10 +46,13 @@ without the norm's launch (the engine's q latent into wq_b).
 Both tensor-core kernels load their first weight words (q4k_mma: the first super-block; q4k_imma: the first batch)
 before their grid entry (EARLY_WEIGHTS; kernels.pdl): weights are never written by a step's kernels, so inside a
 graph with programmatic edges those DRAM reads overlap the predecessor's end. The same loads, the same bits.
-The one-token FP8 kernel (q4k_mma_t1_kernel) takes its weights through a ring of MMA_RING super-block tiles a warp
-in shared memory, filled by cp.async (kernels.cp_async): the next tiles are on their way from DRAM while the warp
-computes, without holding registers (the register path, ring 0, has one super-block in flight), and the first ones
-are issued before the grid entry. A lane reads the words the register path loads: the same bits.
+The one-token kernels of both tensor-core paths (q4k_mma_t1_kernel; q4k_imma_t1_kernel and its staging twin) take
+their weights through a ring of MMA_RING / IM_RING super-block tiles a warp (16 rows x 144 bytes, rows padded to 160)
+in dynamic shared memory, filled by cp.async (kernels.cp_async): the next tiles are on their way from DRAM while the
+warp computes, without holding registers, and the first ones are issued before the grid entry. Ring 0 keeps the
+register paths (q4k_mma: the next super-block's words loaded one ahead; q4k_imma: IM_BATCH super-blocks' words at a
+time, nothing in flight during their MMAs). A lane reads the words the register path loads: the same bits. The
+weights must lie on 16 bytes (the launcher checks).
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
