@@ -52,7 +52,9 @@ in dynamic shared memory, filled by cp.async (kernels.cp_async): the next tiles 
 warp computes, without holding registers, and the first ones are issued before the grid entry. Ring 0 keeps the
 register paths (q4k_mma: the next super-block's words loaded one ahead; q4k_imma: IM_BATCH super-blocks' words at a
 time, nothing in flight during their MMAs). A lane reads the words the register path loads: the same bits. The
-weights must lie on 16 bytes (the launcher checks).
+weights must lie on 16 bytes (the launcher checks). Measured on an H100 (BENCHMARKS.md, thirty-third session), rings
+of 2 did not make the step faster (wq_b 15.5 -> 17.5 us, the head 184 -> 168, wq_a 9.8 -> 8.2, wo_a and wo_b
+unchanged; the step 8.19 -> 8.39 ms): both default to 0, the rings stay for probes (q4k_probe --rings).
 
 The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
 head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
@@ -120,8 +122,9 @@ MMA_CODES_WORDS = MMA_STAGE_SB * QK_K // 8 + 4 * MMA_TOK   # their groups of 8 c
 MMA_CODES_U32 = 4 * MMA_CODES_WORDS                        # their halves as uint32 (two a word)
 MMA_TARGET_BLOCKS = 528        # K is split until a matrix has about this many blocks (a function of its shape)
 MMA_MIN_BLOCKS_T1 = 4          # resident blocks per SM the decode kernel is compiled for (<= 128 registers)
-MMA_RING = 2                   # the decode kernel's weight tiles in flight per warp (cp.async into shared memory;
-                               # 0: the register path, the next super-block's words loaded one ahead)
+MMA_RING = 0                   # the decode kernel's weight tiles in flight per warp (cp.async into shared memory;
+                               # 0: the register path, the next super-block's words loaded one ahead). 0: a ring of
+                               # 2 made wq_b 15.5 -> 17.5 us and a V4.1 step 0.2 ms slower (H100, BENCHMARKS.md)
 RING_ROW_WORDS = 20            # a ring row: one super-block of a weight row (18 words) and 16 bytes of padding,
                                # so the 8-byte reads of a half warp (4 rows x 4 lanes) hit distinct banks
 RING_TILE_WORDS = 16 * RING_ROW_WORDS             # a warp's 16 rows of one super-block (the MMA's M)
@@ -853,8 +856,9 @@ IM_WARPS = 4                   # warps of a block: the K quarters of one 16-row 
 IM_ROWS = 16                   # rows of a block (the MMA's M)
 IM_BATCH = 2                   # super-blocks whose weight words a lane loads before using any of them,
 IM_MIN_BLOCKS = 3              # resident blocks per SM the one-token kernel is compiled for (its register bound)
-IM_RING = 2                    # the one-token kernels' weight tiles in flight per warp (cp.async; 0: IM_BATCH
-                               # super-blocks' words loaded into registers at a time)
+IM_RING = 0                    # the one-token kernels' weight tiles in flight per warp (cp.async; 0: IM_BATCH
+                               # super-blocks' words loaded into registers at a time). 0: a ring of 2 sped up the
+                               # head and wq_a but not wo_a / wo_b, and the step was slower (with MMA_RING = 2)
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)

@@ -164,11 +164,11 @@ def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
     assert_matches("gemv_bf16", many, linear_q(x, w, True))
 
 
-@pytest.mark.parametrize("ring", [0, 1, 3])
+@pytest.mark.parametrize("ring", [1, 2, 3])
 @pytest.mark.parametrize("target", [1, 2])
 def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, target):
-    """The decode kernel with its weights through a ring of `ring` tiles a warp (0: in registers, one super-block
-    ahead) gives the bits of the default ring (MMA_RING): 40 rows (a block's last warps read clamped rows) of 5
+    """The decode kernel with its weights through a ring of `ring` tiles a warp gives the bits of the default
+    (MMA_RING; 0: in registers, one super-block ahead): 40 rows (a block's last warps read clamped rows) of 5
     super-blocks, in one slice (target 1) or two uneven ones (target 2: 3 + 2), so the ring wraps and its last
     refills are skipped."""
     import kernels.q4k_gemv as qk
@@ -186,13 +186,17 @@ def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, ta
     assert_matches("gemv_bf16", want, linear_q(x.copy_to_host(), w, True))
 
 
-def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready):
-    """The one-token kernels' cp.async copies read 16-byte pieces: weights at an address 8 bytes off are refused with
-    a clear error on both tensor-core paths, not a fault (on a GPU; the simulator has no device addresses)."""
+def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready, monkeypatch):
+    """The one-token ring kernels' cp.async copies read 16-byte pieces: weights at an address 8 bytes off are
+    refused with a clear error on both tensor-core paths, not a fault (on a GPU; the simulator has no device
+    addresses)."""
     from tests.kernels.conftest import SIMULATOR
     if SIMULATOR:
         pytest.skip("the simulator's arrays have no device addresses")
+    import kernels.q4k_gemv as qk
     from kernels.q4k_gemv import q4k_gemv
+    monkeypatch.setattr(qk, "q4k_mma_t1_kernel", qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=2))
+    monkeypatch.setattr(qk, "q4k_imma_t1_kernel", qk._make_im_kernel(True, ring=2))
     rng = np.random.default_rng(5)
     q, _ = _q4k(rng, 16, 256)
     flat = cuda_ready.device_array(q.size + 8, np.uint8)
@@ -322,10 +326,10 @@ def test_imma_prefill_rows_equal_decode(cuda_ready, rows, k):
     np.testing.assert_array_equal(bf, round_bf16(many))
 
 
-@pytest.mark.parametrize("ring", [0, 1, 3])
+@pytest.mark.parametrize("ring", [1, 2, 3])
 def test_integer_path_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring):
-    """The integer path's one-token kernel with its weights through a ring of `ring` tiles a warp (0: IM_BATCH
-    super-blocks' words in registers at a time) gives the bits of the default ring (IM_RING): 40 rows (a tail tile)
+    """The integer path's one-token kernel with its weights through a ring of `ring` tiles a warp gives the bits of
+    the default (IM_RING; 0: IM_BATCH super-blocks' words in registers at a time): 40 rows (a tail tile)
     of 10 super-blocks, K quarters of 3, 3, 3 and 1 (the last warp's two dead steps read zeros, not the tile its
     ring still holds), so the ring wraps (depth 1 and 2) or not (3)."""
     import kernels.q4k_gemv as qk
