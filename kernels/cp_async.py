@@ -3,8 +3,8 @@
 Owns:
 - `cp_async16_device(dst, di, src, si)`: start copying the 16 bytes at element si of the 1-D global array `src` to
   element di of the 1-D shared array `dst` (`cp.async.cg.shared.global`, cached in L2 only). The copy does not pass
-  through registers, so a thread can keep many of them in flight without holding their data: what a decode GEMV
-  needs to keep enough bytes on their way from DRAM while it computes (BENCHMARKS.md, issue 12). Both addresses must
+  through registers, so a thread can keep many of them in flight without holding their data (kernels.q4k_gemv's
+  weight rings; measured and off by default there, BENCHMARKS.md issue 12). Both addresses must
   lie on 16 bytes; nothing is checked here (the callers' layouts guarantee it).
 - `cp_async_commit_device()`: closes the thread's copies issued since the last commit into one group.
 - `cp_async_wait_device(n)`: waits until at most n (a compile-time constant, 0 <= n <= MAX_WAIT: a literal or a

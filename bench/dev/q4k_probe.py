@@ -17,6 +17,7 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
         --mode mma times them on q4k_mma (IM_FP8_MIN_ROWS decides between the two in the engine)
 """
 import argparse
+import itertools
 import math
 import sys
 
@@ -49,12 +50,12 @@ ap.add_argument("--rings", default=None,
 a = ap.parse_args()
 if a.shapes:
     SHAPES = {k: v for k, v in SHAPES.items() if k in a.shapes.split(",")}
-qk.USE_IMMA = a.mode in ("imma", "imma8")                 # deep: the FMA kernel FP32 inputs took before q4k_imma
+IM_MODE = a.mode in ("imma", "imma8")                     # (--rings: the integer path's one-token kernel)
+qk.USE_IMMA = IM_MODE                                      # deep: the FMA kernel FP32 inputs took before q4k_imma
 qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inputs on the integer path, any shape
 qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
-IM_MODE = a.mode in ("imma", "imma8")                     # --rings: the integer path's one-token kernel
 RING_KERNELS = {}
 if a.check:
     import json
@@ -123,28 +124,24 @@ if a.time:
             q4k_gemv(x, ws[it[0] % copies], quantize=False, out_bf16=False, rows_per_group=rpg, out=out,
                      scratch=scratch, stream=s, fp8_input=a.mode in ("mma", "imma8"))
             it[0] += 1
-        for target, iv, ring in [(tg, iv, rg) for tg in ([int(v) for v in a.targets.split(",")] if a.targets else
-                                                          [qk.MMA_TARGET_BLOCKS])
-                                 for iv in IM_VARIANTS for rg in RINGS]:
-                qk.MMA_TARGET_BLOCKS = target
-                if iv is not None:
-                    qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
-                if ring is not None:
-                    if ring not in RING_KERNELS:
-                        RING_KERNELS[ring] = (qk._make_im_kernel(True, ring=ring) if IM_MODE else
-                                              qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring))
-                    if IM_MODE:
-                        qk.q4k_imma_t1_kernel = RING_KERNELS[ring]
-                    else:
-                        qk.q4k_mma_t1_kernel = RING_KERNELS[ring]
-                scratch.clear()
-                call()
-                s.synchronize()
-                sec = graph_time(call, s, max(copies * 4, 40))
-                print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
-                                  "splits": qk.mma_splits(N, K // 256), "im": iv,
-                                  "ring": (qk.IM_RING if IM_MODE else qk.MMA_RING) if ring is None else ring, "us": round(sec * 1e6, 2),
-                                  "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
+        targets = [int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]
+        for target, iv, ring in itertools.product(targets, IM_VARIANTS, RINGS):
+            qk.MMA_TARGET_BLOCKS = target
+            if iv is not None:
+                qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
+            if ring is not None:
+                if ring not in RING_KERNELS:
+                    RING_KERNELS[ring] = (qk._make_im_kernel(True, ring=ring) if IM_MODE else
+                                          qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring))
+                setattr(qk, "q4k_imma_t1_kernel" if IM_MODE else "q4k_mma_t1_kernel", RING_KERNELS[ring])
+            scratch.clear()
+            call()
+            s.synchronize()
+            sec = graph_time(call, s, max(copies * 4, 40))
+            print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
+                              "splits": qk.mma_splits(N, K // 256), "im": iv,
+                              "ring": (qk.IM_RING if IM_MODE else qk.MMA_RING) if ring is None else ring,
+                              "us": round(sec * 1e6, 2), "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
     sys.exit(0)
 N, K = SHAPES[a.shape]
