@@ -134,6 +134,7 @@ MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
 USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
 USE_IMMA = True                # other activations take the integer tensor-core path where im_fits (q4k_probe compares)
+USE_DP4A = True                # one-token integer-path calls run kernels.q4k_dp4a's kernel (the same bits; dp4a)
 EARLY_WEIGHTS = True           # the tensor-core kernels load their first weight words before the grid entry,
 EARLY_READS = {"q4k_mma_kernel": ("w1", "n_words", "sps"),       # reading only these parameters (and shapes)
                "q4k_imma_kernel": ("w1", "n_words", "rows_per_group", "kx")}   # before it (kernels.pdl)
@@ -313,20 +314,28 @@ def _q4k_factors_hw_device(h0, h1, j):
 @cuda.jit(device=True, inline=True)
 def _q4k_factor_pair_hw_device(h0, h1, t):
     """_q4k_factors_hw_device of sub-blocks 2t and 2t + 1 together -> (dd, dm of 2t, dd, dm of 2t + 1), the same
-    values. Their scale bytes are neighbours (bytes j = 2(t % 2) and j + 1 of each third), so one shift a third
-    brings both down, and the two 6-bit fields are formed side by side in 16 bits (the masks keep each byte's bits to
-    itself). Sub-blocks 0-3 take the low 6 bits of bytes j (scale) and 4 + j (min); 4-7 a nibble of byte 8 + j with
-    the top 2 bits of byte j or 4 + j above it. One formula serves both, with shifts and masks that depend on t alone
-    (lanes of a warp hold different t: no branch, no select). Each field becomes a float by a byte permutation into
-    2^23's bits and a subtraction."""
+    values (_q4k_factor_pair_words_device on the header's four 32-bit words)."""
+    return _q4k_factor_pair_words_device(np.uint32(h0 & np.uint64(0xFFFFFFFF)), np.uint32(h0 >> np.uint64(32)),
+                                         np.uint32(h1 & np.uint64(0xFFFFFFFF)), np.uint32(h1 >> np.uint64(32)), t)
+
+
+@cuda.jit(device=True, inline=True)
+def _q4k_factor_pair_words_device(u0, u1, u2, u3, t):
+    """(dd, dm of sub-block 2t, dd, dm of 2t + 1) of a super-block whose header is the 32-bit words u0 (d, dmin), u1,
+    u2, u3 (scale bytes 0-3, 4-7, 8-11). Their scale bytes are neighbours (bytes j = 2(t % 2) and j + 1 of each
+    third), so one shift a third brings both down, and the two 6-bit fields are formed side by side in 16 bits (the
+    masks keep each byte's bits to itself). Sub-blocks 0-3 take the low 6 bits of bytes j (scale) and 4 + j (min);
+    4-7 a nibble of byte 8 + j with the top 2 bits of byte j or 4 + j above it. One formula serves both, with shifts
+    and masks that depend on t alone (lanes of a warp hold different t: no branch, no select). Each field becomes a
+    float by a byte permutation into 2^23's bits and a subtraction; d and dmin by the hardware's conversion."""
     hi = np.uint32(t >> 1)                                    # sub-blocks 4-7
     sh = np.uint32(16) * np.uint32(t & 1)
     s2 = np.uint32(2) * hi                                    # top bits of byte j / 4 + j: 6-7 -> 4-5
     keep = np.uint32(0x3F3F) - np.uint32(0x0F0F) * hi         # 0x3F3F, or 0x3030
     nib = np.uint32(0x0F0F) * hi                              # 0, or the nibble of byte 8 + j
-    b0 = np.uint32(h0 >> np.uint64(32)) >> sh                 # scale bytes j, j + 1 in bits 0-15
-    b1 = np.uint32(h1 & np.uint64(0xFFFFFFFF)) >> sh          # bytes 4 + j, 5 + j
-    b2 = np.uint32(h1 >> np.uint64(32)) >> sh                 # bytes 8 + j, 9 + j
+    b0 = u1 >> sh                                             # scale bytes j, j + 1 in bits 0-15
+    b1 = u2 >> sh                                             # bytes 4 + j, 5 + j
+    b2 = u3 >> sh                                             # bytes 8 + j, 9 + j
     sc = ((b0 >> s2) & keep) | (b2 & nib)
     m = ((b1 >> s2) & keep) | ((b2 >> np.uint32(4)) & nib)
     one = np.uint32(0x4B000000)
@@ -334,9 +343,8 @@ def _q4k_factor_pair_hw_device(h0, h1, t):
     sc1 = bits_f32(byte_perm_device(sc, one, 0x7541)) - MAGIC
     m0 = bits_f32(byte_perm_device(m, one, 0x7540)) - MAGIC
     m1 = bits_f32(byte_perm_device(m, one, 0x7541)) - MAGIC
-    lo = np.uint32(h0 & np.uint64(0xFFFFFFFF))
-    d = _f16_header_device(lo)
-    dmin = _f16_header_device(lo >> np.uint32(16))
+    d = _f16_header_device(u0)
+    dmin = _f16_header_device(u0 >> np.uint32(16))
     return d * sc0, dmin * m0, d * sc1, dmin * m1
 
 
@@ -1573,6 +1581,15 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             kernel = q4k_imma_t1s_kernel
             sxd, sps = stage_out
             pairs = _scratch(scratch, "im_pairs", (n_rows // 32,), np.int32, stream, zero=True)
+        if USE_DP4A and kernel is not q4k_imma_kernel:
+            from kernels import q4k_dp4a                 # (it builds on this module's helpers)
+            if q4k_dp4a.dp_fits(w):                      # the same bits as the imma kernel, fewer instructions
+                w4 = w.view(np.uint32)
+                dp = q4k_dp4a.q4k_dp_t1s_kernel if stage_out is not None else q4k_dp4a.q4k_dp_t1_kernel
+                dp[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](
+                    xd, ps, kx, w4.reshape(w4.shape[0] * w4.shape[1]), w4.shape[1], rpg, bool(out_bf16), out, sxd,
+                    sps, pairs)
+                return out
         _check_ring_alignment(kernel, w)
         smem_launch(kernel, -(-n_rows // IM_ROWS), IM_WARPS * WARP, stream, ring_bytes(kernel.ring_tiles))(
             xd, ps, kx, w64.reshape(w64.shape[0] * w64.shape[1]), w64.shape[1], rpg, bool(out_bf16), out, sxd, sps,

@@ -8,6 +8,8 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
     python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
     python bench/dev/q4k_probe.py --time --mode mma --rings 0,1,2   # the same per weight-ring depth (decode kernel;
         --mode imma: the integer path's)
+    python bench/dev/q4k_probe.py --time --mode imma --dp 0/1,4/0,4   # the one-token integer kernel: imma, then
+        kernels.q4k_dp4a's per (PIPE, MIN_BLOCKS) variant, with whether each gives the first one's bits
     python bench/dev/q4k_probe.py --time --mode imma --shapes head,wo_a --im 2,3/4,2   # FP32 activations on the integer
         tensor-core path (q4k_imma), per decode-kernel variant (super-blocks a batch, min blocks per SM); --mode deep
         times the FMA kernel the same calls took before it
@@ -44,6 +46,10 @@ ap.add_argument("--save", default=None,
                 help="with --check: also write each shape's tensor-core outputs to SAVE/MODE_SHAPE.npy (to compare the "
                      "bits of two kernel trees)")
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
+ap.add_argument("--dp", default=None,
+                help="'/'-separated variants of the integer path's one-token kernel to time (--time; --mode imma or "
+                     "imma8): 0 = q4k_imma_t1_kernel (USE_DP4A off), PIPE,MIN_BLOCKS = kernels.q4k_dp4a's kernel "
+                     "built with those; each line also says whether its output has the first variant's bits")
 ap.add_argument("--rings", default=None,
                 help="comma list of weight-ring depths of the one-token kernel to time (--time; --mode mma: "
                      "q4k_mma's, MMA_RING; imma / imma8: q4k_imma's, IM_RING; 0: the register path)")
@@ -56,6 +62,20 @@ qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inp
 qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
+DP_VARIANTS = [tuple(int(v) for v in dv.split(",")) for dv in a.dp.split("/")] if a.dp else [None]
+DP_KERNELS = {}
+
+
+def set_dp(dv):
+    """Point q4k_gemv at the one-token integer kernel of --dp variant dv (None: leave the defaults)."""
+    if dv is None:
+        return
+    import kernels.q4k_dp4a as dp
+    qk.USE_DP4A = dv != (0,)
+    if dv != (0,):
+        if dv not in DP_KERNELS:
+            DP_KERNELS[dv] = dp._make_dp_kernel(pipe=bool(dv[0]), min_blocks=dv[1])
+        dp.q4k_dp_t1_kernel = DP_KERNELS[dv]
 RING_KERNELS = {}
 if a.check:
     import json
@@ -125,8 +145,10 @@ if a.time:
                      scratch=scratch, stream=s, fp8_input=a.mode in ("mma", "imma8"))
             it[0] += 1
         targets = [int(v) for v in a.targets.split(",")] if a.targets else [qk.MMA_TARGET_BLOCKS]
-        for target, iv, ring in itertools.product(targets, IM_VARIANTS, RINGS):
+        first_bits = None
+        for target, iv, ring, dv in itertools.product(targets, IM_VARIANTS, RINGS, DP_VARIANTS):
             qk.MMA_TARGET_BLOCKS = target
+            set_dp(dv)
             if iv is not None:
                 qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *iv)
             if ring is not None:
@@ -135,11 +157,15 @@ if a.time:
                                           qk._make_mma_kernel(True, qk.MMA_MIN_BLOCKS_T1, ring=ring))
                 setattr(qk, "q4k_imma_t1_kernel" if IM_MODE else "q4k_mma_t1_kernel", RING_KERNELS[ring])
             scratch.clear()
+            it[0] = 0
             call()
             s.synchronize()
+            bits = out.copy_to_host().view(np.uint32).copy()
+            first_bits = bits if first_bits is None else first_bits
             sec = graph_time(call, s, max(copies * 4, 40))
             print(json.dumps({"name": name, "mode": a.mode, "shape": [N, K], "copies": copies, "target": target,
-                              "splits": qk.mma_splits(N, K // 256), "im": iv,
+                              "splits": qk.mma_splits(N, K // 256), "im": iv, "dp": dv,
+                              "same_bits": bool(np.array_equal(bits, first_bits)),
                               "ring": (qk.IM_RING if IM_MODE else qk.MMA_RING) if ring is None else ring,
                               "us": round(sec * 1e6, 2), "gbps": round(nbytes / sec / 1e9, 1)}), flush=True)
         del ws
@@ -159,6 +185,7 @@ out = cuda.device_array((1, N), np.float32, stream=s)
 scratch = {}
 if IM_VARIANTS[0] is not None:
     qk.q4k_imma_t1_kernel = qk._make_im_kernel(True, *IM_VARIANTS[0])
+set_dp(DP_VARIANTS[0])
 for i in range(a.calls):                                   # imma: FP32 activations, as the head and wo_a
     q4k_gemv(x, ws[i % copies], quantize=a.mode != "imma", rows_per_group=rpg, out=out, scratch=scratch, stream=s)
 s.synchronize()

@@ -1,0 +1,289 @@
+"""The integer path's one-token q4_K GEMV on the SIMD integer dot product (`dp4a`) instead of the tensor cores: the
+same exact digit sums as kernels.q4k_gemv's q4k_imma_t1_kernel, combined by the same FP32 operations in the same
+order, so the same bits, with about half the instructions and no warp-wide MMA of which one column in eight is used.
+
+Owns:
+- `dp4a_uu_device(a, b, c)` / `dp4a_us_device(a, b, c)`: c + the dot product of the four bytes of a (unsigned) with
+  the four bytes of b (unsigned / signed): PTX `dp4a.u32.u32` / `dp4a.u32.s32` (one IDP.4A), exact int32 where the
+  sum fits (the callers' sums do: at most 32 * 240 * 255); the simulator's twins add the same products in Python.
+- `q4k_dp_t1_kernel` (and `q4k_dp_t1s_kernel`, which also stages its output for the next GEMV as
+  q4k_imma_t1s_kernel does): one token's GEMV on q4k_imma_t1_kernel's operands (the staged digits xd and (p, X)
+  pairs ps of q4k_im_stage_kernel), its 16-row tiles, its K quarters a warp and its sums. Lane (g, t) of warp w
+  takes rows r0 + g and r0 + g + 8 (as the MMA fragments do), super-blocks of quarter w, and of each the 32 bytes of
+  nibble group t: sub-blocks 2t (low nibbles) and 2t + 1 (high), which is what lane t keeps of the imma kernel's
+  MMAs. A nibble word masked with 0x0F0F0F0F is four unsigned weights of sub-block 2t; masked with 0xF0F0F0F0, four
+  of sub-block 2t + 1 times 16, whose digit sums are divided by 16 (exactly) once. Three dp4a a word and row (the
+  digits d0, d1 unsigned, d2 signed) give the three exact digit sums of each sub-block, then S, the term (dd * S -
+  dm * X) * p and the sums over quads and quarters are q4k_imma_t1_kernel's (kernels.q4k_gemv helpers). Steps past
+  a quarter's last super-block are not run (the imma kernel adds exact zeros there: its accumulators never hold
+  -0, so adding +0 changes nothing).
+- `dp_fits(w)`: whether the launcher can give a weight array to these kernels (16-byte aligned: the lane's words
+  are 16-byte loads); kernels.q4k_gemv.q4k_gemv takes them for one-token integer-path calls when it holds (USE_DP4A)
+  and q4k_imma_t1_kernel otherwise, the same bits either way.
+Loads: a lane's words of a super-block are six 16-byte loads (two rows' headers and nibble groups); the next
+super-block's are issued before the current one's products (DP_PIPE). The tile's digits are copied into shared
+memory with nibble group c's 8-input blocks in the order e ^ c, so that the four lanes t of a quad-row, which read
+block e of their groups together, hit four different bank quads.
+
+Shapes: as kernels.q4k_gemv (N rows, K row length per group, NB = K / 256 super-blocks, kx inputs a token).
+"""
+import numpy as np
+from numba import cuda
+from numba.cuda.core import config as _cuda_config
+
+from kernels import bounded_jit
+from kernels.bf16 import round_bf16_device
+from kernels.mma import LOAD4_ALIGN, load4_device
+from kernels.pdl import grid_entry_device
+from kernels.q4k_gemv import (EARLY_WEIGHTS, IM_ROWS, IM_SMEM_PS, IM_SMEM_WORDS, IM_WARPS, QK_K, WARP,
+                              _im_copy_device, _im_s_device, _im_term_device, _q4k_factor_pair_words_device,
+                              _stage_pair_device)
+from kernels.warp import quad_sum_device
+
+__all__ = ["dp4a_uu_device", "dp4a_us_device", "q4k_dp_t1_kernel", "q4k_dp_t1s_kernel", "dp_fits", "SIGNATURES",
+           "EARLY_READS", "DP_MIN_BLOCKS", "DP_PIPE"]
+
+SIM = bool(_cuda_config.ENABLE_CUDASIM)
+SB_WORDS = 36                  # 32-bit words of a q4_K super-block (144 bytes)
+DP_MIN_BLOCKS = 4              # resident blocks per SM the kernels are compiled for (their register bound)
+DP_PIPE = True                 # the next super-block's words loaded before the current one's products
+LO = np.uint32(0x0F0F0F0F)
+HI = np.uint32(0xF0F0F0F0)
+EARLY_READS = {"q4k_dp_kernel": ("w4", "n_words4", "rows_per_group")}   # (kernels.pdl)
+
+if SIM:
+    @cuda.jit(device=True)
+    def dp4a_uu_device(a, b, c):
+        """c + sum of byte i of a times byte i of b, both unsigned (the simulator's dp4a.u32.u32)."""
+        s = int(c)
+        for i in range(4):
+            s += ((int(a) >> (8 * i)) & 0xFF) * ((int(b) >> (8 * i)) & 0xFF)
+        return np.int32(s)
+
+    @cuda.jit(device=True)
+    def dp4a_us_device(a, b, c):
+        """c + sum of byte i of a (unsigned) times byte i of b (signed) (the simulator's dp4a.u32.s32)."""
+        s = int(c)
+        for i in range(4):
+            v = (int(b) >> (8 * i)) & 0xFF
+            s += ((int(a) >> (8 * i)) & 0xFF) * (v - 256 if v >= 128 else v)
+        return np.int32(s)
+else:
+    from llvmlite import ir as _ir
+    from numba.core import types as _types
+    from numba.core.extending import intrinsic as _intrinsic
+
+    def _dp4a_intrinsic(op):
+        """An intrinsic running `op` (dp4a with b32 operands a, b and an int32 c) on one thread's registers."""
+        @_intrinsic
+        def dp4a(typingctx, a, b, c):
+            sig = _types.int32(_types.uint32, _types.uint32, _types.int32)
+
+            def codegen(context, builder, signature, args):
+                i32 = _ir.IntType(32)
+                return builder.call(_ir.InlineAsm(_ir.FunctionType(i32, [i32] * 3), op + " $0, $1, $2, $3;",
+                                                  "=r,r,r,r"), args)
+            return sig, codegen
+        return dp4a
+
+    _dp4a_uu = _dp4a_intrinsic("dp4a.u32.u32")
+    _dp4a_us = _dp4a_intrinsic("dp4a.u32.s32")
+
+    @cuda.jit(device=True, inline=True)
+    def dp4a_uu_device(a, b, c):
+        """c + the dot product of a's and b's four unsigned bytes (one IDP.4A)."""
+        return _dp4a_uu(np.uint32(a), np.uint32(b), np.int32(c))
+
+    @cuda.jit(device=True, inline=True)
+    def dp4a_us_device(a, b, c):
+        """c + the dot product of a's four unsigned bytes with b's four signed ones (one IDP.4A)."""
+        return _dp4a_us(np.uint32(a), np.uint32(b), np.int32(c))
+
+
+@cuda.jit(device=True, inline=True)
+def _dp_words_device(w4, ra, rb, sb, t, live):
+    """Lane t's 24 words of super-block sb: rows a and b (flat uint32 offsets ra, rb), each its header (4 words) and
+    nibble group t (8 words: bytes 32t .. 32t + 31 of the nibbles); zeros when not `live`."""
+    z = np.uint32(0)
+    if not live:
+        return (z, z, z, z, z, z, z, z, z, z, z, z), (z, z, z, z, z, z, z, z, z, z, z, z)
+    o = np.uint64(SB_WORDS) * np.uint64(sb)
+    a = ra + o
+    b = rb + o
+    q = np.uint64(4 + 8 * t)
+    ha = load4_device(w4, a)
+    qa0 = load4_device(w4, a + q)
+    qa1 = load4_device(w4, a + q + np.uint64(4))
+    hb = load4_device(w4, b)
+    qb0 = load4_device(w4, b + q)
+    qb1 = load4_device(w4, b + q + np.uint64(4))
+    return ha + qa0 + qa1, hb + qb0 + qb1
+
+
+@cuda.jit(device=True, inline=True)
+def _dp_block_device(wa0, wa1, wb0, wb1, xs, lo_at, hi_at, acc):
+    """acc (12 int32: row a's digit sums d0, d1, d2 of sub-block 2t, then of 2t + 1 times 16; row b's the same) plus
+    the products of one 8-input block: nibble words wa0, wa1 (row a, inputs 8e .. 8e + 7 of both sub-blocks), wb0, wb1
+    (row b), the digits of sub-block 2t's inputs at xs[lo_at ..] and of 2t + 1's at xs[hi_at ..] (8 words each: d0,
+    d0, d1, d1, d2, d2, 0, 0 for inputs 0-3 / 4-7)."""
+    l0a, l0b, l1a, l1b = load4_device(xs, lo_at)
+    l2a, l2b, _, _ = load4_device(xs, lo_at + 4)
+    h0a, h0b, h1a, h1b = load4_device(xs, hi_at)
+    h2a, h2b, _, _ = load4_device(xs, hi_at + 4)
+    a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5 = acc
+    la0, la1, ha0, ha1 = wa0 & LO, wa1 & LO, wa0 & HI, wa1 & HI
+    lb0, lb1, hb0, hb1 = wb0 & LO, wb1 & LO, wb0 & HI, wb1 & HI
+    a0 = dp4a_uu_device(la1, l0b, dp4a_uu_device(la0, l0a, a0))
+    a1 = dp4a_uu_device(la1, l1b, dp4a_uu_device(la0, l1a, a1))
+    a2 = dp4a_us_device(la1, l2b, dp4a_us_device(la0, l2a, a2))
+    a3 = dp4a_uu_device(ha1, h0b, dp4a_uu_device(ha0, h0a, a3))
+    a4 = dp4a_uu_device(ha1, h1b, dp4a_uu_device(ha0, h1a, a4))
+    a5 = dp4a_us_device(ha1, h2b, dp4a_us_device(ha0, h2a, a5))
+    b0 = dp4a_uu_device(lb1, l0b, dp4a_uu_device(lb0, l0a, b0))
+    b1 = dp4a_uu_device(lb1, l1b, dp4a_uu_device(lb0, l1a, b1))
+    b2 = dp4a_us_device(lb1, l2b, dp4a_us_device(lb0, l2a, b2))
+    b3 = dp4a_uu_device(hb1, h0b, dp4a_uu_device(hb0, h0a, b3))
+    b4 = dp4a_uu_device(hb1, h1b, dp4a_uu_device(hb0, h1a, b4))
+    b5 = dp4a_us_device(hb1, h2b, dp4a_us_device(hb0, h2a, b5))
+    return a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5
+
+
+@cuda.jit(device=True, inline=True)
+def _dp_sb_device(wa, wb, xs, xb, xp, bt, pa, pb):
+    """One super-block of lane (g, t): its words wa, wb (rows g, g + 8: _dp_words_device), the tile's digits xs with
+    this super-block's group t at xs[xb ..] (blocks swizzled: block e at 8 * (e ^ t)), its (p, X) pairs xp[bt ..]
+    -> pa, pb plus the terms of sub-blocks 2t and 2t + 1 (q4k_imma_t1_kernel's, in its order)."""
+    t = cuda.threadIdx.x % 4
+    z = np.int32(0)
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z)
+    acc = _dp_block_device(wa[4], wa[5], wb[4], wb[5], xs, xb + 8 * (0 ^ t), xb + 8 * (4 ^ t), acc)
+    acc = _dp_block_device(wa[6], wa[7], wb[6], wb[7], xs, xb + 8 * (1 ^ t), xb + 8 * (5 ^ t), acc)
+    acc = _dp_block_device(wa[8], wa[9], wb[8], wb[9], xs, xb + 8 * (2 ^ t), xb + 8 * (6 ^ t), acc)
+    acc = _dp_block_device(wa[10], wa[11], wb[10], wb[11], xs, xb + 8 * (3 ^ t), xb + 8 * (7 ^ t), acc)
+    a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5 = acc
+    s4 = np.int32(4)
+    dda0, dma0, dda1, dma1 = _q4k_factor_pair_words_device(wa[0], wa[1], wa[2], wa[3], t)
+    ddb0, dmb0, ddb1, dmb1 = _q4k_factor_pair_words_device(wb[0], wb[1], wb[2], wb[3], t)
+    p0, x0, p1, x1 = load4_device(xp, bt)
+    pa = _im_term_device(dda0, dma0, _im_s_device(a0, a1, a2), x0, p0, pa)
+    pa = _im_term_device(dda1, dma1, _im_s_device(a3 >> s4, a4 >> s4, a5 >> s4), x1, p1, pa)
+    pb = _im_term_device(ddb0, dmb0, _im_s_device(b0, b1, b2), x0, p0, pb)
+    pb = _im_term_device(ddb1, dmb1, _im_s_device(b3 >> s4, b4 >> s4, b5 >> s4), x1, p1, pb)
+    return pa, pb
+
+
+@cuda.jit(device=True, inline=True)
+def _swz(j):
+    """The shared-memory word of the tile's digit word 4j (a 16-byte piece): word w = 256 sb + 64 c + 8 e + r goes to
+    w with e replaced by e ^ c, i.e. w ^ 8c."""
+    w = np.uint32(4) * np.uint32(j)
+    return w ^ ((w >> np.uint32(3)) & np.uint32(0x18))
+
+
+@cuda.jit(device=True, inline=True)
+def _dp_copy_digits_device(xd, o, nb, xs):
+    """xs = the digits xd[o : o + 256 nb] with each 64-input group c's 8-input blocks e stored at block e ^ c (by the
+    block's threads, four 16-byte pieces a thread in flight before their stores)."""
+    n = IM_WARPS * WARP
+    n4 = nb * QK_K // 4
+    for j0 in range(cuda.threadIdx.x, n4, 4 * n):
+        j1 = min(j0 + n, n4 - 1)
+        j2 = min(j0 + 2 * n, n4 - 1)
+        j3 = min(j0 + 3 * n, n4 - 1)
+        a0, a1, a2, a3 = load4_device(xd, o + 4 * j0)
+        b0, b1, b2, b3 = load4_device(xd, o + 4 * j1)
+        c0, c1, c2, c3 = load4_device(xd, o + 4 * j2)
+        d0, d1, d2, d3 = load4_device(xd, o + 4 * j3)
+        d = _swz(j0)
+        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = a0, a1, a2, a3
+        d = _swz(j1)
+        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = b0, b1, b2, b3
+        d = _swz(j2)
+        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = c0, c1, c2, c3
+        d = _swz(j3)
+        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = d0, d1, d2, d3
+
+
+def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS):
+    """The one-token dp4a kernel (module docstring); `stage`: its output also staged for the next GEMV
+    (q4k_imma_t1s_kernel's); `min_blocks` resident blocks per SM bounding the registers; `pipe` the next
+    super-block's words loaded before the current one's products; `early` the first super-block's words loaded
+    before the grid entry (kernels.pdl)."""
+    jit = bounded_jit(IM_WARPS * WARP, min_blocks)
+
+    @jit
+    def q4k_dp_kernel(xd, ps, kx, w4, n_words4, rows_per_group, out_bf16, out, sxd, sps, pairs):
+        """q4_K GEMV of one token on the staged integer-path operands (xd, ps: q4k_im_stage_kernel's, kx inputs);
+        w4: the q4_K rows as flat uint32 words (n_words4 a row, 16-byte aligned); out [1, N] FP32 (BF16-rounded if
+        out_bf16): q4k_imma_t1_kernel's bits (module docstring). `stage`: sxd, sps, pairs as that kernel's."""
+        min_blocks                 # named: closure values, so in the cache key (kernels.bounded_jit)
+        pipe                       # (the same)
+        early                      # (the same)
+        qsum = cuda.shared.array((IM_WARPS, IM_ROWS), np.float32)
+        red = cuda.shared.array((IM_WARPS, WARP), np.float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane // 4
+        t = lane % 4
+        n_rows = out.shape[1]
+        nb = n_words4 // SB_WORDS
+        r0 = cuda.blockIdx.x * IM_ROWS
+        ra = np.uint64(min(r0 + g, n_rows - 1)) * np.uint64(n_words4)       # rows past the end: the last (read,
+        rb = np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words4)   # never stored)
+        xk0 = (r0 // rows_per_group) * nb * QK_K         # the tile's first input in the token row
+        quarter = (nb + IM_WARPS - 1) // IM_WARPS
+        sb0 = warp * quarter
+        sb1 = min(nb, sb0 + quarter)
+        if early:                  # weights are never written by a graph's kernels (kernels.pdl)
+            cur_a, cur_b = _dp_words_device(w4, ra, rb, sb0, t, sb0 < sb1)
+        grid_entry_device()
+        if not early:
+            cur_a, cur_b = _dp_words_device(w4, ra, rb, sb0, t, sb0 < sb1)
+        xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)
+        xp = cuda.shared.array(IM_SMEM_PS, np.float32, alignment=LOAD4_ALIGN)
+        _dp_copy_digits_device(xd, xk0, nb, xs)
+        _im_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp)
+        cuda.syncthreads()
+        pa = np.float32(0.0)
+        pb = np.float32(0.0)
+        for sb in range(sb0, sb1, 2):                   # two super-blocks a trip: the words alternate between
+            if pipe:                                     # two sets of registers without copies
+                nxt_a, nxt_b = _dp_words_device(w4, ra, rb, sb + 1, t, sb + 1 < sb1)
+            pa, pb = _dp_sb_device(cur_a, cur_b, xs, QK_K * sb + 64 * t, xp, 2 * (8 * sb + 2 * t), pa, pb)
+            if sb + 1 < sb1:
+                if pipe:
+                    cur_a, cur_b = _dp_words_device(w4, ra, rb, sb + 2, t, sb + 2 < sb1)
+                else:
+                    nxt_a, nxt_b = _dp_words_device(w4, ra, rb, sb + 1, t, True)
+                pa, pb = _dp_sb_device(nxt_a, nxt_b, xs, QK_K * (sb + 1) + 64 * t, xp, 2 * (8 * sb + 8 + 2 * t),
+                                       pa, pb)
+                if not pipe and sb + 2 < sb1:
+                    cur_a, cur_b = _dp_words_device(w4, ra, rb, sb + 2, t, True)
+        sa = quad_sum_device(pa, red[warp])
+        sbv = quad_sum_device(pb, red[warp])
+        if t == 0:
+            qsum[warp, g] = sa
+            qsum[warp, g + 8] = sbv
+        cuda.syncthreads()
+        if tid < IM_ROWS and r0 + tid < n_rows:
+            v = (qsum[0, tid] + qsum[1, tid]) + (qsum[2, tid] + qsum[3, tid])
+            out[0, r0 + tid] = round_bf16_device(v) if out_bf16 else v
+        if stage:
+            cuda.syncthreads()                          # the output's stores before the pair's ticket
+            _stage_pair_device(out, sxd, sps, pairs)
+    return q4k_dp_kernel
+
+
+def dp_fits(w):
+    """Whether a q4_K weight array (uint8 [N, NB * 144] on the device) can be read by q4k_dp_t1_kernel: its words
+    are 16-byte loads, so its first byte must lie on 16 bytes (a whole allocation or a 16-byte aligned slice)."""
+    return SIM or int(w.device_ctypes_pointer.value or 0) % 16 == 0
+
+
+q4k_dp_t1_kernel = _make_dp_kernel()
+q4k_dp_t1s_kernel = _make_dp_kernel(stage=True)    # and the output staged for the next GEMV (wo_a's into wo_b)
+
+_DP_SIG = ("void(uint32[::1], float32[::1], int64, uint32[::1], int64, int64, boolean, float32[:, ::1], uint32[::1], "
+           "float32[::1], int32[::1])")
+SIGNATURES = {"q4k_dp_t1_kernel": _DP_SIG, "q4k_dp_t1s_kernel": _DP_SIG}
