@@ -17,9 +17,10 @@ Owns:
   dm * X) * p and the sums over quads and quarters are q4k_imma_t1_kernel's (kernels.q4k_gemv helpers). Steps past
   a quarter's last super-block are not run (the imma kernel adds exact zeros there: its accumulators never hold
   -0, so adding +0 changes nothing).
-- `dp_fits(w)`: whether the launcher can give a weight array to these kernels (16-byte aligned: the lane's words
-  are 16-byte loads); kernels.q4k_gemv.q4k_gemv takes them for one-token integer-path calls when it holds (USE_DP4A)
-  and q4k_imma_t1_kernel otherwise, the same bits either way.
+- `dp_fits(kernel, w, n_rows, rows_per_group)`: whether the launcher can give a weight array to one of these
+  kernels (16-byte aligned: the lane's words are 16-byte loads; a block's tiles in one input group);
+  kernels.q4k_gemv.q4k_gemv takes them for one-token integer-path calls when it holds (USE_DP4A) and
+  q4k_imma_t1_kernel otherwise, the same bits either way.
 Loads: a lane's words of a super-block are six 16-byte loads (two rows' headers and nibble groups); the next
 super-block's are issued before the current one's products (DP_PIPE). The tile's digits are copied into shared
 memory with nibble group c's 8-input blocks in the order e ^ c, so that the four lanes t of a quad-row, which read
@@ -36,17 +37,18 @@ from kernels.bf16 import round_bf16_device
 from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import (EARLY_WEIGHTS, IM_ROWS, IM_SMEM_PS, IM_SMEM_WORDS, IM_WARPS, QK_K, WARP,
-                              _im_copy_device, _im_s_device, _im_term_device, _q4k_factor_pair_words_device,
+                              _im_s_device, _im_term_device, _q4k_factor_pair_words_device,
                               _stage_pair_device)
 from kernels.warp import quad_sum_device
 
 __all__ = ["dp4a_uu_device", "dp4a_us_device", "q4k_dp_t1_kernel", "q4k_dp_t1s_kernel", "dp_fits", "SIGNATURES",
-           "EARLY_READS", "DP_MIN_BLOCKS", "DP_PIPE"]
+           "EARLY_READS", "DP_MIN_BLOCKS", "DP_PIPE", "DP_TILES"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 SB_WORDS = 36                  # 32-bit words of a q4_K super-block (144 bytes)
 DP_MIN_BLOCKS = 4              # resident blocks per SM the kernels are compiled for (their register bound)
 DP_PIPE = True                 # the next super-block's words loaded before the current one's products
+DP_TILES = 1                   # 16-row tiles a block of the one-token kernel (one copy of the digits for all)
 LO = np.uint32(0x0F0F0F0F)
 HI = np.uint32(0xF0F0F0F0)
 EARLY_READS = {"q4k_dp_kernel": ("w4", "n_words4", "rows_per_group")}   # (kernels.pdl)
@@ -181,35 +183,39 @@ def _swz(j):
 
 
 @cuda.jit(device=True, inline=True)
-def _dp_copy_digits_device(xd, o, nb, xs):
-    """xs = the digits xd[o : o + 256 nb] with each 64-input group c's 8-input blocks e stored at block e ^ c (by the
-    block's threads, four 16-byte pieces a thread in flight before their stores)."""
-    n = IM_WARPS * WARP
-    n4 = nb * QK_K // 4
+def _dp_copy_device(src, o, n4, dst, n, swizzle):
+    """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by a block's n threads, four 16-byte
+    pieces a thread in flight before their stores; `swizzle`: the tile's digits, each 64-input group c's 8-input
+    blocks e stored at block e ^ c (_swz)."""
     for j0 in range(cuda.threadIdx.x, n4, 4 * n):
         j1 = min(j0 + n, n4 - 1)
         j2 = min(j0 + 2 * n, n4 - 1)
         j3 = min(j0 + 3 * n, n4 - 1)
-        a0, a1, a2, a3 = load4_device(xd, o + 4 * j0)
-        b0, b1, b2, b3 = load4_device(xd, o + 4 * j1)
-        c0, c1, c2, c3 = load4_device(xd, o + 4 * j2)
-        d0, d1, d2, d3 = load4_device(xd, o + 4 * j3)
-        d = _swz(j0)
-        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = a0, a1, a2, a3
-        d = _swz(j1)
-        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = b0, b1, b2, b3
-        d = _swz(j2)
-        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = c0, c1, c2, c3
-        d = _swz(j3)
-        xs[d], xs[d + 1], xs[d + 2], xs[d + 3] = d0, d1, d2, d3
+        a0, a1, a2, a3 = load4_device(src, o + 4 * j0)
+        b0, b1, b2, b3 = load4_device(src, o + 4 * j1)
+        c0, c1, c2, c3 = load4_device(src, o + 4 * j2)
+        d0, d1, d2, d3 = load4_device(src, o + 4 * j3)
+        d = _swz(j0) if swizzle else np.uint32(4 * j0)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = a0, a1, a2, a3
+        d = _swz(j1) if swizzle else np.uint32(4 * j1)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = b0, b1, b2, b3
+        d = _swz(j2) if swizzle else np.uint32(4 * j2)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = c0, c1, c2, c3
+        d = _swz(j3) if swizzle else np.uint32(4 * j3)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = d0, d1, d2, d3
 
 
-def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS):
+def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS, tiles=1):
     """The one-token dp4a kernel (module docstring); `stage`: its output also staged for the next GEMV
     (q4k_imma_t1s_kernel's); `min_blocks` resident blocks per SM bounding the registers; `pipe` the next
     super-block's words loaded before the current one's products; `early` the first super-block's words loaded
-    before the grid entry (kernels.pdl)."""
-    jit = bounded_jit(IM_WARPS * WARP, min_blocks)
+    before the grid entry (kernels.pdl); `tiles` 16-row tiles a block (4 warps each), sharing one copy of the
+    digits: every tile of a block must read the same input group (the launcher's `dp_tiles`)."""
+    if stage and tiles != 1:
+        raise ValueError("_make_dp_kernel: the staging variant takes one tile a block (its pairs of blocks)")
+    n_threads = tiles * IM_WARPS * WARP
+    n_warps = tiles * IM_WARPS                           # (a closure int: a literal for the shared arrays' shapes)
+    jit = bounded_jit(n_threads, min_blocks)
 
     @jit
     def q4k_dp_kernel(xd, ps, kx, w4, n_words4, rows_per_group, out_bf16, out, sxd, sps, pairs):
@@ -219,19 +225,22 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
         min_blocks                 # named: closure values, so in the cache key (kernels.bounded_jit)
         pipe                       # (the same)
         early                      # (the same)
-        qsum = cuda.shared.array((IM_WARPS, IM_ROWS), np.float32)
-        red = cuda.shared.array((IM_WARPS, WARP), np.float32)
+        tiles                      # (the same)
+        qsum = cuda.shared.array((n_warps, IM_ROWS), np.float32)
+        red = cuda.shared.array((n_warps, WARP), np.float32)
         tid = cuda.threadIdx.x
         lane = tid % WARP
-        warp = tid // WARP
+        tw = tid // WARP                                 # the block's warp: tile tw // 4, K quarter tw % 4
+        warp = tw % IM_WARPS
         g = lane // 4
         t = lane % 4
         n_rows = out.shape[1]
         nb = n_words4 // SB_WORDS
-        r0 = cuda.blockIdx.x * IM_ROWS
+        rt = cuda.blockIdx.x * tiles * IM_ROWS           # the block's first row
+        r0 = rt + (tw // IM_WARPS) * IM_ROWS             # the warp's tile's
         ra = np.uint64(min(r0 + g, n_rows - 1)) * np.uint64(n_words4)       # rows past the end: the last (read,
         rb = np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words4)   # never stored)
-        xk0 = (r0 // rows_per_group) * nb * QK_K         # the tile's first input in the token row
+        xk0 = (rt // rows_per_group) * nb * QK_K         # the tiles' first input in the token row
         quarter = (nb + IM_WARPS - 1) // IM_WARPS
         sb0 = warp * quarter
         sb1 = min(nb, sb0 + quarter)
@@ -242,8 +251,8 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
             cur_a, cur_b = _dp_words_device(w4, ra, rb, sb0, t, sb0 < sb1)
         xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)
         xp = cuda.shared.array(IM_SMEM_PS, np.float32, alignment=LOAD4_ALIGN)
-        _dp_copy_digits_device(xd, xk0, nb, xs)
-        _im_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp)
+        _dp_copy_device(xd, xk0, nb * QK_K // 4, xs, n_threads, True)
+        _dp_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp, n_threads, False)
         cuda.syncthreads()
         pa = np.float32(0.0)
         pb = np.float32(0.0)
@@ -260,28 +269,34 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
                                        pa, pb)
                 if not pipe and sb + 2 < sb1:
                     cur_a, cur_b = _dp_words_device(w4, ra, rb, sb + 2, t, True)
-        sa = quad_sum_device(pa, red[warp])
-        sbv = quad_sum_device(pb, red[warp])
+        sa = quad_sum_device(pa, red[tw])
+        sbv = quad_sum_device(pb, red[tw])
         if t == 0:
-            qsum[warp, g] = sa
-            qsum[warp, g + 8] = sbv
+            qsum[tw, g] = sa
+            qsum[tw, g + 8] = sbv
         cuda.syncthreads()
-        if tid < IM_ROWS and r0 + tid < n_rows:
-            v = (qsum[0, tid] + qsum[1, tid]) + (qsum[2, tid] + qsum[3, tid])
-            out[0, r0 + tid] = round_bf16_device(v) if out_bf16 else v
+        if tid < tiles * IM_ROWS and rt + tid < n_rows:
+            q0 = (tid // IM_ROWS) * IM_WARPS
+            r = tid % IM_ROWS
+            v = (qsum[q0, r] + qsum[q0 + 1, r]) + (qsum[q0 + 2, r] + qsum[q0 + 3, r])
+            out[0, rt + tid] = round_bf16_device(v) if out_bf16 else v
         if stage:
             cuda.syncthreads()                          # the output's stores before the pair's ticket
             _stage_pair_device(out, sxd, sps, pairs)
+    q4k_dp_kernel.tiles = tiles            # the launcher's grid and group check (dp_fits)
     return q4k_dp_kernel
 
 
-def dp_fits(w):
-    """Whether a q4_K weight array (uint8 [N, NB * 144] on the device) can be read by q4k_dp_t1_kernel: its words
-    are 16-byte loads, so its first byte must lie on 16 bytes (a whole allocation or a 16-byte aligned slice)."""
-    return SIM or int(w.device_ctypes_pointer.value or 0) % 16 == 0
+def dp_fits(kernel, w, n_rows, rows_per_group):
+    """Whether `kernel` (one of this module's) can take a q4_K weight array w (uint8 [N, NB * 144] on the device) of
+    n_rows rows, rows_per_group to an input group: its words are 16-byte loads, so w's first byte must lie on 16
+    bytes, and every tile of a block must read one input group."""
+    rows = kernel.tiles * IM_ROWS
+    return ((SIM or int(w.device_ctypes_pointer.value or 0) % 16 == 0)
+            and (rows_per_group == n_rows or rows_per_group % rows == 0))
 
 
-q4k_dp_t1_kernel = _make_dp_kernel()
+q4k_dp_t1_kernel = _make_dp_kernel(tiles=DP_TILES)
 q4k_dp_t1s_kernel = _make_dp_kernel(stage=True)    # and the output staged for the next GEMV (wo_a's into wo_b)
 
 _DP_SIG = ("void(uint32[::1], float32[::1], int64, uint32[::1], int64, int64, boolean, float32[:, ::1], uint32[::1], "

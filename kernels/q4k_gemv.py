@@ -1583,10 +1583,11 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
             pairs = _scratch(scratch, "im_pairs", (n_rows // 32,), np.int32, stream, zero=True)
         if USE_DP4A and kernel is not q4k_imma_kernel:
             from kernels import q4k_dp4a                 # (it builds on this module's helpers)
-            if q4k_dp4a.dp_fits(w):                      # the same bits as the imma kernel, fewer instructions
+            dp = q4k_dp4a.q4k_dp_t1s_kernel if stage_out is not None else q4k_dp4a.q4k_dp_t1_kernel
+            if q4k_dp4a.dp_fits(dp, w, n_rows, rpg):     # the same bits as the imma kernel, fewer instructions
                 w4 = w.view(np.uint32)
-                dp = q4k_dp4a.q4k_dp_t1s_kernel if stage_out is not None else q4k_dp4a.q4k_dp_t1_kernel
-                dp[-(-n_rows // IM_ROWS), IM_WARPS * WARP, stream](
+                rows = dp.tiles * IM_ROWS
+                dp[-(-n_rows // rows), dp.tiles * IM_WARPS * WARP, stream](
                     xd, ps, kx, w4.reshape(w4.shape[0] * w4.shape[1]), w4.shape[1], rpg, bool(out_bf16), out, sxd,
                     sps, pairs)
                 return out

@@ -20,9 +20,9 @@ def _deq(q):
     return dequantize_q4k(q)
 
 
-def _both(cuda_mod, monkeypatch, x, q, stage_out=None, **kw):
+def _both(cuda_mod, monkeypatch, x, q, stage_out=None, kernel=None, **kw):
     """(dp4a kernel's output, imma kernel's output) of one q4k_gemv call, each checked to have taken its kernel;
-    `stage_out`: a function giving each call its stage_out operands."""
+    `stage_out`: a function giving each call its stage_out operands; `kernel`: the one-token dp4a kernel to use."""
     import kernels.q4k_dp4a as dp
     import kernels.q4k_gemv as qk
     d_x, d_q = cuda_mod.to_device(x), cuda_mod.to_device(q)
@@ -31,7 +31,7 @@ def _both(cuda_mod, monkeypatch, x, q, stage_out=None, **kw):
         monkeypatch.setattr(qk, "USE_DP4A", use)
         taken = []
         for name in ("q4k_dp_t1_kernel", "q4k_dp_t1s_kernel"):
-            kern = getattr(dp, name)
+            kern = kernel if kernel is not None and name == "q4k_dp_t1_kernel" else getattr(dp, name)
             monkeypatch.setattr(dp, name, _Spy(kern, taken))
         extra = {} if stage_out is None else {"stage_out": stage_out()}
         runs.append(qk.q4k_gemv(d_x, d_q, quantize=False, **extra, **kw).copy_to_host())
@@ -43,41 +43,66 @@ def _both(cuda_mod, monkeypatch, x, q, stage_out=None, **kw):
 class _Spy:
     """A kernel stand-in that records its launches and runs the kernel."""
     def __init__(self, kernel, log):
-        self.kernel, self.log = kernel, log
+        self.kernel, self.log, self.tiles = kernel, log, kernel.tiles
 
     def __getitem__(self, cfg):
         self.log.append(cfg)
         return self.kernel[cfg]
 
 
-@pytest.mark.parametrize("rows,nb,out_bf16", [(40, 10, False), (16, 1, True), (24, 5, False), (20, 7, True)])
-def test_dp4a_kernel_gives_the_imma_kernels_bits(cuda_ready, monkeypatch, rows, nb, out_bf16):
-    """One token on the integer path through the dp4a kernel and through q4k_imma_t1_kernel: the same bits, for K
-    quarters of 3, 3, 3, 1 (nb 10), one busy warp (1), 2, 2, 1, 0 (5) and 2, 2, 2, 1 (7), over tail tiles (40, 24 and
-    20 rows), rows whose scales differ by up to 2^11 and activations across 2^-20 .. 2^20; and within linear_f32's
-    tolerance."""
+@pytest.mark.parametrize("rows,nb,out_bf16,tiles", [(40, 10, False, 1), (16, 1, True, 1), (24, 5, False, 1),
+                                                    (20, 7, True, 1), (40, 10, False, 2), (24, 5, True, 2)])
+def test_dp4a_kernel_gives_the_imma_kernels_bits(cuda_ready, monkeypatch, rows, nb, out_bf16, tiles):
+    """One token on the integer path through the dp4a kernel (`tiles` 16-row tiles a block) and through
+    q4k_imma_t1_kernel: the same bits, for K quarters of 3, 3, 3, 1 (nb 10), one busy warp (1), 2, 2, 1, 0 (5) and
+    2, 2, 2, 1 (7), over tail tiles (40, 24 and 20 rows; with two tiles a block, the last block's second tile past
+    the end or partly), rows whose scales differ by up to 2^11 and activations across 2^-20 .. 2^20; and within
+    linear_f32's tolerance."""
+    import kernels.q4k_dp4a as dp
     rng = np.random.default_rng(rows * 100 + nb)
     k = 256 * nb
     q = _q4k(rng, rows, k)
     x = (rng.standard_normal((1, k)) * np.exp2(rng.integers(-20, 20, (1, k // 32))).repeat(32, axis=1))
     x = x.astype(np.float32)
-    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16)
+    if tiles != dp.q4k_dp_t1_kernel.tiles:
+        monkeypatch.setattr(dp, "q4k_dp_t1_kernel", dp._make_dp_kernel(tiles=tiles))
+        kernel = dp.q4k_dp_t1_kernel
+        got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16, kernel=kernel)
+    else:
+        got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if not out_bf16:
+        assert_matches("gemv_f32", got, linear_f32(x, _deq(q)), bf16=False)
 
 
-def test_dp4a_kernel_grouped_rows_and_non_finite_blocks(cuda_ready, monkeypatch):
-    """Grouped rows (wo_a's: 16-row tiles reading their group's slice of x) give the imma kernel's bits; an infinity
-    in one block of a group's slice makes exactly that group's rows NaN on both kernels."""
+def test_two_tile_blocks_need_one_group_a_block(cuda_ready):
+    """A block of two 16-row tiles shares one copy of the digits, so it only takes matrices whose groups hold whole
+    blocks (rows_per_group a multiple of 32, or all rows); a 16-row group takes the imma kernel (dp_fits)."""
+    import kernels.q4k_dp4a as dp
+    w = cuda_ready.to_device(np.zeros((64, 144), np.uint8))
+    two, one = dp._make_dp_kernel(tiles=2), dp.q4k_dp_t1s_kernel
+    assert dp.dp_fits(two, w, 64, 64) and dp.dp_fits(two, w, 64, 32) and not dp.dp_fits(two, w, 64, 16)
+    assert dp.dp_fits(one, w, 64, 16) and dp.dp_fits(one, w, 40, 40)
+    with pytest.raises(ValueError, match="one tile"):
+        dp._make_dp_kernel(stage=True, tiles=2)
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_dp4a_kernel_grouped_rows_and_non_finite_blocks(cuda_ready, monkeypatch, tiles):
+    """Grouped rows (wo_a's: 16-row tiles reading their group's slice of x; `tiles` of them a block) give the imma
+    kernel's bits; an infinity in one block of a group's slice makes exactly that group's rows NaN on both kernels."""
+    import kernels.q4k_dp4a as dp
+    kernel = dp._make_dp_kernel(tiles=tiles)
     rng = np.random.default_rng(5)
     G, R, Kg = 3, 32, 256 * 3
     q = _q4k(rng, G * R, Kg)
     x = (rng.standard_normal((1, G * Kg)) * 3).astype(np.float32)
-    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=False, rows_per_group=R)
+    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=False, rows_per_group=R, kernel=kernel)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert_matches("gemv_f32", got, np.concatenate([linear_f32(x[:, g * Kg:(g + 1) * Kg], _deq(q[g * R:(g + 1) * R]))
                                                     for g in range(G)], axis=1), bf16=False)
     x[0, Kg + 300] = np.inf
-    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=False, rows_per_group=R)
+    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=False, rows_per_group=R, kernel=kernel)
     assert np.isnan(got[0, R:2 * R]).all() and np.isnan(want[0, R:2 * R]).all()
     assert not np.isnan(got[0, :R]).any() and not np.isnan(got[0, 2 * R:]).any()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
