@@ -6,6 +6,7 @@ from numba import cuda                  # the simulator swaps this global inside
 
 from ds4lib.formats.q4k import dequantize_q4k, quantize_q4k
 from ds4lib.ref.linear import linear_f32
+from kernels.q4k_dp4a import dp4a_us_device, dp4a_uu_device
 from tests.kernels.tolerances import assert_matches
 
 
@@ -134,7 +135,6 @@ def test_dp4a_staging_kernel_gives_the_imma_staging_bits(cuda_ready, monkeypatch
 
 @cuda.jit
 def _dp4a_kernel(a, b, c, out):
-    from kernels.q4k_dp4a import dp4a_uu_device, dp4a_us_device
     i = cuda.grid(1)
     if i < a.size:
         out[i, 0] = dp4a_uu_device(a[i], b[i], c[i])
