@@ -37,7 +37,7 @@ from kernels.bf16 import round_bf16_device
 from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
 from kernels.q4k_gemv import (EARLY_WEIGHTS, IM_ROWS, IM_SMEM_PS, IM_SMEM_WORDS, IM_WARPS, QK_K, WARP,
-                              _im_s_device, _im_term_device, _q4k_factor_pair_words_device,
+                              _copy16_device, _im_s_device, _im_term_device, _q4k_factor_pair_words_device,
                               _stage_pair_device)
 from kernels.warp import quad_sum_device
 
@@ -123,31 +123,34 @@ def _dp_words_device(w4, ra, rb, sb, t, live):
 
 
 @cuda.jit(device=True, inline=True)
+def _dp_row_device(w0, w1, lo, hi, acc):
+    """acc (6 int32: one row's digit sums d0, d1, d2 of sub-block 2t, then those of 2t + 1 times 16) plus the products
+    of its nibble words w0, w1 (inputs 8e .. 8e + 7 of both sub-blocks) with the digit words lo of sub-block 2t's
+    inputs and hi of 2t + 1's (six each: d0, d0, d1, d1, d2, d2 for inputs 0-3 / 4-7)."""
+    s0, s1, s2, s3, s4, s5 = acc
+    l0, l1, h0, h1 = w0 & LO, w1 & LO, w0 & HI, w1 & HI
+    s0 = dp4a_uu_device(l1, lo[1], dp4a_uu_device(l0, lo[0], s0))
+    s1 = dp4a_uu_device(l1, lo[3], dp4a_uu_device(l0, lo[2], s1))
+    s2 = dp4a_us_device(l1, lo[5], dp4a_us_device(l0, lo[4], s2))
+    s3 = dp4a_uu_device(h1, hi[1], dp4a_uu_device(h0, hi[0], s3))
+    s4 = dp4a_uu_device(h1, hi[3], dp4a_uu_device(h0, hi[2], s4))
+    s5 = dp4a_us_device(h1, hi[5], dp4a_us_device(h0, hi[4], s5))
+    return s0, s1, s2, s3, s4, s5
+
+
+@cuda.jit(device=True, inline=True)
 def _dp_block_device(wa0, wa1, wb0, wb1, xs, lo_at, hi_at, acc):
-    """acc (12 int32: row a's digit sums d0, d1, d2 of sub-block 2t, then of 2t + 1 times 16; row b's the same) plus
-    the products of one 8-input block: nibble words wa0, wa1 (row a, inputs 8e .. 8e + 7 of both sub-blocks), wb0, wb1
-    (row b), the digits of sub-block 2t's inputs at xs[lo_at ..] and of 2t + 1's at xs[hi_at ..] (8 words each: d0,
-    d0, d1, d1, d2, d2, 0, 0 for inputs 0-3 / 4-7)."""
+    """acc (12 int32: row a's digit sums (_dp_row_device's six), then row b's) plus the products of one 8-input
+    block: nibble words wa0, wa1 (row a, inputs 8e .. 8e + 7 of both sub-blocks), wb0, wb1 (row b), the digits of
+    sub-block 2t's inputs at xs[lo_at ..] and of 2t + 1's at xs[hi_at ..] (8 words each: d0, d0, d1, d1, d2, d2, 0, 0
+    for inputs 0-3 / 4-7)."""
     l0a, l0b, l1a, l1b = load4_device(xs, lo_at)
     l2a, l2b, _, _ = load4_device(xs, lo_at + 4)
     h0a, h0b, h1a, h1b = load4_device(xs, hi_at)
     h2a, h2b, _, _ = load4_device(xs, hi_at + 4)
-    a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5 = acc
-    la0, la1, ha0, ha1 = wa0 & LO, wa1 & LO, wa0 & HI, wa1 & HI
-    lb0, lb1, hb0, hb1 = wb0 & LO, wb1 & LO, wb0 & HI, wb1 & HI
-    a0 = dp4a_uu_device(la1, l0b, dp4a_uu_device(la0, l0a, a0))
-    a1 = dp4a_uu_device(la1, l1b, dp4a_uu_device(la0, l1a, a1))
-    a2 = dp4a_us_device(la1, l2b, dp4a_us_device(la0, l2a, a2))
-    a3 = dp4a_uu_device(ha1, h0b, dp4a_uu_device(ha0, h0a, a3))
-    a4 = dp4a_uu_device(ha1, h1b, dp4a_uu_device(ha0, h1a, a4))
-    a5 = dp4a_us_device(ha1, h2b, dp4a_us_device(ha0, h2a, a5))
-    b0 = dp4a_uu_device(lb1, l0b, dp4a_uu_device(lb0, l0a, b0))
-    b1 = dp4a_uu_device(lb1, l1b, dp4a_uu_device(lb0, l1a, b1))
-    b2 = dp4a_us_device(lb1, l2b, dp4a_us_device(lb0, l2a, b2))
-    b3 = dp4a_uu_device(hb1, h0b, dp4a_uu_device(hb0, h0a, b3))
-    b4 = dp4a_uu_device(hb1, h1b, dp4a_uu_device(hb0, h1a, b4))
-    b5 = dp4a_us_device(hb1, h2b, dp4a_us_device(hb0, h2a, b5))
-    return a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5
+    lo = (l0a, l0b, l1a, l1b, l2a, l2b)
+    hi = (h0a, h0b, h1a, h1b, h2a, h2b)
+    return (_dp_row_device(wa0, wa1, lo, hi, acc[0:6]) + _dp_row_device(wb0, wb1, lo, hi, acc[6:12]))
 
 
 @cuda.jit(device=True, inline=True)
@@ -172,37 +175,6 @@ def _dp_sb_device(wa, wb, xs, xb, xp, bt, pa, pb):
     pb = _im_term_device(ddb0, dmb0, _im_s_device(b0, b1, b2), x0, p0, pb)
     pb = _im_term_device(ddb1, dmb1, _im_s_device(b3 >> s4, b4 >> s4, b5 >> s4), x1, p1, pb)
     return pa, pb
-
-
-@cuda.jit(device=True, inline=True)
-def _swz(j):
-    """The shared-memory word of the tile's digit word 4j (a 16-byte piece): word w = 256 sb + 64 c + 8 e + r goes to
-    w with e replaced by e ^ c, i.e. w ^ 8c."""
-    w = np.uint32(4) * np.uint32(j)
-    return w ^ ((w >> np.uint32(3)) & np.uint32(0x18))
-
-
-@cuda.jit(device=True, inline=True)
-def _dp_copy_device(src, o, n4, dst, n, swizzle):
-    """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by a block's n threads, four 16-byte
-    pieces a thread in flight before their stores; `swizzle`: the tile's digits, each 64-input group c's 8-input
-    blocks e stored at block e ^ c (_swz)."""
-    for j0 in range(cuda.threadIdx.x, n4, 4 * n):
-        j1 = min(j0 + n, n4 - 1)
-        j2 = min(j0 + 2 * n, n4 - 1)
-        j3 = min(j0 + 3 * n, n4 - 1)
-        a0, a1, a2, a3 = load4_device(src, o + 4 * j0)
-        b0, b1, b2, b3 = load4_device(src, o + 4 * j1)
-        c0, c1, c2, c3 = load4_device(src, o + 4 * j2)
-        d0, d1, d2, d3 = load4_device(src, o + 4 * j3)
-        d = _swz(j0) if swizzle else np.uint32(4 * j0)
-        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = a0, a1, a2, a3
-        d = _swz(j1) if swizzle else np.uint32(4 * j1)
-        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = b0, b1, b2, b3
-        d = _swz(j2) if swizzle else np.uint32(4 * j2)
-        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = c0, c1, c2, c3
-        d = _swz(j3) if swizzle else np.uint32(4 * j3)
-        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = d0, d1, d2, d3
 
 
 def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS, tiles=1):
@@ -251,8 +223,8 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
             cur_a, cur_b = _dp_words_device(w4, ra, rb, sb0, t, sb0 < sb1)
         xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)
         xp = cuda.shared.array(IM_SMEM_PS, np.float32, alignment=LOAD4_ALIGN)
-        _dp_copy_device(xd, xk0, nb * QK_K // 4, xs, n_threads, True)
-        _dp_copy_device(ps, 2 * (xk0 // 32), nb * 4, xp, n_threads, False)
+        _copy16_device(xd, xk0, nb * QK_K // 4, xs, n_threads, True)    # (groups' blocks swizzled)
+        _copy16_device(ps, 2 * (xk0 // 32), nb * 4, xp, n_threads, False)
         cuda.syncthreads()
         pa = np.float32(0.0)
         pb = np.float32(0.0)

@@ -1071,10 +1071,10 @@ def _im_sb_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, b0, b1
 
 
 @cuda.jit(device=True, inline=True)
-def _im_copy_device(src, o, n4, dst):
-    """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by the block's threads, four 16-byte
-    loads a thread in flight before their stores."""
-    n = IM_WARPS * WARP
+def _copy16_device(src, o, n4, dst, n, swizzle):
+    """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by a block's n threads, four 16-byte
+    loads a thread in flight before their stores. `swizzle` (the integer path's digits, as kernels.q4k_dp4a reads
+    them): word w = 256 sb + 64 c + 8 e + r goes to w ^ 8c, i.e. each 64-input group c's 8-input blocks e to e ^ c."""
     for j0 in range(cuda.threadIdx.x, n4, 4 * n):
         j1 = min(j0 + n, n4 - 1)
         j2 = min(j0 + 2 * n, n4 - 1)
@@ -1083,10 +1083,26 @@ def _im_copy_device(src, o, n4, dst):
         b0, b1, b2, b3 = load4_device(src, o + 4 * j1)
         c0, c1, c2, c3 = load4_device(src, o + 4 * j2)
         d0, d1, d2, d3 = load4_device(src, o + 4 * j3)
-        dst[4 * j0], dst[4 * j0 + 1], dst[4 * j0 + 2], dst[4 * j0 + 3] = a0, a1, a2, a3
-        dst[4 * j1], dst[4 * j1 + 1], dst[4 * j1 + 2], dst[4 * j1 + 3] = b0, b1, b2, b3
-        dst[4 * j2], dst[4 * j2 + 1], dst[4 * j2 + 2], dst[4 * j2 + 3] = c0, c1, c2, c3
-        dst[4 * j3], dst[4 * j3 + 1], dst[4 * j3 + 2], dst[4 * j3 + 3] = d0, d1, d2, d3
+        d = _swizzled(np.uint32(4) * np.uint32(j0), swizzle)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = a0, a1, a2, a3
+        d = _swizzled(np.uint32(4) * np.uint32(j1), swizzle)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = b0, b1, b2, b3
+        d = _swizzled(np.uint32(4) * np.uint32(j2), swizzle)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = c0, c1, c2, c3
+        d = _swizzled(np.uint32(4) * np.uint32(j3), swizzle)
+        dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = d0, d1, d2, d3
+
+
+@cuda.jit(device=True, inline=True)
+def _swizzled(w, swizzle):
+    """_copy16_device's destination of word w (uint32; w itself without `swizzle`)."""
+    return w ^ ((w >> np.uint32(3)) & np.uint32(0x18)) if swizzle else w
+
+
+@cuda.jit(device=True, inline=True)
+def _im_copy_device(src, o, n4, dst):
+    """dst[:4 * n4] = src[o : o + 4 * n4] by the block's IM_WARPS warps (_copy16_device, no swizzle)."""
+    _copy16_device(src, o, n4, dst, IM_WARPS * WARP, False)
 
 
 def _make_im_kernel(decode, batch=IM_BATCH, min_blocks=IM_MIN_BLOCKS, stage=False, early=EARLY_WEIGHTS, ring=0):
