@@ -68,6 +68,10 @@ kernels (up to 11 instructions a weight) it takes a fraction of the instructions
 190 us and wo_a 23.2 -> 16.4 us a call, at the FMA kernels' accuracy (BENCHMARKS.md). A decode call and a batched
 call give the same bits. A block of 32 holding a NaN or an infinity makes its rows NaN (the FMA kernels would give
 an infinity where the reference does). The FMA kernels remain for tiles across groups, strided x and Q8_0.
+A one-token call on this path runs kernels.q4k_dp4a's kernel instead of q4k_imma_t1_kernel (USE_DP4A): the same
+digit sums by the SIMD byte dot product, the same FP32 operations in the same order, so the same bits, with no MMA
+of which seven columns in eight are idle (on the H200 the head went 178 -> 119 us a call, wo_a 17.2 -> 10.5;
+BENCHMARKS.md, thirty-fourth session); the imma kernel stays for weights off 16 bytes and for probes.
 
 Shapes: T tokens, N rows, K row length (per group), G groups, NB = K/256 super-blocks (q4_K) or K/32 blocks (Q8_0).
 """
