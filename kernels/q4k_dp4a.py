@@ -24,7 +24,8 @@ Owns:
 Loads: a lane's words of a super-block are six 16-byte loads (two rows' headers and nibble groups); the next
 super-block's are issued before the current one's products (DP_PIPE). The tile's digits are copied into shared
 memory with nibble group c's 8-input blocks in the order e ^ c, so that the four lanes t of a quad-row, which read
-block e of their groups together, hit four different bank quads.
+block e of their groups together, hit four different bank quads; `x_shared=False` (a probe variant, DP_X_SHARED)
+reads them where they were staged instead, without the copy and its barrier before the loop.
 
 Shapes: as kernels.q4k_gemv (N rows, K row length per group, NB = K / 256 super-blocks, kx inputs a token).
 """
@@ -42,13 +43,14 @@ from kernels.q4k_gemv import (EARLY_WEIGHTS, IM_ROWS, IM_SMEM_PS, IM_SMEM_WORDS,
 from kernels.warp import quad_sum_device
 
 __all__ = ["dp4a_uu_device", "dp4a_us_device", "q4k_dp_t1_kernel", "q4k_dp_t1s_kernel", "dp_fits", "SIGNATURES",
-           "EARLY_READS", "DP_MIN_BLOCKS", "DP_PIPE", "DP_TILES"]
+           "EARLY_READS", "DP_MIN_BLOCKS", "DP_PIPE", "DP_TILES", "DP_X_SHARED"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 SB_WORDS = 36                  # 32-bit words of a q4_K super-block (144 bytes)
 DP_MIN_BLOCKS = 4              # resident blocks per SM the kernels are compiled for (their register bound)
 DP_PIPE = True                 # the next super-block's words loaded before the current one's products
 DP_TILES = 1                   # 16-row tiles a block of the one-token kernel (one copy of the digits for all)
+DP_X_SHARED = True             # the tile's digits copied into shared memory first (False: read where staged)
 LO = np.uint32(0x0F0F0F0F)
 HI = np.uint32(0xF0F0F0F0)
 EARLY_READS = {"q4k_dp_kernel": ("w4", "n_words4", "rows_per_group")}   # (kernels.pdl)
@@ -154,17 +156,18 @@ def _dp_block_device(wa0, wa1, wb0, wb1, xs, lo_at, hi_at, acc):
 
 
 @cuda.jit(device=True, inline=True)
-def _dp_sb_device(wa, wb, xs, xb, xp, bt, pa, pb):
-    """One super-block of lane (g, t): its words wa, wb (rows g, g + 8: _dp_words_device), the tile's digits xs with
-    this super-block's group t at xs[xb ..] (blocks swizzled: block e at 8 * (e ^ t)), its (p, X) pairs xp[bt ..]
-    -> pa, pb plus the terms of sub-blocks 2t and 2t + 1 (q4k_imma_t1_kernel's, in its order)."""
+def _dp_sb_device(wa, wb, xs, xb, sw, xp, bt, pa, pb):
+    """One super-block of lane (g, t): its words wa, wb (rows g, g + 8: _dp_words_device), the digits xs with this
+    super-block's group t at xs[xb ..] (its 8-input block e at xb + 8 * (e ^ sw): sw = t for the swizzled copy in
+    shared memory, 0 for the staged digits themselves), its (p, X) pairs xp[bt ..] -> pa, pb plus the terms of
+    sub-blocks 2t and 2t + 1 (q4k_imma_t1_kernel's, in its order)."""
     t = cuda.threadIdx.x % 4
     z = np.int32(0)
     acc = (z, z, z, z, z, z, z, z, z, z, z, z)
-    acc = _dp_block_device(wa[4], wa[5], wb[4], wb[5], xs, xb + 8 * (0 ^ t), xb + 8 * (4 ^ t), acc)
-    acc = _dp_block_device(wa[6], wa[7], wb[6], wb[7], xs, xb + 8 * (1 ^ t), xb + 8 * (5 ^ t), acc)
-    acc = _dp_block_device(wa[8], wa[9], wb[8], wb[9], xs, xb + 8 * (2 ^ t), xb + 8 * (6 ^ t), acc)
-    acc = _dp_block_device(wa[10], wa[11], wb[10], wb[11], xs, xb + 8 * (3 ^ t), xb + 8 * (7 ^ t), acc)
+    acc = _dp_block_device(wa[4], wa[5], wb[4], wb[5], xs, xb + 8 * (0 ^ sw), xb + 8 * (4 ^ sw), acc)
+    acc = _dp_block_device(wa[6], wa[7], wb[6], wb[7], xs, xb + 8 * (1 ^ sw), xb + 8 * (5 ^ sw), acc)
+    acc = _dp_block_device(wa[8], wa[9], wb[8], wb[9], xs, xb + 8 * (2 ^ sw), xb + 8 * (6 ^ sw), acc)
+    acc = _dp_block_device(wa[10], wa[11], wb[10], wb[11], xs, xb + 8 * (3 ^ sw), xb + 8 * (7 ^ sw), acc)
     a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5 = acc
     s4 = np.int32(4)
     dda0, dma0, dda1, dma1 = _q4k_factor_pair_words_device(wa[0], wa[1], wa[2], wa[3], t)
@@ -177,12 +180,15 @@ def _dp_sb_device(wa, wb, xs, xb, xp, bt, pa, pb):
     return pa, pb
 
 
-def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS, tiles=1):
+def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=EARLY_WEIGHTS, tiles=1,
+                    x_shared=DP_X_SHARED):
     """The one-token dp4a kernel (module docstring); `stage`: its output also staged for the next GEMV
     (q4k_imma_t1s_kernel's); `min_blocks` resident blocks per SM bounding the registers; `pipe` the next
     super-block's words loaded before the current one's products; `early` the first super-block's words loaded
     before the grid entry (kernels.pdl); `tiles` 16-row tiles a block (4 warps each), sharing one copy of the
-    digits: every tile of a block must read the same input group (the launcher's `dp_tiles`)."""
+    digits: every tile of a block must read the same input group (the launcher's `dp_fits`); `x_shared` the tile's
+    digits and pairs copied into shared memory first (a barrier before the loop), else read where they were staged
+    (global memory: L1 and L2, no copy, no barrier)."""
     if stage and tiles != 1:
         raise ValueError("_make_dp_kernel: the staging variant takes one tile a block (its pairs of blocks)")
     n_threads = tiles * IM_WARPS * WARP
@@ -198,6 +204,7 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
         pipe                       # (the same)
         early                      # (the same)
         tiles                      # (the same)
+        x_shared                   # (the same)
         qsum = cuda.shared.array((n_warps, IM_ROWS), np.float32)
         red = cuda.shared.array((n_warps, WARP), np.float32)
         tid = cuda.threadIdx.x
@@ -221,24 +228,30 @@ def _make_dp_kernel(stage=False, min_blocks=DP_MIN_BLOCKS, pipe=DP_PIPE, early=E
         grid_entry_device()
         if not early:
             cur_a, cur_b = _dp_words_device(w4, ra, rb, sb0, t, sb0 < sb1)
-        xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)
-        xp = cuda.shared.array(IM_SMEM_PS, np.float32, alignment=LOAD4_ALIGN)
-        _copy16_device(xd, xk0, nb * QK_K // 4, xs, n_threads, True)    # (groups' blocks swizzled)
-        _copy16_device(ps, 2 * (xk0 // 32), nb * 4, xp, n_threads, False)
-        cuda.syncthreads()
+        if x_shared:
+            xs = cuda.shared.array(IM_SMEM_WORDS, np.uint32, alignment=LOAD4_ALIGN)
+            xp = cuda.shared.array(IM_SMEM_PS, np.float32, alignment=LOAD4_ALIGN)
+            _copy16_device(xd, xk0, nb * QK_K // 4, xs, n_threads, True)    # (groups' blocks swizzled)
+            _copy16_device(ps, 2 * (xk0 // 32), nb * 4, xp, n_threads, False)
+            cuda.syncthreads()
+            xo, po, sw = 0, 0, t
+        else:
+            xs, xp = xd, ps
+            xo, po, sw = xk0, 2 * (xk0 // 32), 0
         pa = np.float32(0.0)
         pb = np.float32(0.0)
         for sb in range(sb0, sb1, 2):                   # two super-blocks a trip: the words alternate between
             if pipe:                                     # two sets of registers without copies
                 nxt_a, nxt_b = _dp_words_device(w4, ra, rb, sb + 1, t, sb + 1 < sb1)
-            pa, pb = _dp_sb_device(cur_a, cur_b, xs, QK_K * sb + 64 * t, xp, 2 * (8 * sb + 2 * t), pa, pb)
+            pa, pb = _dp_sb_device(cur_a, cur_b, xs, xo + QK_K * sb + 64 * t, sw, xp, po + 2 * (8 * sb + 2 * t),
+                                   pa, pb)
             if sb + 1 < sb1:
                 if pipe:
                     cur_a, cur_b = _dp_words_device(w4, ra, rb, sb + 2, t, sb + 2 < sb1)
                 else:
                     nxt_a, nxt_b = _dp_words_device(w4, ra, rb, sb + 1, t, True)
-                pa, pb = _dp_sb_device(nxt_a, nxt_b, xs, QK_K * (sb + 1) + 64 * t, xp, 2 * (8 * sb + 8 + 2 * t),
-                                       pa, pb)
+                pa, pb = _dp_sb_device(nxt_a, nxt_b, xs, xo + QK_K * (sb + 1) + 64 * t, sw, xp,
+                                       po + 2 * (8 * sb + 8 + 2 * t), pa, pb)
                 if not pipe and sb + 2 < sb1:
                     cur_a, cur_b = _dp_words_device(w4, ra, rb, sb + 2, t, True)
         sa = quad_sum_device(pa, red[tw])

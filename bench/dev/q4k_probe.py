@@ -48,8 +48,9 @@ ap.add_argument("--save", default=None,
 ap.add_argument("--targets", default=None, help="comma list of MMA_TARGET_BLOCKS values to time (--time --mode mma)")
 ap.add_argument("--dp", default=None,
                 help="'/'-separated variants of the integer path's one-token kernel to time (--time; --mode imma or "
-                     "imma8): 0 = q4k_imma_t1_kernel (USE_DP4A off), PIPE,MIN_BLOCKS[,TILES] = kernels.q4k_dp4a's "
-                     "kernel built with those; each line also says whether its output has the first variant's bits")
+                     "imma8): 0 = q4k_imma_t1_kernel (USE_DP4A off), PIPE,MIN_BLOCKS[,TILES[,X_SHARED]] = "
+                     "kernels.q4k_dp4a's kernel built with those; each line also says whether its output has the "
+                     "first variant's bits")
 ap.add_argument("--rings", default=None,
                 help="comma list of weight-ring depths of the one-token kernel to time (--time; --mode mma: "
                      "q4k_mma's, MMA_RING; imma / imma8: q4k_imma's, IM_RING; 0: the register path)")
@@ -74,7 +75,8 @@ def set_dp(dv):
     qk.USE_DP4A = dv != (0,)
     if dv != (0,):
         if dv not in DP_KERNELS:
-            DP_KERNELS[dv] = dp._make_dp_kernel(pipe=bool(dv[0]), min_blocks=dv[1], tiles=(dv + (1,))[2])
+            DP_KERNELS[dv] = dp._make_dp_kernel(pipe=bool(dv[0]), min_blocks=dv[1], tiles=(dv + (1,))[2],
+                                                x_shared=bool((dv + (1, 1))[3]))
         dp.q4k_dp_t1_kernel = DP_KERNELS[dv]
 RING_KERNELS = {}
 if a.check:

@@ -51,10 +51,12 @@ class _Spy:
         return self.kernel[cfg]
 
 
-@pytest.mark.parametrize("rows,nb,out_bf16,tiles", [(40, 10, False, 1), (16, 1, True, 1), (24, 5, False, 1),
-                                                    (20, 7, True, 1), (40, 10, False, 2), (24, 5, True, 2)])
-def test_dp4a_kernel_gives_the_imma_kernels_bits(cuda_ready, monkeypatch, rows, nb, out_bf16, tiles):
-    """One token on the integer path through the dp4a kernel (`tiles` 16-row tiles a block) and through
+@pytest.mark.parametrize("rows,nb,out_bf16,tiles,x_shared", [
+    (40, 10, False, 1, True), (16, 1, True, 1, True), (24, 5, False, 1, True), (20, 7, True, 1, True),
+    (40, 10, False, 2, True), (24, 5, True, 2, True), (40, 10, False, 1, False), (24, 5, True, 2, False)])
+def test_dp4a_kernel_gives_the_imma_kernels_bits(cuda_ready, monkeypatch, rows, nb, out_bf16, tiles, x_shared):
+    """One token on the integer path through the dp4a kernel (`tiles` 16-row tiles a block; the digits copied into
+    shared memory or read where staged: `x_shared`) and through
     q4k_imma_t1_kernel: the same bits, for K quarters of 3, 3, 3, 1 (nb 10), one busy warp (1), 2, 2, 1, 0 (5) and
     2, 2, 2, 1 (7), over tail tiles (40, 24 and 20 rows; with two tiles a block, the last block's second tile past
     the end or partly), rows whose scales differ by up to 2^11 and activations across 2^-20 .. 2^20; and within
@@ -65,12 +67,8 @@ def test_dp4a_kernel_gives_the_imma_kernels_bits(cuda_ready, monkeypatch, rows, 
     q = _q4k(rng, rows, k)
     x = (rng.standard_normal((1, k)) * np.exp2(rng.integers(-20, 20, (1, k // 32))).repeat(32, axis=1))
     x = x.astype(np.float32)
-    if tiles != dp.q4k_dp_t1_kernel.tiles:
-        monkeypatch.setattr(dp, "q4k_dp_t1_kernel", dp._make_dp_kernel(tiles=tiles))
-        kernel = dp.q4k_dp_t1_kernel
-        got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16, kernel=kernel)
-    else:
-        got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16)
+    kernel = dp._make_dp_kernel(tiles=tiles, x_shared=x_shared)
+    got, want = _both(cuda_ready, monkeypatch, x, q, out_bf16=out_bf16, kernel=kernel)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     if not out_bf16:
         assert_matches("gemv_f32", got, linear_f32(x, _deq(q)), bf16=False)
@@ -88,12 +86,13 @@ def test_two_tile_blocks_need_one_group_a_block(cuda_ready):
         dp._make_dp_kernel(stage=True, tiles=2)
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_dp4a_kernel_grouped_rows_and_non_finite_blocks(cuda_ready, monkeypatch, tiles):
-    """Grouped rows (wo_a's: 16-row tiles reading their group's slice of x; `tiles` of them a block) give the imma
-    kernel's bits; an infinity in one block of a group's slice makes exactly that group's rows NaN on both kernels."""
+@pytest.mark.parametrize("tiles,x_shared", [(1, True), (2, True), (1, False)])
+def test_dp4a_kernel_grouped_rows_and_non_finite_blocks(cuda_ready, monkeypatch, tiles, x_shared):
+    """Grouped rows (wo_a's: 16-row tiles reading their group's slice of x; `tiles` of them a block; the digits
+    copied into shared memory or read where staged) give the imma kernel's bits; an infinity in one block of a
+    group's slice makes exactly that group's rows NaN on both kernels."""
     import kernels.q4k_dp4a as dp
-    kernel = dp._make_dp_kernel(tiles=tiles)
+    kernel = dp._make_dp_kernel(tiles=tiles, x_shared=x_shared)
     rng = np.random.default_rng(5)
     G, R, Kg = 3, 32, 256 * 3
     q = _q4k(rng, G * R, Kg)
