@@ -22,6 +22,10 @@ resident blocks of that size may use (the simulator takes no bounds).
 `smem_launch(kernel, grid, threads, stream, smem)` configures a launch with `smem` bytes of dynamic shared memory,
 opting the compiled kernel in past 48 KB of static + dynamic shared memory (at most SMEM_LIMIT) on the GPU.
 
+`on_bytes(ary, n)` says whether a device array's first byte lies on n bytes (the 16-byte loads and copies of the
+q4_K kernels and the L2 prefetch need it of their weights; always true in the simulator, whose arrays have no device
+addresses).
+
 `rows_grid(x_blocks, n_rows)` is the grid of a launcher that puts rows or tokens on the y axis (kernels.hc,
 kernels.vq_gemv: no 64-bit division of a flat index, docs/toolchain.md §4.9): at most GRID_Y_MAX (CUDA's largest
 grid y) rows of blocks, and their kernels step over the rest by gridDim.y.
@@ -73,6 +77,11 @@ _cuda_config.CACHE_DIR = str(KERNEL_CACHE_DIR)
 
 
 GRID_Y_MAX = 65535
+
+
+def on_bytes(ary, n):
+    """Whether the device array's first byte lies on n bytes (True in the simulator; an empty array: address 0)."""
+    return bool(_cuda_config.ENABLE_CUDASIM) or int(ary.device_ctypes_pointer.value or 0) % n == 0
 
 
 def rows_grid(x_blocks, n_rows):

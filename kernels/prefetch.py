@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit
+from kernels import bounded_jit, on_bytes
 from kernels.pdl import grid_entry_device
 
 __all__ = ["l2_prefetch", "l2_prefetch_kernel", "prefetch_l2_device", "PREFETCH_PTX", "SIGNATURES"]
@@ -93,7 +93,7 @@ def _flat(w):
     if not w.is_c_contiguous():
         raise ValueError(f"l2_prefetch: weights must be C-contiguous, got strides {w.strides}")
     flat = w.reshape(w.size)
-    if w.size % ALIGN or (not SIM and flat.device_ctypes_pointer.value % ALIGN):
+    if w.size % ALIGN or not on_bytes(flat, ALIGN):
         raise ValueError(f"l2_prefetch: {w.size} bytes at an address that is not on {ALIGN} bytes")
     return flat
 

@@ -1,6 +1,7 @@
 """The integer path's one-token q4_K GEMV on the SIMD integer dot product (`dp4a`) instead of the tensor cores: the
 same exact digit sums as kernels.q4k_gemv's q4k_imma_t1_kernel, combined by the same FP32 operations in the same
-order, so the same bits, with about half the instructions and no warp-wide MMA of which one column in eight is used.
+order, so the same bits, with a quarter fewer instructions and no warp-wide MMA of which one column in eight is
+used.
 
 Owns:
 - `dp4a_uu_device(a, b, c)` / `dp4a_us_device(a, b, c)`: c + the dot product of the four bytes of a (unsigned) with
@@ -33,7 +34,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit
+from kernels import bounded_jit, on_bytes
 from kernels.bf16 import round_bf16_device
 from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
@@ -277,8 +278,7 @@ def dp_fits(kernel, w, n_rows, rows_per_group):
     n_rows rows, rows_per_group to an input group: its words are 16-byte loads, so w's first byte must lie on 16
     bytes, and every tile of a block must read one input group."""
     rows = kernel.tiles * IM_ROWS
-    return ((SIM or int(w.device_ctypes_pointer.value or 0) % 16 == 0)
-            and (rows_per_group == n_rows or rows_per_group % rows == 0))
+    return on_bytes(w, 16) and (rows_per_group == n_rows or rows_per_group % rows == 0)
 
 
 q4k_dp_t1_kernel = _make_dp_kernel(tiles=DP_TILES)

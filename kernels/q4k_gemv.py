@@ -82,7 +82,7 @@ from numba import cuda
 from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, smem_launch
+from kernels import bounded_jit, on_bytes, smem_launch
 from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
 from kernels.cp_async import cp_async16_device, cp_async_commit_device, cp_async_wait_device
 from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
@@ -838,7 +838,7 @@ def _check_ring_alignment(kernel, w):
     """Refuses (ValueError) weights whose device address is not on 16 bytes for a kernel with a weight ring: its
     cp.async copies read 16-byte pieces (a q4_K row is a multiple of 16 bytes, so the first row's address decides).
     The engine's weights are allocations of their own (256-byte aligned) or row ranges of one."""
-    if kernel.ring_tiles and not SIM and w.device_ctypes_pointer.value % 16:
+    if kernel.ring_tiles and not on_bytes(w, 16):
         raise ValueError(f"q4k_gemv: the weights' device address {w.device_ctypes_pointer.value:#x} is not on 16 "
                          f"bytes, which the one-token kernels' cp.async copies need")
 

@@ -63,6 +63,8 @@ qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inp
 qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
+if IM_MODE and (a.im or a.rings) and not a.dp:
+    qk.USE_DP4A = False                                    # --im / --rings vary the imma one-token kernel
 DP_VARIANTS = [tuple(int(v) for v in dv.split(",")) for dv in a.dp.split("/")] if a.dp else [None]
 DP_KERNELS = {}
 

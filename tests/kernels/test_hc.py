@@ -176,12 +176,14 @@ def test_hc_empty(cuda_ready):
 
 
 def test_last_block_tickets_are_acquire_release_atomics_without_sc_fences():
-    """Compiled for sm_90: the three last-block kernels (hc's fused mixes, q4_K's split rows, the integer path's
-    output staged by the second block of a pair) take their ticket with kernels.ticket's acquire-release atomic, once
-    a block, and keep no sequentially consistent fence (`membar.gl` / `fence.sc`, what cuda.threadfence emits)."""
+    """Compiled for sm_90: the last-block kernels (hc's fused mixes, q4_K's split rows, the integer path's output
+    staged by the second block of a pair, on the imma and the dp4a kernel) take their ticket with kernels.ticket's
+    acquire-release atomic, once a block, and keep no sequentially consistent fence (`membar.gl` / `fence.sc`, what
+    cuda.threadfence emits)."""
     from kernels.ticket import TICKET_PTX
     from tests.kernels.compile_sm90 import ptx_counts
-    names = ["hc:hc_mix_fused_kernel", "q4k_gemv:q4k_mma_kernel", "q4k_gemv:q4k_imma_t1s_kernel"]
+    names = ["hc:hc_mix_fused_kernel", "q4k_gemv:q4k_mma_kernel", "q4k_gemv:q4k_imma_t1s_kernel",
+             "q4k_dp4a:q4k_dp_t1s_kernel"]
     r = ptx_counts(names, [TICKET_PTX, "membar.gl", "fence.sc"])
     got = {t: (v["sm90"], v[TICKET_PTX], v["membar.gl"], v["fence.sc"]) for t, v in r.items()}
     assert got == {n: (True, 1, 0, 0) for n in names}, got

@@ -331,8 +331,10 @@ def test_integer_path_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ri
     """The integer path's one-token kernel with its weights through a ring of `ring` tiles a warp gives the bits of
     the default (IM_RING; 0: IM_BATCH super-blocks' words in registers at a time): 40 rows (a tail tile)
     of 10 super-blocks, K quarters of 3, 3, 3 and 1 (the last warp's two dead steps read zeros, not the tile its
-    ring still holds), so the ring wraps (depth 1 and 2) or not (3)."""
+    ring still holds), so the ring wraps (depth 1 and 2) or not (3). The imma kernels on both sides: one-token
+    calls take kernels.q4k_dp4a's kernel by default (USE_DP4A), which would bypass the ring."""
     import kernels.q4k_gemv as qk
+    monkeypatch.setattr(qk, "USE_DP4A", False)
     rng = np.random.default_rng(41)
     q, w = _q4k(rng, 40, 256 * 10)
     x = cuda_ready.to_device((rng.standard_normal((1, 256 * 10)) * 3).astype(np.float32))
