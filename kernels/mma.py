@@ -163,20 +163,17 @@ if SIM:
         """ary[i + k] (the GPU's folds a constant k into the load's offset)."""
         return ary[i + k]
 
-    @cuda.jit(device=True)
-    def _pair_to_f16x2_device(w, shift):
-        """Codes at bits shift .. shift + 15 of w (uint64) -> their two halves in a uint32 (software decode)."""
-        lo = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32((w >> np.uint64(shift)) & np.uint64(0xFF))))
-        hi = f16_of_e4m3_value_device(e4m3_decode_device(np.uint32((w >> np.uint64(shift + 8)) & np.uint64(0xFF))))
-        return np.uint32(lo | (hi << np.uint32(16)))
+    # every code's half bits by the software decode (the one definition: kernels.fp8), looked up per code below
+    _F16_OF_CODE = np.array([int(f16_of_e4m3_value_device(e4m3_decode_device(np.uint32(c)))) for c in range(256)],
+                            dtype=np.uint64)
 
     @cuda.jit(device=True)
     def e4m3x8_to_f16x2_device(word):
         """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
-        4-5, 6-7 (the simulator: software decode of each pair)."""
-        w = np.uint64(word)
-        return (_pair_to_f16x2_device(w, 0), _pair_to_f16x2_device(w, 16), _pair_to_f16x2_device(w, 32),
-                _pair_to_f16x2_device(w, 48))
+        4-5, 6-7 (the simulator: the software decode of each code, from a table)."""
+        h = _F16_OF_CODE[np.array([word], dtype=np.uint64).view(np.uint8)]
+        p = (h[0::2] | (h[1::2] << np.uint64(16))) & np.uint64(0xFFFFFFFF)
+        return np.uint32(p[0]), np.uint32(p[1]), np.uint32(p[2]), np.uint32(p[3])
 
     @cuda.jit(device=True)
     def byte_perm_device(a, b, sel):
