@@ -99,7 +99,7 @@ MMA_M = 16                      # weight rows of a row group (of a device block)
 MMA_N = 8                       # pairs of one MMA: its N
 SEG_CW = 16                     # codewords of a row in a device block (4 MMA steps of 4)
 STEPS = SEG_CW // 4             # MMA steps of a block, 32 inputs each: one activation scale block
-PREFETCH = 2                    # blocks of each row group loaded ahead of the one being computed
+PREFETCH = 2                    # blocks of each row group in flight: loaded ahead of the one being computed
 RG_PER_UNIT = 1                 # row groups a warp's unit takes (they share each step's activation loads)
 EARLY_READS = {"vq_gemv_kernel": ("cb_g",)}   # parameters read before the grid entry (kernels.pdl): the codebook
 WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
@@ -598,12 +598,47 @@ def _store_acc_device(out, msel, pairs, first, count, n0, r, acc, n_rows, gain, 
     _store_out_device(out, msel, pairs, first, count, n0 + 1, r + MMA_N, acc[3], n_rows, gain, e, scale, has_scale)
 
 
-def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
+@cuda.jit(device=True, inline=True)
+def _ring_push_device(ring, blk):
+    """A row group's blocks in flight (a tuple, oldest first) without the oldest, with `blk` last."""
+    return ring[1:] + (blk,)
+
+
+def _ring_init(depth):
+    """The device function that loads a row group's first `depth` blocks (the blocks in flight, oldest first):
+    (idx1, pl1, has_plane, ib, pb, n_blocks, lane) -> a tuple of `depth` _load_block_device results."""
+    if not 1 <= depth <= 4:
+        raise ValueError(f"vq_gemv: blocks in flight must be 1 to 4, got {depth}")
+    ld = _load_block_device
+
+    @cuda.jit(device=True, inline=True)
+    def ring1(idx1, pl1, has_plane, ib, pb, n, lane):
+        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane),)
+
+    @cuda.jit(device=True, inline=True)
+    def ring2(idx1, pl1, has_plane, ib, pb, n, lane):
+        return ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane)
+
+    @cuda.jit(device=True, inline=True)
+    def ring3(idx1, pl1, has_plane, ib, pb, n, lane):
+        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane),
+                ld(idx1, pl1, has_plane, ib, pb, 2, n, lane))
+
+    @cuda.jit(device=True, inline=True)
+    def ring4(idx1, pl1, has_plane, ib, pb, n, lane):
+        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane),
+                ld(idx1, pl1, has_plane, ib, pb, 2, n, lane), ld(idx1, pl1, has_plane, ib, pb, 3, n, lane))
+    return (ring1, ring2, ring3, ring4)[depth - 1]
+
+
+def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT, prefetch=PREFETCH):
     """The persistent VQ GEMV on the tensor cores with `threads` a block; `wide`: tiles of up to 16 pairs (two MMA
     column blocks), else up to 8 (the decode kernel: the second block's loads and MMAs are compiled out);
-    `rg_per_unit` (1 or 2) row groups a warp's unit. All give a pair the same bits: an MMA output depends only on
+    `rg_per_unit` (1 or 2) row groups a warp's unit; `prefetch` (1 to 4) blocks of each row group loaded ahead of
+    the one being computed (their words in registers). All give a pair the same bits: an MMA output depends only on
     its own row of A and column of B, and every output is summed step by step in the same order."""
     warps = threads // WARP
+    ring_init = _ring_init(prefetch)
     exw = warps if SIM else 1                      # the simulator's MMA exchange (unused on the GPU)
     jit = bounded_jit(threads)
     two_rg = rg_per_unit == 2
@@ -650,17 +685,15 @@ def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT):
             acc00 = acc01 = acc10 = acc11 = (z, z, z, z)
             zu = np.uint32(0)
             xc = xw = ((zu, zu, zu, zu), (zu, zu, zu, zu), (zu, zu, zu, zu), (zu, zu, zu, zu), (z, z, z, z), (z, z, z, z))
-            na0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 0, n_seg, lane)
-            nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, 1, n_seg, lane)
-            na1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 0, n_seg1, lane)
-            nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, 1, n_seg1, lane)
+            r0 = ring_init(idx1, pl1, has_plane, ib0, pb0, n_seg, lane)      # blocks 0 .. prefetch - 1
+            r1 = ring_init(idx1, pl1, has_plane, ib1, pb1, n_seg1, lane)
             for s in range(n_seg):
-                c0 = _block_pairs_device(na0)
-                c1 = _block_pairs_device(na1)
-                na0 = nb0
-                na1 = nb1
-                nb0 = _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + PREFETCH, n_seg, lane)
-                nb1 = _load_block_device(idx1, pl1, has_plane, ib1, pb1, s + PREFETCH, n_seg1, lane)
+                c0 = _block_pairs_device(r0[0])
+                c1 = _block_pairs_device(r1[0])
+                r0 = _ring_push_device(r0, _load_block_device(idx1, pl1, has_plane, ib0, pb0, s + prefetch, n_seg,
+                                                              lane))
+                r1 = _ring_push_device(r1, _load_block_device(idx1, pl1, has_plane, ib1, pb1, s + prefetch, n_seg1,
+                                                              lane))
                 xc = _x_block_device(xh, scl1, o0, s0, s1, s, g < count, 2 * t < count, 2 * t + 1 < count, xc)
                 xw = _x_block_device(xh, scl1, o1, s2, s3, s, g + MMA_N < count, MMA_N + 2 * t < count,
                                      MMA_N + 2 * t + 1 < count, xw) if wide else xc

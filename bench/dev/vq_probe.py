@@ -3,7 +3,7 @@
 layer, 2.7 GB of payload), CUDA-graph replay. Prints per-call µs of the w1+w3 call and the w2 call, the plan, and
 GB/s of payload read.
 
-    python bench/dev/vq_probe.py [--bits 12|13] [--reps 64] [--eager N] [--small]
+    python bench/dev/vq_probe.py [--bits 12|13] [--reps 64] [--eager N] [--small] [--rg N] [--threads N] [--prefetch N]
 The payload is random bytes in the device layout (kernels.vq_gemv; at these shapes as large as the file's).
 --small: tiny shapes under the simulator, each part run once eagerly (a smoke run: its times mean nothing).
 --eager N: N eager calls only (for ncu)."""
@@ -19,6 +19,8 @@ ap.add_argument("--eager", type=int, default=0)
 ap.add_argument("--small", action="store_true", help="tiny shapes under the simulator (a smoke run)")
 ap.add_argument("--rg", type=int, default=0, help="a variant: row groups a unit (1 or 2; 0: the module's)")
 ap.add_argument("--threads", type=int, default=0, help="a variant: threads a block (0: the module's)")
+ap.add_argument("--prefetch", type=int, default=0,
+                help="a variant: blocks of a row group in flight, 1-4 (0: the module's)")
 a = ap.parse_args()
 if a.small:
     from bench.timing import use_simulator
@@ -30,9 +32,9 @@ import kernels.vq_gemv as vq  # noqa: E402
 from bench.timing import eager_time, graph_time  # noqa: E402
 from kernels.synth_fill import synth_fill  # noqa: E402
 
-if a.rg or a.threads:
+if a.rg or a.threads or a.prefetch:
     vq.THREADS = a.threads or vq.THREADS
-    vq.vq_gemv_kernel = vq._make_vq_kernel(vq.THREADS, False, a.rg or vq.RG_PER_UNIT)
+    vq.vq_gemv_kernel = vq._make_vq_kernel(vq.THREADS, False, a.rg or vq.RG_PER_UNIT, a.prefetch or vq.PREFETCH)
 E, K, D, F = (8, 6, 256, 128) if a.small else (384, 6, 5120, 2304)
 s = cuda.stream()
 S, P = vq.device_stream_bytes((F, D), (D, F))
@@ -108,7 +110,7 @@ def _only(v):
 
 
 kern = vq.vq_gemv_kernel
-print(json.dumps(dict(bits=a.bits, rg=a.rg or vq.RG_PER_UNIT, threads=vq.THREADS,
+print(json.dumps(dict(bits=a.bits, rg=a.rg or vq.RG_PER_UNIT, threads=vq.THREADS, prefetch=a.prefetch or vq.PREFETCH,
                       us=us,
                       regs=_only(_attr(lambda: kern.get_regs_per_thread())),
                       local_bytes=_only(_attr(lambda: kern.get_local_mem_per_thread())), w13_us=round(w13 * 1e6, 2),

@@ -178,6 +178,26 @@ def test_long_rows_13bit_decode_with_sidecar(cuda_ready):
     assert_matches("gemv_bf16", got2[0], _want(layer, 1, act_quant_fp8(a, 32), ids[0], scale))
 
 
+@pytest.mark.parametrize("prefetch,rg", [(1, 1), (3, 1), (4, 1), (3, 2)])
+def test_blocks_in_flight_give_the_same_bits(cuda_ready, monkeypatch, prefetch, rg):
+    """The decode kernel with 1, 3 or 4 blocks of a row group loaded ahead (`prefetch`; the module's: PREFETCH), one
+    or two row groups a unit: the module kernel's bits (6 blocks a row, so the loads past a row's end are clamped; 20
+    rows: a full and a padded row group, two experts and an empty one)."""
+    import kernels.vq_gemv as vq
+    rng = np.random.default_rng(7)
+    n_exp, rows, cols = 3, 20, 768
+    layer = _layer(rng, n_exp, rows, cols, 13)
+    dl = _device_layer(cuda_ready, layer)
+    plan = vq.vq_plan(cuda_ready.to_device(np.array([[2, 0]], np.int32)), n_exp)
+    x = cuda_ready.to_device(act_quant_fp8(round_bf16(rng.standard_normal((1, cols)) * 3), 32))
+    base = vq.vq_gemv(x, plan, *dl, mats=(0, 2), shape=(rows, cols), x_div=2, quantize=False).copy_to_host()
+    assert prefetch != vq.PREFETCH
+    monkeypatch.setattr(vq, "vq_gemv_kernel", vq._make_vq_kernel(vq.THREADS, False, rg, prefetch))
+    got = vq.vq_gemv(x, plan, *dl, mats=(0, 2), shape=(rows, cols), x_div=2, quantize=False).copy_to_host()
+    np.testing.assert_array_equal(got, base)
+    assert np.all(np.isfinite(base)) and np.any(base != 0)
+
+
 def test_short_rows_12bit_batch_tiles_and_identity_gain(cuda_ready):
     """J = 12 (padded to 16 codewords), T = 3 tokens in tiles of two pairs; a token's rows equal its T = 1 result
     bit for bit; an all-ones sidecar equals none exactly."""
