@@ -46,6 +46,12 @@ if not hasattr(_np, "row_stack"):
 
 from numba.cuda.core import config as _cuda_config  # noqa: E402  (after the alias)
 
+from kernels import numba_fix as _numba_fix  # noqa: E402
+
+# numba-cuda's lowering scans a block's assignments once per variable (quadratic in our inlined kernels' blocks):
+# kernels/numba_fix.py gives it the same answer in one pass, before anything compiles
+_numba_fix.install()
+
 # Decode launches grids of a few blocks by design (one token, a handful of experts); numba-cuda warns about every
 # grid under 128 blocks, which floods the CLI's stderr. Turned off here unless the user asked for it.
 if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in _os.environ:
