@@ -99,7 +99,8 @@ MMA_M = 16                      # weight rows of a row group (of a device block)
 MMA_N = 8                       # pairs of one MMA: its N
 SEG_CW = 16                     # codewords of a row in a device block (4 MMA steps of 4)
 STEPS = SEG_CW // 4             # MMA steps of a block, 32 inputs each: one activation scale block
-PREFETCH = 2                    # blocks of each row group in flight: loaded ahead of the one being computed
+PREFETCH = 2                    # blocks of each row group in flight: loaded ahead of the one being computed (4:
+                                # w1 + w3 33.9 -> 33.6 us, whole steps inside the noise, H100, BENCHMARKS.md)
 RG_PER_UNIT = 1                 # row groups a warp's unit takes (they share each step's activation loads)
 EARLY_READS = {"vq_gemv_kernel": ("cb_g",)}   # parameters read before the grid entry (kernels.pdl): the codebook
 WORDS_PER_BLOCK = BLOCK_BYTES // 4              # 96 uint32 words
