@@ -607,29 +607,23 @@ def _ring_push_device(ring, blk):
 
 def _ring_init(depth):
     """The device function that loads a row group's first `depth` blocks (the blocks in flight, oldest first):
-    (idx1, pl1, has_plane, ib, pb, n_blocks, lane) -> a tuple of `depth` _load_block_device results."""
+    (idx1, pl1, has_plane, ib, pb, n_blocks, lane) -> a tuple of `depth` _load_block_device results, built as the
+    first depth - 1 blocks' tuple with block depth - 1 pushed on (the tuple's length is fixed at compile time)."""
     if not 1 <= depth <= 4:
         raise ValueError(f"vq_gemv: blocks in flight must be 1 to 4, got {depth}")
     ld = _load_block_device
+    if depth == 1:
+        @cuda.jit(device=True, inline=True)
+        def ring_first(idx1, pl1, has_plane, ib, pb, n, lane):
+            return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane),)
+        return ring_first
+    head = _ring_init(depth - 1)
+    last = depth - 1
 
     @cuda.jit(device=True, inline=True)
-    def ring1(idx1, pl1, has_plane, ib, pb, n, lane):
-        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane),)
-
-    @cuda.jit(device=True, inline=True)
-    def ring2(idx1, pl1, has_plane, ib, pb, n, lane):
-        return ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane)
-
-    @cuda.jit(device=True, inline=True)
-    def ring3(idx1, pl1, has_plane, ib, pb, n, lane):
-        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane),
-                ld(idx1, pl1, has_plane, ib, pb, 2, n, lane))
-
-    @cuda.jit(device=True, inline=True)
-    def ring4(idx1, pl1, has_plane, ib, pb, n, lane):
-        return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane), ld(idx1, pl1, has_plane, ib, pb, 1, n, lane),
-                ld(idx1, pl1, has_plane, ib, pb, 2, n, lane), ld(idx1, pl1, has_plane, ib, pb, 3, n, lane))
-    return (ring1, ring2, ring3, ring4)[depth - 1]
+    def ring(idx1, pl1, has_plane, ib, pb, n, lane):
+        return head(idx1, pl1, has_plane, ib, pb, n, lane) + (ld(idx1, pl1, has_plane, ib, pb, last, n, lane),)
+    return ring
 
 
 def _make_vq_kernel(threads, wide, rg_per_unit=RG_PER_UNIT, prefetch=PREFETCH):
