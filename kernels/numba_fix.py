@@ -7,7 +7,7 @@ assignment of the block again for each candidate, so a block of n statements cos
 inline whole trees of device functions (`inline=True`) into blocks of thousands of statements: compiling
 q4k_dp_t1s_kernel for sm_90 took 102 s on the 2-core dev box, 57 s of them in that scan.
 
-`singly_assigned(blocks, lower)` finds the same set with one count of each block's assignment targets (a block is
+`singly_assigned(lower)` finds the same set with one count of each block's assignment targets (a block is
 counted once, when its first candidate is checked), so the same variables are lowered the same way and the PTX does
 not change (tests/kernels/test_numba_fix.py compares the two sets while compiling kernels). `install()` puts it in
 place only for the numba-cuda versions it was checked against (CHECKED); any other version keeps its own method.
