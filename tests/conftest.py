@@ -56,7 +56,8 @@ def pytest_collection_modifyitems(config, items):
         return
     from tests import shards
     i, n = shards.parse_shard(spec)
-    where = shards.assign([item.nodeid.split("::")[0] for item in items], n, shards.read_weights())
+    files = [item.nodeid.split("::")[0] for item in items]
+    where = shards.assign(files, n, shards.read_weights(), together=shards.ptx_groups(files))
     keep = [item for item in items if where[item.nodeid.split("::")[0]] == i]
     if len(keep) < len(items):
         kept = set(map(id, keep))

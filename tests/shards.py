@@ -5,13 +5,21 @@ module assigns to shard i and deselects the rest. Every process computes the sam
 files: longest first (the seconds in tests/shard_weights.tsv, a file the table lacks counting DEFAULT_SECONDS),
 each onto the shard with the least so far, ties to the lower shard.
 
+Files that read sm_90 PTX (tests/kernels/compile_sm90's ptx_counts / ptx_texts) share a shard with PTX_SOURCE, the
+compile test, whose PTX stays in its process for them: in another process they compile their kernels again (the
+fused mixes' ticket test took 149 s there against 7 s beside it). They run after it because they sort after it in
+tests/kernels; the group is placed as one file of their summed seconds.
+
     python -m tests.shards DURLOG > tests/shard_weights.tsv   # the table from a per-test log (bench/pytest_durlog.py)
 """
 import sys
 from pathlib import Path
 
 WEIGHTS = Path(__file__).with_name("shard_weights.tsv")
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SECONDS = 2.0
+PTX_SOURCE = "tests/kernels/test_compile_sm90.py"      # compiles every kernel; its PTX stays in its process
+PTX_READERS = ("ptx_counts(", "ptx_texts(")             # what a file calls to read that PTX
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -36,15 +44,38 @@ def read_weights(path: Path = WEIGHTS) -> dict[str, float]:
     return weights
 
 
-def assign(files, n: int, weights: dict[str, float]) -> dict[str, int]:
-    """{file: shard} for n shards: the longest file first onto the least loaded shard (ties: the lower shard;
-    files of equal weight in name order), so every process given the same files gets the same answer."""
+def ptx_groups(files, root: Path = ROOT) -> dict[str, str]:
+    """{file: PTX_SOURCE} for each collected test file (other than PTX_SOURCE) whose text calls a PTX reader, when
+    PTX_SOURCE is collected too; {} otherwise."""
+    files = set(files)
+    if PTX_SOURCE not in files:
+        return {}
+    out = {}
+    for f in sorted(files - {PTX_SOURCE}):
+        path = root / f
+        if path.is_file() and any(r in path.read_text(errors="replace") for r in PTX_READERS):
+            out[f] = PTX_SOURCE
+    return out
+
+
+def assign(files, n: int, weights: dict[str, float], together: dict[str, str] | None = None) -> dict[str, int]:
+    """{file: shard} for n shards: the longest unit first onto the least loaded shard (ties: the lower shard; units
+    of equal weight in name order), so every process given the same files gets the same answer. A unit is a file,
+    or a file f and every file that `together` ({file: f}) sends with it, weighing their sum."""
+    together = together or {}
+    files = set(files)
+    units = {}
+    for f in files:
+        lead = together.get(f, f)
+        units.setdefault(lead if lead in files else f, []).append(f)
+    weight = {u: sum(weights.get(f, DEFAULT_SECONDS) for f in members) for u, members in units.items()}
     load = [0.0] * n
     out = {}
-    for f in sorted(set(files), key=lambda f: (-weights.get(f, DEFAULT_SECONDS), f)):
+    for u in sorted(units, key=lambda u: (-weight[u], u)):
         k = min(range(n), key=lambda j: (load[j], j))
-        out[f] = k
-        load[k] += weights.get(f, DEFAULT_SECONDS)
+        for f in units[u]:
+            out[f] = k
+        load[k] += weight[u]
     return out
 
 

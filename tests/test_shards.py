@@ -25,6 +25,30 @@ def test_assign_puts_each_file_on_one_shard_balanced_and_in_any_order():
     assert set(three.values()) == {0, 1, 2}
 
 
+def test_a_group_of_files_lands_on_one_shard_as_one_unit():
+    weights = {"tests/a.py": 100.0, "tests/b.py": 90.0, "tests/c.py": 60.0, "tests/d.py": 50.0, "tests/e.py": 10.0}
+    alone = shards.assign(list(weights), 2, weights)
+    assert alone == {"tests/a.py": 0, "tests/b.py": 1, "tests/c.py": 1, "tests/d.py": 0, "tests/e.py": 0}
+    got = shards.assign(list(weights), 2, weights, together={"tests/c.py": "tests/b.py", "tests/e.py": "tests/b.py"})
+    assert got == {"tests/a.py": 1, "tests/b.py": 0, "tests/c.py": 0, "tests/d.py": 1, "tests/e.py": 0}  # b+c+e: 160
+    assert shards.assign(list(weights), 2, weights, together={"tests/c.py": "tests/zz.py"}) == alone  # no such lead
+
+
+def test_files_reading_ptx_go_with_the_compile_test(tmp_path):
+    (tmp_path / "tests" / "kernels").mkdir(parents=True)
+    texts = {"tests/kernels/test_compile_sm90.py": "compile_all(workers=2)  # compile_sm90.ptx_counts",
+             "tests/kernels/test_a.py": "r = ptx_counts(names, ['x'])",
+             "tests/kernels/test_b.py": "from tests.kernels.compile_sm90 import ptx_texts\nptx_texts(['m:k'])",
+             "tests/kernels/test_c.py": "from tests.kernels.compile_sm90 import ROOT"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    want = {"tests/kernels/test_a.py": shards.PTX_SOURCE, "tests/kernels/test_b.py": shards.PTX_SOURCE}
+    assert shards.ptx_groups(list(texts), root=tmp_path) == want
+    assert shards.ptx_groups([f for f in texts if "compile" not in f], root=tmp_path) == {}
+    real = shards.ptx_groups([shards.PTX_SOURCE, "tests/kernels/test_hc.py", "tests/kernels/test_moe.py"])
+    assert real == {"tests/kernels/test_hc.py": shards.PTX_SOURCE}       # the fused mixes' ticket test reads PTX
+
+
 def test_parse_shard_and_its_errors():
     assert shards.parse_shard("1/3") == (1, 3)
     for bad in ("2/2", "-1/2", "1", "a/b", "1/2/3"):
