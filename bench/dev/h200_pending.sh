@@ -69,9 +69,10 @@
 #             list: DS4_PARTS=lut, about 30 s on a warm machine)
 #   fp8im     the FP8 path's q4_K GEMVs (wq_a, wq_b, the shared expert's w2) on the integer path's one-token dp4a
 #             kernel: bench/dev/q4k_probe.py --time on those shapes, --mode mma (the tree) and --mode imma8, then per
-#             round two graph-only decode variants through bench/dev/knobs.py: IM_FP8_MIN_ROWS = 1024 (wq_a alone
-#             moves) and IM_FP8_MIN_ROWS = IM_FP8_MIN_SB = 0 (all three); their bits change (the thirty-sixth
-#             session's; not in the default list)
+#             round three graph-only decode variants through bench/dev/knobs.py: IM_FP8_MIN_ROWS = 1024 (wq_a alone
+#             moves), IM_FP8_MIN_ROWS = IM_FP8_MIN_SB = 0 (all three) and IM_FP8_MIN_SB = 0 (rows >= 4,096: wq_b and
+#             the shared w2, the indexer's wq_b; wq_a stays); their bits change (the thirty-sixth session's; not in
+#             the default list)
 #   nvvm      per round a graph-only decode of the kernels built with NVVM's inlining (bench/dev/nvvm_inline.py, its
 #             own kernel cache: a first run compiles), then DS4_REQUIRE_CUDA=1 pytest of the CUDA engine tests and
 #             the dp4a / VQ kernel tests in that build (the thirty-sixth session's; not in the default list)
@@ -237,6 +238,8 @@ if want fp8im; then
     run "decode, the FP8 path on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
         "import kernels.q4k_gemv as q; q.IM_FP8_MIN_ROWS = 0; q.IM_FP8_MIN_SB = 0" -- "${AB_DECODE[@]}" \
         --out "$OUT/decode_fp8im_all$S.jsonl"
+    run "decode, rows >= 4,096 of the FP8 path on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
+        "import kernels.q4k_gemv as q; q.IM_FP8_MIN_SB = 0" -- "${AB_DECODE[@]}" --out "$OUT/decode_fp8im_wide$S.jsonl"
 fi
 if want nvvm; then
     run "decode, NVVM inlining$S" "${DS4_NVVM_CAP:-150}" nvvm.log $PY bench/dev/knobs.py --exec "$NVVM" -- \
