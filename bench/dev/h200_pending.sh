@@ -232,14 +232,12 @@ for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfuse
     fi
 done
 if want fp8im; then
-    run "decode, wq_a on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
-        "import kernels.q4k_gemv as q; q.IM_FP8_MIN_ROWS = 1024" -- "${AB_DECODE[@]}" \
-        --out "$OUT/decode_fp8im_wqa$S.jsonl"
-    run "decode, the FP8 path on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
-        "import kernels.q4k_gemv as q; q.IM_FP8_MIN_ROWS = 0; q.IM_FP8_MIN_SB = 0" -- "${AB_DECODE[@]}" \
-        --out "$OUT/decode_fp8im_all$S.jsonl"
-    run "decode, rows >= 4,096 of the FP8 path on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
-        "import kernels.q4k_gemv as q; q.IM_FP8_MIN_SB = 0" -- "${AB_DECODE[@]}" --out "$OUT/decode_fp8im_wide$S.jsonl"
+    for spec in "wqa|wq_a|IM_FP8_MIN_ROWS = 1024" "all|the FP8 path|IM_FP8_MIN_ROWS = 0; q.IM_FP8_MIN_SB = 0" \
+            "wide|rows >= 4,096 of the FP8 path|IM_FP8_MIN_SB = 0"; do
+        IFS='|' read -r name label knob <<< "$spec"   # the file's suffix, the summary's words, the thresholds set
+        run "decode, $label on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
+            "import kernels.q4k_gemv as q; q.$knob" -- "${AB_DECODE[@]}" --out "$OUT/decode_fp8im_$name$S.jsonl"
+    done
 fi
 if want nvvm; then
     run "decode, NVVM inlining$S" "${DS4_NVVM_CAP:-150}" nvvm.log $PY bench/dev/knobs.py --exec "$NVVM" -- \
@@ -286,11 +284,8 @@ if want engine; then
         tests/engine/test_engine_cuda.py tests/engine/test_cuda_session_state.py tests/engine/test_speculative_cuda.py
 fi
 if want nvvm; then
-    run "GPU tests, NVVM inlining" "${DS4_ENGINE_CAP:-150}" pytest_nvvm.log env DS4_REQUIRE_CUDA=1 $PY -c "import sys
-sys.path.insert(0, '.')
-import bench.dev.nvvm_inline as n
-n.install()
-import pytest
+    run "GPU tests, NVVM inlining" "${DS4_ENGINE_CAP:-150}" pytest_nvvm.log env DS4_REQUIRE_CUDA=1 $PY -c "$NVVM
+import sys, pytest
 sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/engine/test_engine_cuda.py',
                       'tests/kernels/test_q4k_dp4a.py', 'tests/kernels/test_vq_gemv.py', '-k', 'not sm90']))"
 fi
