@@ -19,6 +19,8 @@ rather than loading stale code. Old `kernels-*` directories are never read again
 on the GPU it passes the launch bounds to ptxas, which then keeps the kernel's registers within what `min_blocks`
 resident blocks of that size may use (the simulator takes no bounds).
 
+`@inline_device` declares a device function: NVVM inlines it into its callers on the GPU.
+
 `smem_launch(kernel, grid, threads, stream, smem)` configures a launch with `smem` bytes of dynamic shared memory,
 opting the compiled kernel in past 48 KB of static + dynamic shared memory (at most SMEM_LIMIT) on the GPU.
 
@@ -93,6 +95,18 @@ def on_bytes(ary, n):
 def rows_grid(x_blocks, n_rows):
     """(x_blocks, rows of blocks on y): n_rows (>= 1) capped at GRID_Y_MAX; the kernel steps by gridDim.y."""
     return (x_blocks, min(n_rows, GRID_Y_MAX))
+
+
+def inline_device(fn):
+    """`cuda.jit(device=True)` for a device function that its callers inline. On the GPU NVVM inlines it
+    (`forceinline=True`: LLVM's alwaysinline) rather than numba's IR-level `inline=True`, which deep-copies the
+    callee's IR at every call site and spent most of a large kernel's compile (docs/toolchain.md §3: all kernels for
+    sm_90 in 241 s against 753 s on the dev box, the step no slower on an H100, BENCHMARKS.md, thirty-seventh
+    session). The simulator's jit takes neither option and runs it as a call."""
+    from numba import cuda
+    if _cuda_config.ENABLE_CUDASIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
 
 
 def bounded_jit(threads, min_blocks=1):

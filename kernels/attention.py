@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, im_operand
+from kernels import bounded_jit, im_operand, inline_device
 from kernels.bf16 import bf16_bits_device, bf16x4_device, exp_f32_device, round_bf16_device
 from kernels.im_operand import im_stage_lane_device
 from kernels.mma import LOAD4_ALIGN, load4_device
@@ -82,7 +82,7 @@ NEG_INF = np.float32(-np.inf)
 
 
 # ------------------------------------------------------------------------------------------- window ring
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _window_store_device(kv, positions, ring, ring_pos, t, d):
     """Element d of row t of a window write: ring[p mod W, d] = bf16(kv[t, d]) and ring_pos[p mod W] = p (d == 0),
     for the last min(T, W) rows only (p = positions[t])."""
@@ -142,7 +142,7 @@ def cache_write_kernel(src, rows, dst):
 
 
 # --------------------------------------------------------------------------------------- sparse attention
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _key_row_device(win_idx, cmp_idx, t, r):
     """Key row of slot r of query t: (index, from_window); index -1 when invalid."""
     kw = win_idx.shape[1]
@@ -153,7 +153,7 @@ def _key_row_device(win_idx, cmp_idx, t, r):
     return cmp_idx[t, r - kw], False
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
     """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h. q_sh
     holds head h's query at h * DH_MAX: a head's 4 values are one 16-byte shared load (load4_device)."""
@@ -246,7 +246,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             z[t, h0 + hh, r] = v * scale if valid else NEG_INF
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _scores_device(z, t, h, r, v):
     """v[i] = z[t, h, r + 32 i] for i < SOFTMAX_LOADS, the row clamped to the last (every load goes out before any
     is used: a lane's rows are otherwise one dependent L2 round trip each)."""
@@ -255,7 +255,7 @@ def _scores_device(z, t, h, r, v):
         v[i] = z[t, h, min(r + WARP * i, last)]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _row_max_device(z, t, h, lane):
     """The largest score of (t, h) over its rows, in every lane of the warp (each lane its rows lane, lane + 32, ...
     in order, then xor shuffles), and whether any row is valid; NEG_BIG in place of -inf when none is."""
@@ -277,7 +277,7 @@ def _row_max_device(z, t, h, lane):
     return (m if has else NEG_BIG), has
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _denominator_device(z, sink, t, h, lane, m, has):
     """float64 sum of exp(z - m) over the rows of (t, h) (lane-strided, then the warp's tree), plus exp(sink - m),
     as FP32; 0 when no row is valid. Valid in lane 0."""
@@ -295,7 +295,7 @@ def _denominator_device(z, sink, t, h, lane, m, has):
     return np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
     """Key word `col` of a row (8 bytes, 4 BF16): row kr of the window buffer or of the compressed cache; row 0
     of it when kr < 0 (a load that is never used, so that the loads of a group go out together)."""

@@ -18,6 +18,8 @@ from numba import cuda
 from numba.cuda import libdevice
 from numba.cuda.core import config as _cuda_config
 
+from kernels import inline_device
+
 __all__ = ["round_bf16_device", "f32_bits", "bits_f32", "mul_rn_device", "bf16x4_device", "f32x2_device",
            "bf16_bits_device", "exp_f32_device", "log1p_f32_device", "f16_bits_device"]
 
@@ -35,14 +37,14 @@ if _cuda_config.ENABLE_CUDASIM:
         """uint32 bit pattern -> float32."""
         return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def f32_bits(x):
         """float32 -> its uint32 bit pattern."""
         a = cuda.local.array(1, np.float32)
         a[0] = x
         return a.view(np.uint32)[0]
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def bits_f32(u):
         """uint32 bit pattern -> float32."""
         a = cuda.local.array(1, np.uint32)
@@ -50,7 +52,7 @@ else:
         return a.view(np.float32)[0]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def round_bf16_device(x):
     """Round a float32 to the nearest BF16 (ties to even), returned as float32. NaN stays NaN."""
     u = f32_bits(np.float32(x))
@@ -61,21 +63,21 @@ def round_bf16_device(x):
     return bits_f32(r)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def bf16_bits_device(x):
     """float32 -> uint16 BF16 bit pattern (round to nearest even), as ds4lib.formats.floats.f32_to_bf16_bits
     for finite values."""
     return np.uint16(f32_bits(round_bf16_device(x)) >> np.uint32(16))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def bf16x4_device(w, i):
     """Element i (0..3, element 0 in the low bits) of a uint64 word holding four BF16 bit patterns."""
     b = np.uint32((w >> np.uint64(16 * i)) & np.uint64(0xFFFF))
     return bits_f32(b << np.uint32(16))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def f32x2_device(w, i):
     """Element i (0 or 1, element 0 in the low bits) of a uint64 word holding two float32 values."""
     return bits_f32(np.uint32((w >> np.uint64(32 * i)) & np.uint64(0xFFFFFFFF)))
@@ -87,7 +89,7 @@ if _cuda_config.ENABLE_CUDASIM:
         """a * b in FP32, rounded on its own (never fused into an FMA)."""
         return np.float32(np.float32(a) * np.float32(b))
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mul_rn_device(a, b):
         """a * b in FP32, rounded on its own (never fused into an FMA)."""
         return libdevice.fmul_rn(np.float32(a), np.float32(b))
@@ -105,18 +107,18 @@ if _cuda_config.ENABLE_CUDASIM:
         """log1p in FP32."""
         return np.float32(np.log1p(np.float32(x)))
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def exp_f32_device(x):
         """exp in FP32 (inf on overflow, as IEEE)."""
         return np.float32(math.exp(np.float32(x)))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def log1p_f32_device(x):
         """log1p in FP32."""
         return np.float32(math.log1p(np.float32(x)))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def f16_bits_device(h):
     """IEEE half bit pattern (low 16 bits of h) -> float32, exact (as ds4lib.formats.floats.f16_bits_to_f32)."""
     u = np.uint32(h) & np.uint32(0xFFFF)

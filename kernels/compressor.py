@@ -20,6 +20,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.warp import block_sum_rows_f64_device
@@ -31,7 +32,7 @@ DIMS_PER_THREAD = 4           # Dh <= 512
 DH_MAX = THREADS * DIMS_PER_THREAD
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _row_device(kv, state, start_pos, p, d):
     """Row of position p at dim d: from this call's rows, or from the state (an earlier call)."""
     if p >= start_pos:

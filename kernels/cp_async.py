@@ -22,6 +22,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import inline_device
+
 __all__ = ["cp_async16_device", "cp_async_commit_device", "cp_async_wait_device", "MAX_WAIT"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -73,7 +75,7 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def cp_async16_device(dst, di, src, si):
         """Start the 16-byte copy src[si:si+2] -> dst[di:di+2] (uint64 elements; module docstring)."""
         _cp_async16(dst, np.uint64(di), src, np.uint64(si))
@@ -88,7 +90,7 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def cp_async_commit_device():
         """Close this thread's copies issued since the last commit into one group."""
         _commit()

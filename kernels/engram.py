@@ -23,7 +23,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import bounded_jit
+from kernels import bounded_jit, inline_device
 from kernels.bf16 import bits_f32, exp_f32_device, f32_bits, mul_rn_device, round_bf16_device
 from kernels.fp8 import F32_NAN, e4m3_decode_device
 from kernels.pdl import grid_entry_device
@@ -64,7 +64,7 @@ def engram_hash_kernel(cids, history, primes, offsets, mults, n_heads, pad, out,
     out[t, l, c] = rolling % primes[l, c] + offsets[l, c]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def ue8m0_decode_device(code):
     """UE8M0 byte -> 2^(code-127) (code 0: the subnormal 2^-127; 255: NaN)."""
     c = np.uint32(code)
@@ -95,7 +95,7 @@ def engram_gather_kernel(hashes, codes32, scales, out):
         out[t, c, 4 * w + i] = round_bf16_device(e4m3_decode_device(code) * s)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _gate_sums_device(hv, key, qw, kw, hh, kk, dd):
     """One element's terms added to the running sums (hh, kk, dd) of engram_gate_kernel."""
     p = mul_rn_device(mul_rn_device(hv, mul_rn_device(qw, kw)), key)

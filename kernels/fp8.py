@@ -23,6 +23,7 @@ the warp reductions (kernels.warp).
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import bits_f32, f32_bits, mul_rn_device
 from kernels.pdl import grid_entry_device
 from kernels.warp import group_amax_device, quad_max_device
@@ -42,7 +43,7 @@ F32_NAN = np.float32(np.nan)
 E4M3_SUBNORMAL_STEP = np.float32(2.0 ** -9)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def e4m3_decode_device(code):
     """E4M3FN byte -> float32 (exact; 0x7F/0xFF NaN)."""
     c = np.uint32(code)
@@ -57,7 +58,7 @@ def e4m3_decode_device(code):
     return -v if c & np.uint32(0x80) else v
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def e4m3_encode_device(v):
     """The E4M3 byte of float32 v, exact for every v that E4M3 represents (|v| <= 448 on its grid): normal values
     take the biased exponent and the top 3 fraction bits, values below 2^-6 are m * 2^-9 (m = 0..7)."""
@@ -73,7 +74,7 @@ def e4m3_encode_device(v):
     return sign | (mant >> np.uint32(14 - e))           # e = -7..-9: m = 1.f * 2^(e+9) = mant >> (23 - (e + 9))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def f16_of_e4m3_value_device(v):
     """IEEE half bits of float32 v, exact for every value E4M3 represents: those are 0 or m * 2^e with a 3-bit
     fraction and -9 <= e <= 8, all normal halves (the half keeps the sign, e + 15 and the top fraction bits)."""
@@ -86,7 +87,7 @@ def f16_of_e4m3_value_device(v):
     return sign | (np.uint32(e + 15) << np.uint32(10)) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def pow2_ceil_device(x):
     """2^ceil(log2(x)) for a positive normal float32, from the exponent bits (ds4lib.formats.fp8.pow2_ceil_exponent)."""
     u = f32_bits(x)
@@ -96,7 +97,7 @@ def pow2_ceil_device(x):
     return bits_f32(np.uint32(e) << np.uint32(23))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def pow2_inverse_device(s):
     """1 / s for s a power of two whose inverse is normal too (2^-126 <= s <= 2^126), from the exponent bits:
     v * pow2_inverse_device(s) is v / s to the bit (both round the same exact value) without the division's
@@ -104,19 +105,19 @@ def pow2_inverse_device(s):
     return bits_f32(np.uint32(0x7F000000) - min(f32_bits(s), np.uint32(0x7F000000)))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def rint_step_device(ax, magic):
     """Round a float32 to a multiple of the step whose 1.5*2^23 multiple is `magic`, ties to even: the FP32 add
     rounds at exactly that bit (|ax| below 2^22 steps, so that ax + magic stays between 2^23 and 2^24 steps)."""
     return (ax + magic) - magic
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def with_sign_device(mag, x):
     return bits_f32(f32_bits(mag) | (f32_bits(x) & np.uint32(0x80000000)))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def e4m3_round_device(x):
     """Nearest E4M3 value of |x| <= 448 (ties to even), sign kept (ds4lib.formats.fp8.e4m3_round)."""
     ax = abs(x)
@@ -129,7 +130,7 @@ def e4m3_round_device(x):
     return with_sign_device(r, x)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def e2m1_round_device(x):
     """Nearest E2M1 value of |x| <= 6 (ties to the even code), sign kept (ds4lib.formats.fp4.e2m1_round)."""
     ax = abs(x)
@@ -142,7 +143,7 @@ def e2m1_round_device(x):
     return with_sign_device(min(r, E2M1_MAX), x)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def act_quant_fp8_lane_amax_device(v):
     """(act_quant_fp8's value of v, the largest |value| of the block) when the warp's 32 lanes hold one aligned block
     of 32: amax of the block floored at 1e-4, power-of-two scale, clamp, E4M3 rounding. Every lane of the warp calls
@@ -156,7 +157,7 @@ def act_quant_fp8_lane_amax_device(v):
     return e4m3_round_device(y) * s, e4m3_round_device(min(amax * inv, E4M3_MAX)) * s
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def act_quant_fp8_lane_device(v):
     """act_quant_fp8's value of v when the warp's 32 lanes hold one aligned block of 32 (act_quant_fp8_lane_amax_device
     without the block maximum)."""
@@ -164,7 +165,7 @@ def act_quant_fp8_lane_device(v):
     return q
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def fp8_block_scale_device(amax):
     """The least power of two P with amax <= 448 P (1 for amax == 0): FP8-grid values of a block divided by P are
     E4M3 codes exactly (P never exceeds the block's quantisation scale, so no code loses a bit)."""
@@ -178,7 +179,7 @@ def fp8_block_scale_device(amax):
     return bits_f32(np.uint32(e + 127) << np.uint32(23))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, inv):
     """(8 E4M3 codes of v_i * inv packed low byte first, the exact FP32 sum of the 8 scaled values)."""
     c0, c1, c2, c3 = v0 * inv, v1 * inv, v2 * inv, v3 * inv
@@ -190,14 +191,14 @@ def code_word_device(v0, v1, v2, v3, v4, v5, v6, v7, inv):
     return np.uint64(lo) | (np.uint64(hi) << np.uint64(32)), ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _aq_device(v, q, inv_q):
     """act_quant_fp8_kernel's value: e4m3_round(clamp(v / q, +-448)) * q, with v / q as v * inv_q (q a power of two,
     inv_q = pow2_inverse_device(q): the same bits)."""
     return e4m3_round_device(min(max(v * inv_q, -E4M3_MAX), E4M3_MAX)) * q
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def quant8_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, red):
     """A thread's 8 activations of a block of 32 (the quad holds the block) and the max |v| over the quad (`red`: the
     warp's float32 [32] slice of a shared array, for the simulator). `raw`: act_quant_fp8's rule is applied first,

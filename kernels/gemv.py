@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import bounded_jit
+from kernels import bounded_jit, inline_device
 from kernels.bf16 import bf16x4_device, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.fp8 import (E2M1_MAX, E4M3_MAX, INV6, act_quant_fp8_lane_device, e2m1_round_device, e4m3_round_device,
                          pow2_ceil_device, pow2_inverse_device)
@@ -51,7 +51,7 @@ THREADS_ACT = 128
 
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dot_bf16_device(w, x64, t, j, xw0):
     """Products of weight word j (four BF16) with x[t] at the same K offset (two float32 pairs)."""
     a = x64[t, xw0 + 2 * j]
@@ -60,7 +60,7 @@ def _dot_bf16_device(w, x64, t, j, xw0):
             + bf16x4_device(w, 2) * f32x2_device(b, 0) + bf16x4_device(w, 3) * f32x2_device(b, 1))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dot_f32_device(w, x64, t, j, xw0):
     """Products of weight word j (two float32) with x[t] at the same K offset (one float32 pair)."""
     a = x64[t, xw0 + j]
@@ -72,7 +72,7 @@ def _make_gemv_rows_device(tt, dot, per_word):
     `per_word` elements combined by `dot`. `split` warps share a row: warp s of the row takes the steps s, s + split,
     ... (a step = UNROLL words per lane), the warps' shuffle-tree sums meet in shared memory and are added in warp
     order. Every thread of the block must call it (its barriers)."""
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def gemv_rows_device(x64, w64, rows_per_group, split, out_bf16, out):
         red = cuda.shared.array((BLOCK_WARPS, TOKENS_WIDE), np.float32)
         lane = cuda.threadIdx.x % WARP

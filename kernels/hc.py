@@ -37,7 +37,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import bounded_jit, rows_grid
+from kernels import bounded_jit, inline_device, rows_grid
 from kernels.bf16 import exp_f32_device, mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
@@ -59,7 +59,7 @@ PART_LOADS = 10               # loads in flight per thread summing a part (_part
 FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mix_partial_device(h2, fn, cols, partial):
     """partial[t, b, m] = sum over block b's columns k of fn[m, k] h2[t, k] (m < 24), partial[t, b, 24] the
     sum of squares; float64. Each thread keeps its columns' 25 sums; they meet in shared memory, where thread
@@ -104,12 +104,12 @@ def hc_mix_partial_kernel(h2, fn, cols, partial):
     _mix_partial_device(h2, fn, cols, partial)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _sigmoid_device(x):
     return np.float32(1.0) / (np.float32(1.0) + exp_f32_device(-x))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _gather_sum_device(c, src0, stride):
     """((c[src0] + c[src0+stride]) + c[src0+2*stride]) + c[src0+3*stride] across lanes, in that order."""
     s = cuda.shfl_sync(0xFFFFFFFF, c, src0)
@@ -118,7 +118,7 @@ def _gather_sum_device(c, src0, stride):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _part_sum_device(partial, t, m_, p, n_blk):
     """Part p of mix m_ of token t: partial[t, b, m_] for b = p, p + FIN_PARTS, ... added in that order, PART_LOADS
     loads in flight, then four, then one: V4.1's 20 partials a part take two rounds of dependent L2 loads, where
@@ -145,7 +145,7 @@ def _part_sum_device(partial, t, m_, p, n_blk):
     return s
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mix_finish_device(parts, pt, t, lane, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb):
     """One warp finishes token t from its parts parts[pt] (N_ACC x FIN_PARTS, added in part order): lanes 0-3
     pre, 4-7 post, 8-23 comb[i, j] (lane 8 + 4i + j). Every lane of the warp calls it; its shuffles are
@@ -242,7 +242,7 @@ def hc_pre_kernel(h, pre, out):
         t += cuda.gridDim.y
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _post_column_device(yv, h, post, comb, out, t, k):
     """out[t, j, k] = bf16(post[t, j] yv + sum_i comb[t, i, j] h[t, i, k]) for the four streams j (hc_post's
     arithmetic: the products exact in float64, added in stream order)."""

@@ -14,6 +14,7 @@ step (kernels.fp8.rint_step_device), the warp reductions (kernels.warp).
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import bits_f32, f32_bits
 from kernels.fp8 import rint_step_device
 from kernels.scratch import check_arrays
@@ -38,7 +39,7 @@ def check_im_staged(staged, n_tok, kx, name):
     check_arrays(staged, im_stage_shapes(n_tok, kx), name, f"staged for {n_tok} rows of {kx} inputs")
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def im_int_device(v, inv):
     """round(v * inv) as int32 (v * inv exact: inv a power of two; |v * inv| < 2^22, ties to even); 0 if not finite."""
     s = v * inv
@@ -47,7 +48,7 @@ def im_int_device(v, inv):
     return np.int32(rint_step_device(s, INT_MAGIC))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def im_scale_device(am):
     """(p, 1 / p) of a block whose largest |x| is am: max |x| / p in [2^IM_E_TOP, 2^(IM_E_TOP+1)), p = 1 for am = 0,
     2^-126 <= p <= 2^126."""
@@ -56,7 +57,7 @@ def im_scale_device(am):
     return bits_f32(np.uint32(e + 127) << np.uint32(23)), bits_f32(np.uint32(127 - e) << np.uint32(23))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def im_stage_lane_device(v, blk, lane, live, xd, ps):
     """q4k_im_stage_kernel's output (raw = False) for one input, from a producer whose warp holds an aligned block of
     32 FP32 activations, one a lane: v, input `lane` of block `blk` of the flat [T * kx] activations (`live`: a real
@@ -87,7 +88,7 @@ def im_stage_lane_device(v, blk, lane, live, xd, ps):
         ps[np.uint64(2 * blk + 1)] = np.float32(sm)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def im_bytes4_device(a, b, c, d, shift):
     """Byte (x >> shift) & 255 of four int32 values packed low first (two's complement: a signed digit's byte)."""
     m = np.int32(255)

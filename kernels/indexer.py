@@ -40,7 +40,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit
+from kernels import bounded_jit, inline_device
 from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 from kernels.mma import MMA_EX_WORDS, mma_bf16_device
 from kernels.pdl import grid_entry_device
@@ -79,7 +79,7 @@ ST_HI, ST_ABOVE, ST_THETA, ST_NEED = 0, 1, 2, 3
 
 
 # ------------------------------------------------------------------------------------------ index scores
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _score_word_device(s, t):
     """The key word (4 dims) that lane column t holds at MMA step s: steps 2i and 2i+1 take the adjacent words
     8i + 2t and 8i + 2t + 1, so a lane's two steps are 16 contiguous bytes of its key rows."""
@@ -226,7 +226,7 @@ def index_score_rows_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_b
 
 
 # --------------------------------------------------------------------------------------------- selection
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _key16_device(v):
     """Order key of a BF16 value: larger value -> larger key; -0 and +0 share a key."""
     u = f32_bits(v)
@@ -249,7 +249,7 @@ def topk_init_kernel(hist, st, out):
         st[t, cuda.threadIdx.x] = 0
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _hist_pass_device(scores, t, start, stop, step, pass_id, want_hi, hist):
     """Histogram of pass `pass_id` over scores[t, start:stop:step] into hist (int32 [BINS], shared): pass 0 the high
     byte of every key, pass 1 the low byte of the keys whose high byte is want_hi."""
@@ -280,7 +280,7 @@ def topk_hist_kernel(scores, chunk, pass_id, st, hist):
             cuda.atomic.add(hist, (t, pass_id, b), sh[b])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _select_bin_device(hist, k, pass_id, st):
     """One selection step of a row (every thread of the block calls it; threads 0..127 own the bins): the lowest
     non-empty bin of `hist` (int32 [BINS]; scanning from the top) with fewer than k keys above it, recorded in `st`
@@ -371,7 +371,7 @@ def topk_count_kernel(scores, chunk, st, cnt):
         cnt[t, cuda.blockIdx.x, tid] = sh[tid]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _block_rank_device(flag, wtot):
     """(exclusive rank of this thread among flagged threads of the block, block total); thread order. wtot: int32
     shared, one slot a warp of the block."""
@@ -424,7 +424,7 @@ def topk_write_kernel(scores, chunk, st, cnt, positions, ratio, use_reach, out):
                            out)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _write_selected_device(scores, t, lo, hi, theta, need, eq_run, sel_run, lim, wtot, out):
     """The selected indices of scores[t, lo:hi] in index order into out[t] from slot sel_run on (keys above theta,
     and keys equal to it while fewer than `need` came before, eq_run of them before lo); the whole block calls it

@@ -52,6 +52,7 @@ from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.fp8 import E4M3_VALUES
+from kernels import inline_device
 from kernels.fp8 import e4m3_decode_device, f16_of_e4m3_value_device
 from kernels.pdl import grid_entry_device
 
@@ -216,31 +217,31 @@ else:
     _mma_int_u8u8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32", integer=True)
     _mma_int_u8s8 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32", integer=True)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mma_e4m3_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
         """m16n8k32 E4M3 x E4M3 + FP32 (module docstring: emulated by ptxas on sm_90); `ex` is unused here."""
         return _mma_e4m3(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                          np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mma_f16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
         """m16n8k16 f16 x f16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_f16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                         np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mma_bf16_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
         """m16n8k16 BF16 x BF16 + FP32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_bf16(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0), np.uint32(b1),
                          np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mma_u8u8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
         """m16n8k32 u8 x u8 + int32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_int_u8u8(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
                              np.uint32(b1), np.int32(c0), np.int32(c1), np.int32(c2), np.int32(c3))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def mma_u8s8_device(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, ex):
         """m16n8k32 u8 x s8 + int32 on the tensor cores (module docstring); `ex` is unused here."""
         return _mma_int_u8s8(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
@@ -294,7 +295,7 @@ else:
             return context.make_tuple(builder, signature.return_type, vals)
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def load4_device(ary, i):
         """ary[i .. i + 3] in one 16-byte load; i a multiple of 4 (and the array 16-byte aligned, as device arrays
         are), in range: nothing is checked."""
@@ -315,26 +316,26 @@ else:
             return builder.load(ptr)
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def load_at_device(ary, i, k):
         """ary[i + k] for a 1-D array, i and k unsigned, i + k in range (nothing is checked); k a constant folds into
         the load instruction."""
         return _ld_at(ary, np.uint64(i), np.uint64(k))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def e4m3x8_to_f16x2_device(word):
         """Eight E4M3 codes (a uint64, element 0 in the low byte) -> four uint32 of two halves each: codes 0-1, 2-3,
         4-5, 6-7 (four hardware conversions, no shifts)."""
         return _cvt_e4m3x8_f16x2x4(np.uint64(word))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def byte_perm_device(a, b, sel):
         """prmt.b32 (default mode): byte i of the result is byte (sel >> 4i) & 7 of the pair (b, a), a's bytes 0-3,
         b's 4-7 (one PRMT; a constant sel is folded into it)."""
         return _prmt(np.uint32(a), np.uint32(b), np.uint32(sel))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def mma_e4m3_f16h_device(a0, a1, a2, a3, b0l, b0h, b1l, b1h, ex):
     """mma_e4m3_f16_device with B given as halves: the codes of b0 and b1 as e4m3x8_to_f16x2_device gives them for
     the word b0 | b1 << 32 (b0's low pair, its high pair, then b1's), e.g. staged so by the caller."""
@@ -344,7 +345,7 @@ def mma_e4m3_f16h_device(a0, a1, a2, a3, b0l, b0h, b1l, b1h, ex):
     return mma_f16_device(a0h, a1h, a2h, a3h, b0h, b1h, d0, d1, d2, d3, ex)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def mma_e4m3_f16_device(a0, a1, a2, a3, b0, b1, ex):
     """The m16n8k32 E4M3 MMA of mma_e4m3_device's fragments with C = 0, as two chained f16 MMAs (module docstring):
     the low code pair of every register first, then the high pair."""

@@ -32,7 +32,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels import bounded_jit
+from kernels import bounded_jit, inline_device
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_device
 from kernels.gemv import BLOCK_WARPS as GEMV_BLOCK_WARPS, gemv, gemv_rows_t1_device, launch_geometry
@@ -52,13 +52,13 @@ QUANT_BLOCK = 32              # act_quant_fp8's block
 NEG_INF = np.float32(-np.inf)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _better_device(v, e, v2, e2):
     """(v2, e2) beats (v, e): larger value, then lower id."""
     return v2 > v or (v2 == v and e2 < e)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles):
     """vq_plan_kernel's plan of one token's K distinct ids: lane k < K places pair k (= t*K + k, t = 0) at the rank
     of its id, with a tile (id, rank, 1) of its own; n_tiles = K."""
@@ -87,7 +87,7 @@ def _make_route_block_device(threads):
     n_warps = threads // WARP
     log2 = threads.bit_length() - 1
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def best_device(v, e, sh_v, sh_e, buf, warp, lane):
         """The best (larger value, then lower id) of every thread's candidate (v, e): a warp's xor-shuffle arg-max,
         its lane 0 posting the warp's best to buf's row of sh_v / sh_e, one barrier, then every thread takes the best
@@ -114,7 +114,7 @@ def _make_route_block_device(threads):
                 be = sh_e[buf, w]
         return bv, be
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def route_block_device(logits, t, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                            weights, has_plan, pairs, tiles, n_tiles):
         tid = cuda.threadIdx.x
@@ -213,7 +213,7 @@ def route_gemv_kernel(x64, w64, split, logits, counter, bias, delta, has_delta, 
                              ids, weights, has_plan, pairs, tiles, n_tiles)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def swiglu_value_device(gv, uv, w, has_w, r, limit):
     """bf16(w[r] * (silu(min(g, limit)) * clamp(u, +-limit))) of one element's g and u; limit <= 0: no clamp, no
     weight unless has_w. The one definition of the step's arithmetic (swiglu's kernels, kernels.vq_gemv's staging)."""
@@ -226,7 +226,7 @@ def swiglu_value_device(gv, uv, w, has_w, r, limit):
     return round_bf16_device(a)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _swiglu_device(g, u, w, has_w, limit, r, c):
     return swiglu_value_device(g[r, c], u[r, c], w, has_w, r, limit)
 

@@ -3,9 +3,10 @@
 Before it lowers a function to LLVM IR, numba-cuda 0.30's `Lower._find_singly_assigned_variable` picks the
 variables that may live in SSA values instead of stack slots: those defined in exactly one block, not used outside
 it, not forced onto the stack, and assigned exactly once in that block. For the last condition it lists every
-assignment of the block again for each candidate, so a block of n statements costs about n^2 steps. Our kernels
-inline whole trees of device functions (`inline=True`) into blocks of thousands of statements: compiling
-q4k_dp_t1s_kernel for sm_90 took 102 s on the 2-core dev box, 57 s of them in that scan.
+assignment of the block again for each candidate, so a block of n statements costs about n^2 steps. When our
+kernels had numba inline whole trees of device functions (`inline=True`; NVVM inlines them now, kernels.inline_device)
+their blocks held thousands of statements: compiling q4k_dp_t1s_kernel for sm_90 took 102 s on the 2-core dev box,
+57 s of them in that scan.
 
 `singly_assigned(lower)` finds the same set with one count of each block's assignment targets (a block is
 counted once, when its first candidate is checked), so the same variables are lowered the same way and the PTX does

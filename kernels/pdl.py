@@ -22,6 +22,8 @@ Does not own: the graph edges (ds4lib.engine.cuda_graph).
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import inline_device
+
 __all__ = ["grid_entry_device", "ENTRY_PTX"]
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
@@ -50,7 +52,7 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def grid_entry_device():
         """Wait for the grids this one depends on programmatically, then let its own dependents launch."""
         _grid_entry()

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, on_bytes
+from kernels import bounded_jit, inline_device, on_bytes
 from kernels.pdl import grid_entry_device
 
 __all__ = ["l2_prefetch", "l2_prefetch_kernel", "prefetch_l2_device", "PREFETCH_PTX", "SIGNATURES"]
@@ -58,7 +58,7 @@ else:
             return context.get_dummy_value()
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def prefetch_l2_device(ary, i, nbytes):
         """Ask L2 for `nbytes` of the 1-D global array `ary` from element i. The address must lie on ALIGN bytes and
         nbytes be a positive multiple of ALIGN below 2^32; nothing is checked here (`l2_prefetch` does)."""

@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, on_bytes
+from kernels import bounded_jit, inline_device, on_bytes
 from kernels.bf16 import round_bf16_device
 from kernels.mma import LOAD4_ALIGN, load4_device
 from kernels.pdl import grid_entry_device
@@ -94,18 +94,18 @@ else:
     _dp4a_uu = _dp4a_intrinsic("dp4a.u32.u32")
     _dp4a_us = _dp4a_intrinsic("dp4a.u32.s32")
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def dp4a_uu_device(a, b, c):
         """c + the dot product of a's and b's four unsigned bytes (one IDP.4A)."""
         return _dp4a_uu(np.uint32(a), np.uint32(b), np.int32(c))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def dp4a_us_device(a, b, c):
         """c + the dot product of a's four unsigned bytes with b's four signed ones (one IDP.4A)."""
         return _dp4a_us(np.uint32(a), np.uint32(b), np.int32(c))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dp_words_device(w4, ra, rb, sb, t, live):
     """Lane t's 24 words of super-block sb: rows a and b (flat uint32 offsets ra, rb), each its header (4 words) and
     nibble group t (8 words: bytes 32t .. 32t + 31 of the nibbles); zeros when not `live`."""
@@ -125,7 +125,7 @@ def _dp_words_device(w4, ra, rb, sb, t, live):
     return ha + qa0 + qa1, hb + qb0 + qb1
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dp_row_device(w0, w1, lo, hi, acc):
     """acc (6 int32: one row's digit sums d0, d1, d2 of sub-block 2t, then those of 2t + 1 times 16) plus the products
     of its nibble words w0, w1 (inputs 8e .. 8e + 7 of both sub-blocks) with the digit words lo of sub-block 2t's
@@ -141,7 +141,7 @@ def _dp_row_device(w0, w1, lo, hi, acc):
     return s0, s1, s2, s3, s4, s5
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dp_block_device(wa0, wa1, wb0, wb1, xs, lo_at, hi_at, acc):
     """acc (12 int32: row a's digit sums (_dp_row_device's six), then row b's) plus the products of one 8-input
     block: nibble words wa0, wa1 (row a, inputs 8e .. 8e + 7 of both sub-blocks), wb0, wb1 (row b), the digits of
@@ -156,7 +156,7 @@ def _dp_block_device(wa0, wa1, wb0, wb1, xs, lo_at, hi_at, acc):
     return (_dp_row_device(wa0, wa1, lo, hi, acc[0:6]) + _dp_row_device(wb0, wb1, lo, hi, acc[6:12]))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dp_sb_device(wa, wb, xs, xb, sw, xp, bt, pa, pb):
     """One super-block of lane (g, t): its words wa, wb (rows g, g + 8: _dp_words_device), the digits xs with this
     super-block's group t at xs[xb ..] (its 8-input block e at xb + 8 * (e ^ sw): sw = t for the swizzled copy in

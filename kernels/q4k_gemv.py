@@ -82,7 +82,7 @@ from numba import cuda
 from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
-from kernels import bounded_jit, on_bytes, smem_launch
+from kernels import bounded_jit, inline_device, on_bytes, smem_launch
 from kernels.bf16 import bits_f32, f16_bits_device, f32x2_device, round_bf16_device
 from kernels.cp_async import cp_async16_device, cp_async_commit_device, cp_async_wait_device
 from kernels.fp8 import (act_quant_fp8_lane_device, code_word_device, fp8_block_scale_device, pow2_inverse_device,
@@ -144,20 +144,20 @@ EARLY_READS = {"q4k_mma_kernel": ("w1", "n_words", "sps"),       # reading only 
                "q4k_imma_kernel": ("w1", "n_words", "rows_per_group", "kx")}   # before it (kernels.pdl)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _nibble_f32_device(word, shift):
     """float32 of the 4-bit field of `word` (uint64) at bit `shift`, exactly (2^23 + q - 2^23)."""
     q = np.uint32((word >> np.uint64(shift)) & np.uint64(0xF))
     return bits_f32(np.uint32(0x4B000000) | q) - MAGIC
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _small_f32_device(v):
     """float32 of a uint32 v < 2^23, exactly (2^23 + v - 2^23): an OR and an FADD instead of a conversion."""
     return bits_f32(np.uint32(0x4B000000) | v) - MAGIC
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _scale_min_device(h0, h1, j):
     """(scale, min) 6-bit values of sub-block j (GGML get_scale_min_k4), as float32. The 12 scale bytes are bytes
     4..7 of header word h0, then bytes 0..7 of h1; byte j % 4 of each 4-byte third is taken with 32-bit shifts and
@@ -175,7 +175,7 @@ def _scale_min_device(h0, h1, j):
     return _small_f32_device(sc), _small_f32_device(m)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_factors_device(h0, h1, j):
     """(dd, dm) of sub-block j: d*sc and dmin*m, both exact in FP32 (11 x 6 significant bits)."""
     d = f16_bits_device(np.uint32(h0 & np.uint64(0xFFFF)))
@@ -191,12 +191,12 @@ if SIM:
         v = ((np.array([q], np.uint64).view(np.uint8) >> np.uint8(shift)) & np.uint8(0xF)).astype(np.float32)
         return v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def _nibble32_f32_device(w, shift):
         """float32 of the 4-bit field of uint32 w at bit `shift`, exactly."""
         return _small_f32_device((w >> np.uint32(shift)) & np.uint32(0xF))
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def _nibbles8_device(q, shift):
         """The 4-bit fields at bit 8b + shift (b = 0..7) of uint64 q as 8 float32 (32-bit halves: no 64-bit shifts)."""
         lo = np.uint32(q & np.uint64(0xFFFFFFFF))
@@ -207,7 +207,7 @@ else:
                 _nibble32_f32_device(hi, 16 + shift), _nibble32_f32_device(hi, 24 + shift))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_dot8_device(q, shift, dd, dm, x, t, k0, acc):
     """acc + sum over the 8 bytes b of q of w_b * x[t, k0 + b], w_b = fl(dd * nibble_b - dm) (the nibble at bit
     8b + shift); FMAs in byte order."""
@@ -300,14 +300,14 @@ else:
             return builder.call(_ir.InlineAsm(fnty, "cvt.f32.f16 $0, $1;", "=f,h"), args)
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def _f16_header_device(h):
         """f16 bits (low 16 bits of h) -> float32 by the hardware conversion: f16_bits_device's bits for every
         finite or infinite half; a NaN stays a NaN (its payload bits may differ, and any row it enters is NaN)."""
         return _cvt_f32_f16(np.uint16(h & np.uint32(0xFFFF)))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_factors_hw_device(h0, h1, j):
     """_q4k_factors_device with the header's two halves converted by the hardware."""
     lo = np.uint32(h0 & np.uint64(0xFFFFFFFF))
@@ -315,7 +315,7 @@ def _q4k_factors_hw_device(h0, h1, j):
     return _f16_header_device(lo) * sc, _f16_header_device(lo >> np.uint32(16)) * m
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_factor_pair_hw_device(h0, h1, t):
     """_q4k_factors_hw_device of sub-blocks 2t and 2t + 1 together -> (dd, dm of 2t, dd, dm of 2t + 1), the same
     values (_q4k_factor_pair_words_device on the header's four 32-bit words)."""
@@ -323,7 +323,7 @@ def _q4k_factor_pair_hw_device(h0, h1, t):
                                          np.uint32(h1 & np.uint64(0xFFFFFFFF)), np.uint32(h1 >> np.uint64(32)), t)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_factor_pair_words_device(u0, u1, u2, u3, t):
     """(dd, dm of sub-block 2t, dd, dm of 2t + 1) of a super-block whose header is the 32-bit words u0 (d, dmin), u1,
     u2, u3 (scale bytes 0-3, 4-7, 8-11). Their scale bytes are neighbours (bytes j = 2(t % 2) and j + 1 of each
@@ -352,7 +352,7 @@ def _q4k_factor_pair_words_device(u0, u1, u2, u3, t):
     return d * sc0, dmin * m0, d * sc1, dmin * m1
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_dot8u_device(q, shift, dd, dm, x1, k2, acc):
     """acc + sum over the 8 bytes b of q of w_b * x_b, w_b = fl(dd * nibble_b - dm), FMAs in byte order (as
     _q4k_dot8_device), with the 8 activations read as four 8-byte words of x as a flat uint64 array (k2 = k0 / 2)
@@ -376,7 +376,7 @@ def _q4k_dot8u_device(q, shift, dd, dm, x1, k2, acc):
     return cuda.fma(cuda.fma(dd, n7, -dm), x7, acc)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_stepu_device(w1, rb, sb, nb, lw):
     """(h0, h1, q) of super-block sb of the row starting at flat word rb, lane word lw = 2 + 4c + e8; zeros past
     the row. Unsigned flat indices."""
@@ -386,7 +386,7 @@ def _q4k_stepu_device(w1, rb, sb, nb, lw):
     return w1[base], w1[base + np.uint64(1)], w1[base + lw]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_sbu_device(h0, h1, q, c, x1, k2, acc):
     """The lane's 16 weights of one super-block (sub-blocks 2c and 2c + 1) against x, accumulated in order."""
     dd0, dm0 = _q4k_factors_hw_device(h0, h1, 2 * c)
@@ -441,7 +441,7 @@ q4k_gemv_deep_kernel = _make_q4k_deep_kernel(WARPS_PER_BLOCK)
 
 
 # ------------------------------------------------------------------------------ the tensor-core path (FP8 inputs)
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _x8_device(x1, base, raw, red):
     """_quant8_device of the 8 activations at flat uint64 word `base` of x (four words)."""
     w0 = x1[base]
@@ -453,7 +453,7 @@ def _x8_device(x1, base, raw, red):
                          raw, red)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _x8_norm_device(x1, base, nw1, kb, s, red):
     """_x8_device of rms_norm's output: the 8 activations at flat word `base` of x normed as rms_norm_kernel stores
     them, bf16(w * (x * s)) with s the row's scale and w the norm weight's 8 values at flat word kb of nw1, then
@@ -465,7 +465,7 @@ def _x8_norm_device(x1, base, nw1, kb, s, red):
                          True, red)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _normed_device(x1, base, nw1, kb, s, i, h):
     """bf16(w * (x * s)) of half h of word i after `base` of x and kb of the norm weight (rms_norm's stored
     value)."""
@@ -520,14 +520,14 @@ def _stage_fp8_device(x1, kx, t0, nt, k0, n_sb, pitch, stride, codes, scl, xsum,
             j0 += cuda.blockDim.x
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _sub_block_term_device(dd, dm, d, xs, p, acc):
     """acc + (dd * 512 * d - dm * xs) * p: one sub-block's contribution to a row sum. d = sum of (q * 2^-9) *
     code over its 32 inputs (the MMA), xs = the sum of the codes, p = the block's scale, dd / dm its factors."""
     return cuda.fma(cuda.fma(dd * np.float32(512.0), d, -(dm * xs)), p, acc)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _tile_rows_device(r0, g, n_rows, n_words):
     """Flat word offsets of rows r0 + g and r0 + g + 8 (a lane's two MMA fragment rows), rows past the end clamped to
     the last (read, never stored)."""
@@ -535,7 +535,7 @@ def _tile_rows_device(r0, g, n_rows, n_words):
             np.uint64(min(r0 + g + 8, n_rows - 1)) * np.uint64(n_words))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_words_device(w1, wa, wb, sb, lw):
     """(header words of rows a and b, their nibble words of groups c = 0..3 for the lane) of super-block sb."""
     ba = wa + np.uint64(Q4K_WORDS * sb)
@@ -547,7 +547,7 @@ def _mma_words_device(w1, wa, wb, sb, lw):
             load_at_device(w1, lb, 0), load_at_device(w1, lb, 4), load_at_device(w1, lb, 8), load_at_device(w1, lb, 12))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_issue_device(wr, w1, src, dst, half, sb, slot):
     """Start copying the lane's pieces of super-block sb into tile `slot` of the warp's ring wr. A tile is 16 rows x
     9 pieces of 16 bytes; lane (half, row) = (lane // 16, lane % 16) copies pieces half, half + 2, ... of its row
@@ -561,7 +561,7 @@ def _ring_issue_device(wr, w1, src, dst, half, sb, slot):
             cp_async16_device(wr, d0 + np.uint64(4 * j), w1, s0 + np.uint64(4 * j))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_lane_device(r0, lane, n_rows, n_words):
     """(src, dst, half) of the lane's copies into a warp's ring of rows r0 .. r0 + 15 (_ring_issue_device)."""
     half = lane // 16
@@ -569,7 +569,7 @@ def _ring_lane_device(r0, lane, n_rows, n_words):
     return src, np.uint64(RING_ROW_WORDS * (lane % 16) + 2 * half), half
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_fill_device(wr, w1, src, dst, half, sb0, sb1, ring):
     """The ring's first `ring` tiles, super-blocks sb0 .. (those below sb1), a group of copies each (an empty group
     past sb1, so that every step waits for the same count)."""
@@ -579,7 +579,7 @@ def _ring_fill_device(wr, w1, src, dst, half, sb0, sb1, ring):
         cp_async_commit_device()
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_refill_device(wr, w1, src, dst, half, sb, sb1, slot):
     """After tile `slot` was read: super-block sb into it if below sb1, and the step's group closed either way."""
     if sb < sb1:
@@ -587,7 +587,7 @@ def _ring_refill_device(wr, w1, src, dst, half, sb, sb1, slot):
     cp_async_commit_device()
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_words_device(wr, slot, g, lw):
     """_mma_words_device's twelve words of the lane, read from tile `slot` of the warp's ring (rows g and g + 8)."""
     ba = np.uint64(slot * RING_TILE_WORDS + RING_ROW_WORDS * g)
@@ -600,12 +600,12 @@ def _ring_words_device(wr, slot, g, lw):
             load_at_device(wr, lb, 4), load_at_device(wr, lb, 8), load_at_device(wr, lb, 12))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _pick4(c, v0, v1, v2, v3):
     return v0 if c == 0 else (v1 if c == 1 else (v2 if c == 2 else v3))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_sub_device(la, lb, ha, hb, sh, codes, i, ex):
     """The MMA of one sub-block: rows g / g+8 nibbles at bit `sh` of the lane's words against the staged halves of
     8 codes at codes[i .. i + 3] (one 16-byte load)."""
@@ -615,7 +615,7 @@ def _mma_sub_device(la, lb, ha, hb, sh, codes, i, ex):
                                 ex)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, kb, t, codes, xsum, scl, ex, p):
     """One super-block of a one-token pass (its first block of 32 at kb in the stage; the lane's header and nibble
     words): the MMAs of its four groups, of which the lane keeps group t's, and its two sub-blocks' terms added to
@@ -643,7 +643,7 @@ def _mma_step_t1_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, q
     p[2] = _sub_block_term_device(ddb1, dmb1, kb1, xsum[bt + 1], scl[bt + 1], p[2])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_step_device(ha0, ha1, hb0, hb1, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, kb, t, tr, n0, n1, nblk, stride,
                      codes, xsum, scl, ex, p):
     """One super-block of a pass of several tokens: the lane's B column is token row tr of the stage, its D columns
@@ -849,7 +849,7 @@ def ring_bytes(ring):
     return MMA_WARPS * ring * RING_TILE_WORDS * 8
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_store_device(v, tok, row, sl, n_slices, out_bf16, part, out):
     """A slice's row sum: the output itself (one slice) or its slot of the slice partials."""
     if row < out.shape[1]:
@@ -893,7 +893,7 @@ if SIM:
         cuda.syncwarp(0xFFFFFFFF)
         return r
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def _quad_pick_u64_device(v, src, xch):
         """v of lane 4g + src (src 0..3) in every lane of quad g (a 64-bit shuffle: two 32-bit ones; `xch` unused)."""
         lane = cuda.threadIdx.x % WARP
@@ -943,7 +943,7 @@ def q4k_im_stage_kernel(x1, kx, n_jobs, raw, xd, ps):
             ps[jj // 2 + 1] = np.float32(sm)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_words_device(w1, wa, wb, sb, t, live):
     """A lane's weight words of super-block sb: header word t of (row a's two, row b's two), then the nibble words
     of groups c = 0..3 (bytes 32c + 8t .. +7 of the nibbles) of row a and of row b; zeros when not `live`."""
@@ -959,7 +959,7 @@ def _im_words_device(w1, wa, wb, sb, t, live):
             w1[bb + lw], w1[bb + lw + np.uint64(4)], w1[bb + lw + np.uint64(8)], w1[bb + lw + np.uint64(12)])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_im_words_device(wr, slot, g, t, live):
     """_im_words_device's nine words of the lane, read from tile `slot` of the warp's ring; zeros when not `live`."""
     z = np.uint64(0)
@@ -976,7 +976,7 @@ def _ring_im_words_device(wr, slot, g, t, live):
             load_at_device(wr, lb, 8), load_at_device(wr, lb, 12))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_sub_device(qa, qb, h, xd, x0, ex):
     """The digit sums of sub-block 2c + h (nibble h of the lane's words qa / qb: rows g / g+8, bytes 8t .. 8t+7 =
     inputs 8t .. 8t+7) against the B columns' digits at xd[x0 ..]: three exact integer MMAs (d0, d1 unsigned, d2
@@ -996,20 +996,20 @@ def _im_sub_device(qa, qb, h, xd, x0, ex):
     return s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_s_device(s0, s1, s2):
     """S = s2 * 2^16 + s1 * 2^8 + s0 in FP32 (each digit sum converts exactly; two roundings, in this order)."""
     return cuda.fma(np.float32(s2), np.float32(65536.0), np.float32(s1) * np.float32(256.0)) + np.float32(s0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_term_device(dd, dm, s, xs, p, acc):
     """acc + (dd * S - dm * X) * p: a sub-block's contribution to a row sum (S = sum of q * round(x/p), X = sum of
     round(x/p))."""
     return cuda.fma(cuda.fma(dd, s, -(dm * xs)), p, acc)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_keep_device(keep, r, k):
     """r's digit sums of rows g (D register 0) and g+8 (register 2) where `keep`, else k's (6 int32)."""
     if keep:
@@ -1017,7 +1017,7 @@ def _im_keep_device(keep, r, k):
     return k
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_headers_device(hw, xch):
     """The two header words of rows g and g + 8 (ha0, ha1, hb0, hb1) from the quad's four lanes, each of which
     loaded one of them (_im_words_device's word t)."""
@@ -1025,7 +1025,7 @@ def _im_headers_device(hw, xch):
             _quad_pick_u64_device(hw, 3, xch))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_sb_t1_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, bt, xch, ex, pa, pb):
     """One super-block of a one-token call: lane t's terms of sub-blocks 2t and 2t + 1 (rows g, g+8) added to pa, pb.
     hw: the lane's header word (_im_words_device), q*: its nibble words; xi: xd index of its 8 inputs of sub-block
@@ -1053,7 +1053,7 @@ def _im_sb_t1_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, bt,
     return pa, pb
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_sb_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, b0, b1, xch, ex, p):
     """One super-block of a wider call: the lane's terms of every sub-block for its rows and two columns, into
     p [c][row g / g+8][column 2t / 2t+1]. b0 / b1: ps index of sub-block 0's (p, X) for the two columns."""
@@ -1074,7 +1074,7 @@ def _im_sb_device(hw, qa0, qa1, qa2, qa3, qb0, qb1, qb2, qb3, xd, xi, ps, b0, b1
                                            p[4 * c + 3])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _copy16_device(src, o, n4, dst, n, swizzle):
     """dst[:4 * n4] = src[o : o + 4 * n4] (32-bit elements, o a multiple of 4) by a block's n threads, four 16-byte
     loads a thread in flight before their stores. `swizzle` (the integer path's digits, as kernels.q4k_dp4a reads
@@ -1097,13 +1097,13 @@ def _copy16_device(src, o, n4, dst, n, swizzle):
         dst[d], dst[d + 1], dst[d + 2], dst[d + 3] = d0, d1, d2, d3
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _swizzled(w, swizzle):
     """_copy16_device's destination of word w (uint32; w itself without `swizzle`)."""
     return w ^ ((w >> np.uint32(3)) & np.uint32(0x18)) if swizzle else w
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _im_copy_device(src, o, n4, dst):
     """dst[:4 * n4] = src[o : o + 4 * n4] by the block's IM_WARPS warps (_copy16_device, no swizzle)."""
     _copy16_device(src, o, n4, dst, IM_WARPS * WARP, False)
@@ -1306,7 +1306,7 @@ q4k_imma_t1s_kernel = _make_im_kernel(True, stage=True, ring=IM_RING)   # and th
 q4k_imma_kernel = _make_im_kernel(False, min_blocks=2)   # its p[16] needs registers
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q8_0_weight_device(w16, row, blk, i):
     """Weight i (0..31) of Q8_0 block `blk` of a row: f16 d * int8 q (exact)."""
     d = f16_bits_device(np.uint32(w16[row, Q8_0_HALVES * blk]))

@@ -52,7 +52,7 @@ import numpy as np
 from numba import cuda
 
 from ds4lib.formats.vq import VQ_DIM
-from kernels import bounded_jit
+from kernels import bounded_jit, inline_device
 from kernels.bf16 import f32x2_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_amax_device, act_quant_fp8_lane_device
 from kernels.hc import HC
@@ -82,7 +82,7 @@ def _row_jit():
 QUANT_BLOCK = 32                # act_quant_fp8's block: one warp's elements of a pass
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_pass_device(x, w, row, base, d, xs, ws):
     """xs[m], ws[m] = x[row, j], w[j] for the thread's j = base + m * blockDim.x + threadIdx.x (m < ELEMS); j
     past the row reads element D - 1 (a clamped index keeps the loads unconditional)."""
@@ -92,7 +92,7 @@ def _load_pass_device(x, w, row, base, d, xs, ws):
         ws[m] = w[j]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_hc_elem_device(h, pv, w, row, j):
     """(x, w) of element j (in the row) of x = hc_pre(h, pre): x = bf16(f32(sum_i pre[i] h[row, i, j])) with pv the
     row's pre in float64, the products exact and added in stream order from 0.0 (hc_pre_kernel's operations)."""
@@ -102,12 +102,12 @@ def _load_hc_elem_device(h, pv, w, row, j):
     return round_bf16_device(np.float32(acc)), w[j]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_x_elem_device(x, pv, w, row, j):
     return x[row, j], w[j]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_hc_pass_device(h, pv, w, row, base, d, xs, ws):
     """_load_pass_device of x = hc_pre(h, pre): xs[m] = bf16(f32(sum_i pre[i] h[row, i, j])) with pv the row's
     pre in float64, the products exact and added in stream order from 0.0 (hc_pre_kernel's operations)."""
@@ -120,7 +120,7 @@ def _load_hc_pass_device(h, pv, w, row, base, d, xs, ws):
         ws[m] = w[j]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _add_squares_device(xs, base, d, acc):
     """acc plus the squares of the pass's elements inside the row, in float64, in element order."""
     for m in range(ELEMS):
@@ -129,20 +129,20 @@ def _add_squares_device(xs, base, d, acc):
     return acc
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _scale_of_total_device(total, d, eps):
     """1 / f32(sqrt(f32(total / D) + eps)) from the row's float64 sum of squares."""
     var = np.float32(total / d)
     return np.float32(1.0) / np.float32(math.sqrt(var + eps))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _row_scale_device(acc, sh, d, eps):
     """The row's scale from the thread's float64 sum of squares (every thread calls it)."""
     return _scale_of_total_device(block_sum_f64_device(acc, sh), d, eps)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def row_sumsq_words_device(x1, off, d, sh):
     """rms_norm_kernel's float64 sum of squares of a row, to the bit, from a block of any whole number of warps: the
     row is d float32 values (d even) at flat uint64 word `off` of x1 (float32 pairs as uint64 words). rms_norm's
@@ -176,21 +176,21 @@ def row_sumsq_words_device(x1, off, d, sh):
     return cuda.shfl_sync(0xFFFFFFFF, s, 0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def row_scale_words_device(x1, off, d, eps, sh):
     """The scale rms_norm_kernel forms for that row (row_sumsq_words_device's arguments), to the bit: a GEMV that
     stages a normed input (kernels.q4k_gemv's `norm`) takes it from here and needs no norm launch before it."""
     return _scale_of_total_device(row_sumsq_words_device(x1, off, d, sh), d, eps)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_x_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """out[row, j] of element j (the thread's; not stored past the row)."""
     if j < d:
         out[row, j] = round_bf16_device(wv * (xv * scale))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_x_elem_device and act_quant_fp8 of the stored value: every lane of the warp calls it with the 32
     contiguous elements of one quantisation block (D % 32 == 0: a warp's block is whole)."""
@@ -201,14 +201,14 @@ def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, 
         out_q[row, j] = q
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_qv_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_q_elem_device, and the quantised value staged as the VQ GEMV's B operand (xh, scl1: the halves and
     scales vq_stage_kernel would write from out_q; kernels.vq_gemv.stage_lane_device)."""
     _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, False)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_qvi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_qv_elem_device, and the quantised value also staged as the integer tensor-core path's operand (ixd,
     ips: what kernels.q4k_gemv.im_stage(out_q, quantize=False) would write; kernels.im_operand.im_stage_lane_device)
@@ -216,7 +216,7 @@ def _store_qvi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp
     _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, True)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, im):
     """The two staging stores' one body (`im`: a constant of the caller's, so that the integer staging is compiled
     in or out)."""
@@ -231,28 +231,28 @@ def _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, 
         out_q[row, j] = q
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _stage_pad_device(row, d, xh, scl1, n_cwp):
     stage_pad_device(row, d // VQ_DIM, n_cwp, xh, scl1)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _no_pad_device(row, d, xh, scl1, n_cwp):
     pass
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_pre_device(pre, row, pv):
     for i in range(HC):
         pv[i] = np.float64(pre[row, i])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _no_pre_device(pre, row, pv):
     pass
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
     _load_pass_device(x, w, row, base, d, xs, ws)
 
@@ -271,7 +271,7 @@ def _make_norm_kernel(hc_in, quant, vq=False, split=1, im=False):
     pad = _stage_pad_device if vq else _no_pad_device
     jit = _row_jit()
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips):
         row = cuda.blockIdx.x // split
         d = src.shape[src.ndim - 1]

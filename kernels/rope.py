@@ -14,6 +14,7 @@ Shapes: T tokens, H heads (1 for a single vector per token), Dh head dim, rd rop
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import mul_rn_device, round_bf16_device
 from kernels.pdl import grid_entry_device
 
@@ -22,7 +23,7 @@ __all__ = ["rope", "rope_pair_value_device", "rope_kernel", "SIGNATURES"]
 THREADS = 128
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def rope_pair_value_device(v, other, odd, c, s):
     """One rotated value of a pair (a, b): bf16(a c - b s) for the even element (v = a, other = b), bf16(a s + b c)
     for the odd one (v = b, other = a); each product rounded on its own. The one definition (rope_kernel, and the

@@ -34,6 +34,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import f32_bits
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
@@ -65,7 +66,7 @@ F_MAX, F_P = 0, 1
 PHASE_K, PHASE_P = 0, 1
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _order_key_device(v):
     """Order-preserving uint32 key of a float32 (-0 and +0 share one); returned in an int64."""
     u = f32_bits(v)
@@ -75,13 +76,13 @@ def _order_key_device(v):
     return (k ^ 0xFFFFFFFF) if (k >> 31) else (k | 0x80000000)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _allowed_device(mask, b, i):
     """Token i of row b is allowed by the int32 bitmask `mask` [B, ceil(V / 32)]."""
     return ((mask[b, i >> 5] >> (i & 31)) & 1) != 0
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def philox_uniform_device(seed, step, index):
     """The uniform in (0, 1) of counter (index, step) under key seed (Philox-4x32-10), as ref.sampling.uniforms."""
     s = np.uint64(seed)
@@ -109,7 +110,7 @@ def philox_uniform_device(seed, step, index):
     return (a * 67108864.0 + b + 0.5) * (2.0 ** -52)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _weight_device(v, m, temperature):
     """(z, W): z = (v - m) / T in float64 and W = floor(exp(z) 2^32)."""
     z = (np.float64(v) - np.float64(m)) / temperature
@@ -118,7 +119,7 @@ def _weight_device(v, m, temperature):
     return z, np.int64(math.floor(math.exp(z) * FIXED_ONE))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _block_best_device(v, i, sh_v, sh_i):
     """Block-wide (max v, then lowest i) through a shared-memory tree; result in sh_v[0], sh_i[0]."""
     tid = cuda.threadIdx.x

@@ -27,6 +27,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.pdl import grid_entry_device
 from kernels.sampling import (CHUNK, F_MAX, FIXED_ONE, NEG_INF64, S_ARGMAX, S_THETA_K, S_THETA_P, THREADS,
                               _block_best_device, _order_key_device, _weight_device, philox_uniform_device, sample,
@@ -40,7 +41,7 @@ ACCEPT, RESIDUAL = 2, 3            # ds4lib.engine.speculative's purposes
 PURPOSE_SHIFT = 56
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _prob_device(v, m, theta, temperature, min_p, mass):
     """(p, z, kept) of a logit v in a row of max m, threshold key theta and kept mass `mass`."""
     z, w = _weight_device(v, m, temperature)
@@ -123,7 +124,7 @@ def spec_residual_kernel(target, draft, chunk, temperature, min_p, st_t, stf_t, 
         part_pi[j, blk] = sh_i[0]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _best_of_blocks_device(part_v, part_i, j):
     """(best value, its index) of row j over the blocks, lowest index on ties."""
     bv = part_v[j, 0]

@@ -26,6 +26,7 @@ from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.fp8 import E4M3_VALUES
 from ds4lib.formats.q4k import Q4K_BLOCK_BYTES, Q8_0_BLOCK_BYTES, QK8_0, QK_K
+from kernels import inline_device
 from kernels.bf16 import bf16_bits_device
 from kernels.pdl import grid_entry_device
 
@@ -63,7 +64,7 @@ def synth_key(seed: int, tensor: int) -> int:
     return _mix32(_mix32((int(seed) * GOLDEN + 0x632BE5AB) & M32) ^ (int(tensor) & M32))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mix32_device(x):
     x = x ^ (x >> np.uint64(16))
     x = (x * np.uint64(0x85EBCA6B)) & np.uint64(M32)
@@ -72,13 +73,13 @@ def _mix32_device(x):
     return x ^ (x >> np.uint64(16))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _hash_device(key, i):
     """32 random bits (in a uint64) of element i < 2^32 under `key`."""
     return _mix32_device(((np.uint64(i) * np.uint64(GOLDEN)) & np.uint64(M32)) ^ np.uint64(key))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _uniform_device(key, i, center, sigma):
     """center + sigma * (a uniform variable of unit variance)."""
     u = np.float32(_hash_device(key, i) >> np.uint64(8)) * np.float32(1.0 / 16777216.0) - np.float32(0.5)
@@ -93,12 +94,12 @@ def fill_bits_kernel(out, key, mask):
         out[i] = np.uint32(_hash_device(key, i) & np.uint64(mask))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_scale_device(key, blk, j):
     return np.uint64(8) + (_hash_device(key ^ np.uint64(SCALE_SALT), blk * 8 + j) & np.uint64(7))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _q4k_min_device(sc):
     return (np.uint64(15) * sc + np.uint64(8)) >> np.uint64(4)
 

@@ -30,6 +30,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import inline_device
+
 __all__ = ["take_ticket_device", "last_block_device", "TICKET_PTX"]
 
 TICKET_PTX = "atom.acq_rel.gpu.add.u32"
@@ -60,14 +62,14 @@ else:
             return builder.call(asm, [addr])
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def take_ticket_device(counter, i):
         """counter[i] += 1 (int32 [n]); the old value. The block's stores before a barrier are released by it; the
         stores that earlier tickets released are visible after it, to every thread past the next barrier."""
         return _ticket(counter, np.int64(i))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def last_block_device(counter, i, n):
     """Steps 2-4 of the pattern (module docstring), after the block's stores: a barrier, thread 0's ticket from
     counter[i] (n blocks draw it in this launch; the last puts it back to zero), a barrier. True in every thread of

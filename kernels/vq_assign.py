@@ -18,6 +18,7 @@ k because chunks and codewords are scanned in increasing order with a strict `<`
 import numpy as np
 from numba import cuda, float32, int32
 
+from kernels import inline_device
 from kernels.bf16 import bits_f32, f32_bits
 from kernels.pdl import grid_entry_device
 
@@ -33,7 +34,7 @@ MAX_LAUNCH_VECTORS = 1 << 26             # one launch covers at most this many v
 _INF = np.float32(np.inf)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def round_sig12_device(v):
     """float32 -> 12 significant bits, ties to even; |v| < 2^-60 -> 0 (ds4lib.solvers.vq.round_sig12)."""
     u = f32_bits(v)

@@ -74,7 +74,7 @@ from numba import uint64 as nb_uint64
 from numba.cuda.core import config as _cuda_config
 
 from ds4lib.formats.vq import BLOCK_BYTES, BLOCK_INDICES, PLANE_BLOCK_BYTES, VQ_DIM, index_bytes, plane_bytes
-from kernels import bounded_jit, rows_grid, smem_launch
+from kernels import bounded_jit, inline_device, rows_grid, smem_launch
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.fp8 import (code_word_device, f16_of_e4m3_value_device, fp8_block_scale_device, pow2_inverse_device,
                          quant8_device)
@@ -117,7 +117,7 @@ PLAN_WARPS = PLAN_THREADS // WARP
 VQPlan = namedtuple("VQPlan", "ids pairs tiles n_tiles n_pairs n_experts tile_rows")
 
 # --------------------------------------------------------------------------------------------- the plan
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _block_exclusive_scan_device(v, sh):
     """(sum of v over the threads before this one, sum over the block) for int64 v, in thread order; every thread
     of the block calls it (blockDim.x a multiple of 32). sh: int64 [WARP] shared, free again after the next
@@ -147,7 +147,7 @@ def _block_exclusive_scan_device(v, sh):
     return (before if warp > 0 else np.int64(0)) + inc - v, total
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _pair_expert_device(ids, p, p_end, n_experts):
     """The expert of pair p (ids flattened token-major), or -1 past p_end or for an id outside 0..n_experts-1."""
     if p >= p_end:
@@ -157,7 +157,7 @@ def _pair_expert_device(ids, p, p_end, n_experts):
     return e if 0 <= e < n_experts else -1
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _plan_offsets_device(n_experts, tile_rows, n_warps, e0, e1, seen, cnt, off, toff, scan):
     """From seen[w, e] = warp w's pair count of expert e (for the thread's experts e0..e1-1): cnt[e], off[e] (first
     slot of e in pairs), toff[e] (first tile of e), and seen[w, e] = the slot of warp w's first pair of e. Every
@@ -185,7 +185,7 @@ def _plan_offsets_device(n_experts, tile_rows, n_warps, e0, e1, seen, cnt, off, 
     return total >> np.int64(32)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _plan_fill_device(ids, n_experts, tile_rows, p0, p_end, n_steps, seen, cnt, off, toff, lane_e, pairs, tiles):
     """The warp's pairs p0..p_end-1 in order, 32 per step, into pairs and tiles. A lane's slot is seen[w, e] plus
     the number of lanes before it with the same expert; the last of them advances seen[w, e]. Every warp of the
@@ -281,7 +281,7 @@ def device_stream_bytes(shape_a, shape_b):
     return nb * BLOCK_BYTES, nb * PLANE_BLOCK_BYTES
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _file_index_device(src, src_pl, has_plane, base_w, base_p, p):
     """The codeword index at stream position p of one matrix in the file's layout (ds4lib.formats.vq): its block's
     words for the owning lane (_load_block_device), position k = p % 8 in byte k % 4 of word k // 4, nibble k of the
@@ -339,7 +339,7 @@ def vq_relayout_kernel(src, src_pl, s_words, s_plane, dst, dst_pl, d_words, d_pl
 
 
 # ------------------------------------------------------------------------- activations as E4M3 codes
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _stage_slot_device(n_cwp):
     """(in range, codeword c) of the staging thread: codewords on the grid's x axis, rows on its y axis (no 64-bit
     division of a flat index); threads past the row's end take codeword 0."""
@@ -348,14 +348,14 @@ def _stage_slot_device(n_cwp):
     return ok, c if ok else 0
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _staged_word_device(r, c, n_cwp):
     """The first of the 4 staged words of codeword c of row r (its inputs 0-1, 2-3, 4-5, 6-7): the GEMV's fragment
     order, c = 16s + 4k + t at 4 (r*Jp + 16s + 4t + k)."""
     return 4 * (r * n_cwp + SEG_CW * (c // SEG_CW) + 4 * (c % 4) + (c % SEG_CW) // 4)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def stage_lane_device(q, amq, blk, lane, live, r, n_cwp, xh, scl1):
     """vq_stage_kernel's output for one input, from a producer whose warp holds an aligned block of 32 FP8-grid
     values, one a lane: q, input `lane` of block `blk` of row r (`live`: in the row, else nothing is written), amq the
@@ -379,7 +379,7 @@ def stage_lane_device(q, amq, blk, lane, live, r, n_cwp, xh, scl1):
         scl1[np.uint64(r * (n_cwp // 4)) + np.uint64(b)] = p
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def stage_pad_device(r, J, n_cwp, xh, scl1):
     """The padded codewords J .. Jp - 1 of row r as vq_stage_kernel writes them (zero codes, scale 1), by the threads
     of one block (J % 4 == 0: whole scale blocks), for a producer that stages the row's J codewords itself."""
@@ -389,7 +389,7 @@ def stage_pad_device(r, J, n_cwp, xh, scl1):
         scl1[r * (n_cwp // 4) + J // 4 + k] = np.float32(1.0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh, scl1, red):
     """Codeword c of row r (its 8 values v_i, zeros past J) -> its E4M3 codes as 8 halves and, in the quad's first
     lane, the block's scale (vq_stage_kernel's docstring). Every thread of the block calls it."""
@@ -408,7 +408,7 @@ def _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, raw, ok, r, c, n_cwp, xh,
             scl1[r * (n_cwp // 4) + c // 4] = p
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _row8_device(a, r, k):
     """a[r, k .. k + 7]: the 8 inputs of one codeword."""
     return a[r, k], a[r, k + 1], a[r, k + 2], a[r, k + 3], a[r, k + 4], a[r, k + 5], a[r, k + 6], a[r, k + 7]
@@ -465,14 +465,14 @@ if SIM:
         if cuda.threadIdx.x == 0:
             cbs[:cb_g.shape[0]] = cb_g[:cb_g.shape[0]]
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def _stage_codebook_device(cbs, cb_g):
         """Global -> shared codebook copy, 8 bytes per thread and step, coalesced."""
         for i in range(cuda.threadIdx.x, cb_g.shape[0], cuda.blockDim.x):
             cbs[i] = cb_g[i]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
     """(lo8 of i0..i3, lo8 of i4..i7, hi4 of i0..i7, plane bits) of the lane in block b of the run of blocks that
     starts at word ib of the flat index words and byte pb of the flat plane bytes. Past the run's end (b >=
@@ -487,13 +487,13 @@ def _load_block_device(idx1, pl1, has_plane, ib, pb, b, n_blocks, lane):
     return idx1[w], idx1[w + np.uint64(32)], idx1[w + np.uint64(64)], pl
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _spread4_device(b):
     """Bits 0-3 of b -> bit 4 of bytes 0-3 (one multiply: the four shifted copies of b do not overlap)."""
     return (b * np.uint32(0x02040810)) & np.uint32(0x10101010)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _block_pairs_device(blk):
     """A device block's words (_load_block_device) -> the lane's 4 steps as pair words: step k's index of row g in
     bits 0-12 and of row g + 8 in bits 16-28. The index of position k is byte k % 4 of word k // 4, then nibble
@@ -510,14 +510,14 @@ def _block_pairs_device(blk):
             byte_perm_device(w1, hi1, s23))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _pair_row_device(pairs, first, n, count, x_div):
     """The activation row of column n of a tile (pair first + n of the plan); row 0 past the tile's count (its MMA
     column is computed and never stored)."""
     return np.int64(pairs[first + n] // x_div) if n < count else np.int64(0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _a_frags_device(cbs, pw, k):
     """The A fragments of step k for the lane's rows g and g + 8 of its row group: the codewords of pair word pw[k]
     (_block_pairs_device), as halves: (values 0-3 as a0..a3 of the first MMA, values 4-7 of the second)."""
@@ -528,7 +528,7 @@ def _a_frags_device(cbs, pw, k):
     return g0, r0, g1, r1, g2, r2, g3, r3
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _mma_step_device(a, b, p0, p1, acc, ex):
     """acc + P * (A . B) for one step of 32 inputs: two chained m16n8k16 MMAs (values 0-3 of each codeword, then
     4-7); a = _a_frags_device, b = the column's 8 staged halves (load4_device), p0 / p1 the block scales of the
@@ -539,7 +539,7 @@ def _mma_step_device(a, b, p0, p1, acc, ex):
     return (cuda.fma(d0, p0, acc[0]), cuda.fma(d1, p1, acc[1]), cuda.fma(d2, p0, acc[2]), cuda.fma(d3, p1, acc[3]))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load4_live_device(ary, i, live, old):
     """load4_device(ary, i) for a live column, else `old` (the registers' last values) and no load: a dead column's
     lanes take no share of the L1's data path (which a warp's 16-byte load occupies for 4 cycles even when its lanes
@@ -550,7 +550,7 @@ def _load4_live_device(ary, i, live, old):
     return old
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _x_block_device(xh, scl1, o, sa, sb, s, live_b, live_a, live_c, old):
     """What a lane of one column block reads of the activations for block s: its column's staged halves of the 4
     steps (B fragments; live_b: the column is in the tile) and the 4 steps' block scales of its output columns 2t
@@ -563,7 +563,7 @@ def _x_block_device(xh, scl1, o, sa, sb, s, live_b, live_a, live_c, old):
             _load4_live_device(scl1, sa + q, live_a, old[4]), _load4_live_device(scl1, sb + q, live_c, old[5]))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _unit_step_device(cbs, c0, c1, two, wide, b0, b1, p0, p1, p2, p3, acc00, acc01, acc10, acc11, k, ex):
     """Step k (a literal) of a block for the unit's row groups (block words c0, c1 when `two`) and column blocks
     (tokens 0-7 with B fragments b0, and 8-15 with b1 when `wide`): each column's staged halves are loaded once and
@@ -580,7 +580,7 @@ def _unit_step_device(cbs, c0, c1, two, wide, b0, b1, p0, p1, p2, p3, acc00, acc
     return acc00, acc01, acc10, acc11
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_out_device(out, msel, pairs, first, count, n, r, v, n_rows, gain, e, scale, has_scale):
     """out[msel, pair of column n, r] = bf16(v * g [* s]) when column n is in the tile and row r in the matrix."""
     if n < count and r < n_rows:
@@ -590,7 +590,7 @@ def _store_out_device(out, msel, pairs, first, count, n, r, v, n_rows, gain, e, 
         out[msel, pairs[first + n], r] = round_bf16_device(v)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_acc_device(out, msel, pairs, first, count, n0, r, acc, n_rows, gain, e, scale, has_scale):
     """The lane's four outputs of one row group and column block: rows r, r + 8 x columns n0, n0 + 1."""
     _store_out_device(out, msel, pairs, first, count, n0, r, acc[0], n_rows, gain, e, scale, has_scale)
@@ -599,7 +599,7 @@ def _store_acc_device(out, msel, pairs, first, count, n0, r, acc, n_rows, gain, 
     _store_out_device(out, msel, pairs, first, count, n0 + 1, r + MMA_N, acc[3], n_rows, gain, e, scale, has_scale)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _ring_push_device(ring, blk):
     """A row group's blocks in flight (a tuple, oldest first) without the oldest, with `blk` last."""
     return ring[1:] + (blk,)
@@ -613,14 +613,14 @@ def _ring_init(depth):
         raise ValueError(f"vq_gemv: blocks in flight must be 1 to 4, got {depth}")
     ld = _load_block_device
     if depth == 1:
-        @cuda.jit(device=True, inline=True)
+        @inline_device
         def ring_first(idx1, pl1, has_plane, ib, pb, n, lane):
             return (ld(idx1, pl1, has_plane, ib, pb, 0, n, lane),)
         return ring_first
     head = _ring_init(depth - 1)
     last = depth - 1
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def ring(idx1, pl1, has_plane, ib, pb, n, lane):
         return head(idx1, pl1, has_plane, ib, pb, n, lane) + (ld(idx1, pl1, has_plane, ib, pb, last, n, lane),)
     return ring
@@ -724,13 +724,13 @@ vq_gemv_kernel = _make_vq_kernel(THREADS, False)
 vq_gemv_wide_kernel = _make_vq_kernel(WIDE_THREADS, True)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _combine_group_device(ye, r, d0, d_len):
     """ye[r, d0 .. d0 + 3], the columns past d_len read as column d_len - 1 (their sums are never stored)."""
     return (ye[r, d0], ye[r, min(d0 + 1, d_len - 1)], ye[r, min(d0 + 2, d_len - 1)], ye[r, min(d0 + 3, d_len - 1)])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def combine_slot_device(n_tok, d_len):
     """This thread's slot of a combine over n_tok tokens of d_len columns, a thread per COMBINE_COLS consecutive
     columns of one token: (live, t, d0), live False for the threads past the last slot (they must return). The one
@@ -740,7 +740,7 @@ def combine_slot_device(n_tok, d_len):
     return i < n_tok * n_grp, i // n_grp, COMBINE_COLS * (i % n_grp)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def combine_group_device(ye, ids, shared, t, d0, d_len):
     """moe_combine's outputs for token t's columns d0 .. d0 + 3: bf16(sum over k in ascending ids[t, k] of ye[t*K + k,
     d] + shared[t, d]), each column adding its terms in that order (columns past d_len are computed from column

@@ -19,6 +19,8 @@ Does not own: scans (kernels.sampling, kernels.indexer, kernels.vq_gemv keep the
 from numba import cuda
 from numba.cuda.core import config as _cuda_config
 
+from kernels import inline_device
+
 __all__ = ["warp_sum_device", "warp_tree_sum_device", "quad_sum_device", "quad_max_device", "group_amax_device",
            "block_sum_f64_device", "block_sum_rows_f64_device", "WARP"]
 
@@ -62,12 +64,12 @@ if SIM:
         cuda.syncwarp(0xFFFFFFFF)
         return s
 else:
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def warp_sum_device(v, red):
         """Sum of v over the 32 lanes of the warp (valid in lane 0): warp_tree_sum_device (`red` unused)."""
         return warp_tree_sum_device(v)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def quad_sum_device(v, red):
         """((v_0 + v_1) + (v_2 + v_3)) over the lanes of each quad (two butterfly shuffles; `red` unused). Lane 4g
         gets exactly that order; the others the same sums with commuted operands, so the same bits."""
@@ -75,14 +77,14 @@ else:
         v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
         return v
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def quad_max_device(v, red):
         """max of v over the lanes of each quad (two butterfly shuffles)."""
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         return max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def warp_tree_sum_device(v):
     """Sum of v over the warp's lanes, valid in lane 0: shuffle tree, fixed order, the same on both targets."""
     off = WARP // 2
@@ -92,7 +94,7 @@ def warp_tree_sum_device(v):
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def group_amax_device(v, width):
     """max |v| over aligned groups of `width` lanes (16 or 32) of the warp."""
     a = abs(v)
@@ -103,7 +105,7 @@ def group_amax_device(v, width):
     return a
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def block_sum_f64_device(v, sh):
     """Sum of v over the block, returned to every thread (blockDim.x a multiple of 32, every thread calls it).
     sh: float64 [WARP] shared. Each warp sums its lanes, then each warp sums the warps' sums with the same tree,
@@ -118,7 +120,7 @@ def block_sum_f64_device(v, sh):
     return cuda.shfl_sync(0xFFFFFFFF, s, 0)
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def block_sum_rows_f64_device(sh, n_rows):
     """Sum sh[r, :blockDim.x] into sh[r, 0] for r < n_rows with a shared-memory tree (blockDim.x a power of
     two). Deterministic: the order depends only on the block size. Every thread of the block must call it;

@@ -67,15 +67,11 @@
 #   lut       bench/dev/vq_lut.py (the lookup-table form of the decode gate / up GEMV, a probe) at 13 and 12 bits, and
 #             bench/dev/vq_probe.py at 13 bits in the same lease (the thirty-second session's; not in the default
 #             list: DS4_PARTS=lut, about 30 s on a warm machine)
-#   fp8im     the FP8 path's q4_K GEMVs (wq_a, wq_b, the shared expert's w2) on the integer path's one-token dp4a
-#             kernel: bench/dev/q4k_probe.py --time on those shapes, --mode mma (the tree) and --mode imma8, then per
-#             round three graph-only decode variants through bench/dev/knobs.py: IM_FP8_MIN_ROWS = 1024 (wq_a alone
-#             moves), IM_FP8_MIN_ROWS = IM_FP8_MIN_SB = 0 (all three) and IM_FP8_MIN_SB = 0 (rows >= 4,096: wq_b and
-#             the shared w2, the indexer's wq_b; wq_a stays); their bits change (the thirty-sixth session's; not in
-#             the default list)
-#   nvvm      per round a graph-only decode of the kernels built with NVVM's inlining (bench/dev/nvvm_inline.py, its
-#             own kernel cache: a first run compiles), then DS4_REQUIRE_CUDA=1 pytest of the CUDA engine tests and
-#             the dp4a / VQ kernel tests in that build (the thirty-sixth session's; not in the default list)
+#   fp8im     the FP8 path's q4_K GEMVs (wq_a, wq_b, the shared expert's w2): bench/dev/q4k_probe.py --time on
+#             those shapes, --mode mma and --mode imma8 (the integer path's one-token dp4a kernel, the default since
+#             the thirty-seventh session), then per round a graph-only decode through bench/dev/knobs.py with the
+#             thresholds that kept them on q4k_mma before (IM_FP8_MIN_ROWS = 4,096, IM_FP8_MIN_SB = 16: wq_b, wq_a,
+#             wkv and the shared w2 back on q4k_mma; their bits change; not in the default list)
 #   trace     the per-op table at 1k with DS4_CUDA_PDL=0 (--trace-steps 2; each kernel's events also in
 #             timeline_pdl0.jsonl, ~2,400 lines, and their critical path in critical_path.txt,
 #             bench/dev/critical_path.py): with programmatic edges a kernel's traced
@@ -182,7 +178,6 @@ probes() {   # probes SUFFIX LABEL: the kernel probes, their JSON lines into vq$
             --save "$OUT/bits$1"
     done
 }
-NVVM="import bench.dev.nvvm_inline as n; n.install()"
 if want fp8im; then
     for m in mma imma8; do
         run "q4k_probe $m, the FP8 path's shapes" 60 fp8im.jsonl $PY bench/dev/q4k_probe.py --time --mode $m \
@@ -232,16 +227,9 @@ for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfuse
     fi
 done
 if want fp8im; then
-    for spec in "wqa|wq_a|IM_FP8_MIN_ROWS = 1024" "all|the FP8 path|IM_FP8_MIN_ROWS = 0; q.IM_FP8_MIN_SB = 0" \
-            "wide|rows >= 4,096 of the FP8 path|IM_FP8_MIN_SB = 0"; do
-        IFS='|' read -r name label knob <<< "$spec"   # the file's suffix, the summary's words, the thresholds set
-        run "decode, $label on the integer path$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
-            "import kernels.q4k_gemv as q; q.$knob" -- "${AB_DECODE[@]}" --out "$OUT/decode_fp8im_$name$S.jsonl"
-    done
-fi
-if want nvvm; then
-    run "decode, NVVM inlining$S" "${DS4_NVVM_CAP:-150}" nvvm.log $PY bench/dev/knobs.py --exec "$NVVM" -- \
-        "${AB_DECODE[@]}" --out "$OUT/decode_nvvm$S.jsonl"
+    run "decode, the FP8 path on q4k_mma$S" 110 fp8im.log $PY bench/dev/knobs.py --exec \
+        "import kernels.q4k_gemv as q; q.IM_FP8_MIN_ROWS = 4096; q.IM_FP8_MIN_SB = 16" -- "${AB_DECODE[@]}" \
+        --out "$OUT/decode_fp8mma$S.jsonl"
 fi
 if want priority; then
     run "decode, stream priorities on$S" 110 priority.log env DS4_CUDA_PRIORITY=1 $PY "${AB_DECODE[@]}" \
@@ -282,12 +270,6 @@ fi
 if want engine; then
     run engine "${DS4_ENGINE_CAP:-150}" pytest_engine.log env DS4_REQUIRE_CUDA=1 $PY -m pytest -q -x \
         tests/engine/test_engine_cuda.py tests/engine/test_cuda_session_state.py tests/engine/test_speculative_cuda.py
-fi
-if want nvvm; then
-    run "GPU tests, NVVM inlining" "${DS4_ENGINE_CAP:-150}" pytest_nvvm.log env DS4_REQUIRE_CUDA=1 $PY -c "$NVVM
-import sys, pytest
-sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/engine/test_engine_cuda.py',
-                      'tests/kernels/test_q4k_dp4a.py', 'tests/kernels/test_vq_gemv.py', '-k', 'not sm90']))"
 fi
 if want index; then
     run index_probe 60 index.jsonl $PY bench/dev/index_probe.py

@@ -56,7 +56,7 @@ from numba import float32 as nb_f32, uint16 as nb_u16, uint32 as nb_u32  # noqa:
 from numba.cuda.core import config as _cuda_config  # noqa: E402
 
 from ds4lib.formats.fp8 import E4M3_VALUES  # noqa: E402
-from kernels import bounded_jit  # noqa: E402
+from kernels import bounded_jit, inline_device  # noqa: E402
 from kernels.mma import MMA_EX_WORDS, e4m3x8_to_f16x2_device, load_at_device, mma_f16_device  # noqa: E402
 from kernels import SMEM_LIMIT, smem_launch  # noqa: E402  (the opt-in past 48 KB of shared memory)
 
@@ -92,7 +92,7 @@ else:
             return builder.call(_ir.InlineAsm(fnty, "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h"), args)
         return sig, codegen
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def pair_f16x2_device(pair):
         """Two E4M3 codes (uint16, the first in the low byte) -> their halves in a uint32 (one conversion)."""
         return _cvt_e4m3x2(np.uint16(pair))
@@ -101,12 +101,12 @@ else:
 U32 = np.uint32
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _word_device(idx, base, nr, r):
     return idx[base + min(r, nr - U32(1))]
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _load_pass_device(idx, base, nr, tid):
     """The index words of the thread's ROWS_T rows tid + k THREADS of a pass (clamped to the last row: a row past
     it sums the last row's entries and is never stored), all issued together: they are read a pass later."""
@@ -119,7 +119,7 @@ def _load_pass_device(idx, base, nr, tid):
             _word_device(idx, base, nr, tid + U32(12 * THREADS)), _word_device(idx, base, nr, tid + U32(13 * THREADS)))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _pass_row_device(sf, s, a, w):
     """A row's sum a + s * (its 4 chunks' table entries added in chunk order). The table holds the unscaled dot
     products: s, a power of two, scales the pass's sum exactly as it would each entry."""
@@ -131,7 +131,7 @@ def _pass_row_device(sf, s, a, w):
     return a + v * s
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _acc_pass_device(sf, s, acc, ws):
     """The thread's ROWS_T sums after one pass (registers: a tuple in, a tuple out)."""
     return (_pass_row_device(sf, s, acc[0], ws[0]), _pass_row_device(sf, s, acc[1], ws[1]),
@@ -143,7 +143,7 @@ def _acc_pass_device(sf, s, acc, ws):
             _pass_row_device(sf, s, acc[12], ws[12]), _pass_row_device(sf, s, acc[13], ws[13]))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _store_row_device(part, out0, r, nr, a):
     if r < nr:
         part[out0 + r] = a

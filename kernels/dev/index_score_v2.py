@@ -2,6 +2,7 @@
 import numpy as np
 from numba import cuda
 
+from kernels import inline_device
 from kernels.bf16 import bf16x4_device, f32_bits, f32x2_device, mul_rn_device, round_bf16_device
 
 THREADS = 128
@@ -71,7 +72,7 @@ def index_score_kernel(q, wts, wscale, keys, positions, ratio, cand, cand_block,
         cuda.syncwarp(0xFFFFFFFF)                  # v_sh is read before the next row overwrites it
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _dot_word_device(word, q_sh, p, lane, acc):
     """acc + the lane's head's query pairs p, p + 1 against the 4 BF16 of a key word (products exact)."""
     qa = q_sh[p, lane]

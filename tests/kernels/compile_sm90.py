@@ -215,11 +215,11 @@ def _serve():
 
 
 def _heaviest_first(kernels):
-    """Queue order for compile_all: modules with the most `inline=True` device functions first (numba inlines
-    those at its IR level, which is most of the compile time: q4k_gemv's decode kernels take ~20-80 s each on the
-    dev box, most kernels ~1 s), so that the longest compiles start early and the children finish together."""
+    """Queue order for compile_all: modules with the most `@inline_device` functions first (their kernels are the
+    largest once inlined and take the longest: q4k_gemv's decode kernels several seconds each on the dev box, most
+    kernels ~1 s), so that the longest compiles start early and the children finish together."""
     def inlined(mod_name):
-        return (ROOT / "kernels" / f"{mod_name}.py").read_text().count("inline=True")
+        return (ROOT / "kernels" / f"{mod_name}.py").read_text().count("@inline_device")
     return sorted(kernels, key=lambda mks: -inlined(mks[0]))         # stable: SIGNATURES order within a module
 
 
