@@ -31,17 +31,19 @@ it (Nsight Compute: ~24 per weight), so it indexes flat arrays with unsigned int
 strides per load), converts the f16 header with the hardware, takes nibbles and scale bytes with 32-bit operations,
 and selects the two scale layouts instead of branching on the lane's sub-block.
 
-The tensor-core path (`q4k_mma_kernel`): when x holds act_quant_fp8 values (quantize=True, or fp8_input=True from a
-caller that quantised it), q4_K rows are multiplied on the tensor cores with FP8 MMAs: each block of 32 activations
-becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the E4M3 code of q * 2^-9, and a
-sub-block's 32 products are one E4M3 MMA, issued as the two chained f16 MMAs that ptxas's sm_90 emulation of it
-runs (kernels.mma.mma_e4m3_f16h_device: the same bits without the emulation's add of a zero C; the activations are
-staged as halves once); the sub-block's factors dd and dm and the block's scale are applied in FP32 afterwards
-(q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test against the
-reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched call give the
-same bits. With `norm` the path also applies an RMSNorm to x first (each block forms the row's scale itself,
+The FP8 tensor-core path (`q4k_mma_kernel`): for x holding act_quant_fp8 values (quantize=True, or fp8_input=True from a
+caller that quantised it) of matrices the integer path leaves to it (none by default: IM_FP8_MIN_* below; raised for
+probes and a batched / prefill timing not yet made), q4_K rows are multiplied on the tensor cores with FP8 MMAs: each
+block of 32 activations becomes E4M3 codes times a power of two, each 4-bit weight nibble is itself the E4M3 code of
+q * 2^-9, and a sub-block's 32 products are one E4M3 MMA, issued as the two chained f16 MMAs that ptxas's sm_90
+emulation of it runs (kernels.mma.mma_e4m3_f16h_device: the same bits without the emulation's add of a zero C; the
+activations are staged as halves once); the sub-block's factors dd and dm and the block's scale are applied in FP32
+afterwards (q4k_mma_kernel's docstring). It changes the summation order against the FMA kernels (a tolerance test
+against the reference, as theirs), and on the GPU the tensor cores' own accumulation; a decode call and a batched call
+give the same bits. With `norm` the path also applies an RMSNorm to x first (each block forms the row's scale itself,
 kernels.rms_norm.row_scale_words_device, and norms what it stages): the bits of rms_norm(..., out_q=) then this GEMV,
-without the norm's launch (the engine's q latent into wq_b).
+without the norm's launch (the engine's q latent into wq_b where that takes this path: `norm_path`, never with the
+default IM_FP8_MIN_*).
 
 Both tensor-core kernels load their first weight words (q4k_mma: the first super-block; q4k_imma: the first batch)
 before their grid entry (EARLY_WEIGHTS; kernels.pdl): weights are never written by a step's kernels, so inside a
@@ -56,18 +58,26 @@ weights must lie on 16 bytes (the launcher checks). Measured on an H100 (BENCHMA
 of 2 did not make the step faster (wq_b 15.5 -> 17.5 us, the head 184 -> 168, wq_a 9.8 -> 8.2, wo_a and wo_b
 unchanged; the step 8.19 -> 8.39 ms): both default to 0, the rings stay for probes (q4k_probe --rings).
 
-The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): any other activations of q4_K rows (the FP32
-head, grouped wo_a) whose 16-row tiles lie in one input group (`im_fits`), and FP8-grid ones of matrices of at least
-IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row (16-row tiles that fill the GPU without a K split, rows
-long enough to carry the staging). q4k_im_stage_kernel turns each block of
-32 activations into a power of two p and integers X = round(x / p) of 23 bits (the block's largest |x| / p in [2^21,
-2^22), so the rounding costs at most 2^-22 of it, about FP32's own precision) held as three byte digits; the nibble
-bytes of the base file are the u8 MMA's A as they lie (masked), the digits its B, and the three digit sums of a
-sub-block are exact integers, combined in FP32 into S; a sub-block adds (dd * S - dm * X) * p. Against the FMA
-kernels (up to 11 instructions a weight) it takes a fraction of the instructions: on the H200 the head went 360 ->
-190 us and wo_a 23.2 -> 16.4 us a call, at the FMA kernels' accuracy (BENCHMARKS.md). A decode call and a batched
-call give the same bits. A block of 32 holding a NaN or an infinity makes its rows NaN (the FMA kernels would give
-an infinity where the reference does). The FMA kernels remain for tiles across groups, strided x and Q8_0.
+The integer tensor-core path (`q4k_imma_kernel`, `q4k_imma_t1_kernel`): activations of q4_K rows whose 16-row tiles lie
+in one input group (`im_fits`): FP32 / BF16 ones (the head, grouped wo_a) and, by default, every FP8-grid one
+(quantize=True or fp8_input=True: IM_FP8_MIN_ROWS = IM_FP8_MIN_SB = 0, so every shape). FP8-grid values are exact on its
+digits, so a sub-block's sum is an exact integer where q4k_mma's is the tensor cores' FP32 sum: other bits, not another
+accuracy. Measured on an H100 (BENCHMARKS.md, thirty-seventh session; V4.1's shapes, a whole decode step as a CUDA
+graph, 1k context), every FP8-grid matrix on this path made the step 7.72 / 7.70 -> 7.48 / 7.46 ms in two runs (-3.1 %;
+an earlier session -3.7 %): wq_a 10.14 -> 7.85 us a call, the shared expert's w2 9.85 -> 7.55, wq_b 15.5 -> 15.9; moving
+wq_a alone was slower (+0.35 ms), moving only matrices of at least 4,096 rows about the same (-0.06). Which path an
+FP8-grid call takes is still a function of the shape alone (at least IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks
+a row), so a token's bits are the same in decode and batched calls; raising the two gives the smaller matrices back to
+q4k_mma and the norm-in-staging fusion (`norm_path`, the engine's NORM_IN_STAGING), kept for probes and for a batched /
+prefill timing that has not been made. q4k_im_stage_kernel turns each block of 32 activations into a power of two p and
+integers X = round(x / p) of 23 bits (the block's largest |x| / p in [2^21, 2^22), so the rounding costs at most 2^-22
+of it, about FP32's own precision) held as three byte digits; the nibble bytes of the base file are the u8 MMA's A as
+they lie (masked), the digits its B, and the three digit sums of a sub-block are exact integers, combined in FP32 into
+S; a sub-block adds (dd * S - dm * X) * p. Against the FMA kernels (up to 11 instructions a weight) it takes a fraction
+of the instructions: on the H200 the head went 360 -> 190 us and wo_a 23.2 -> 16.4 us a call, at the FMA kernels'
+accuracy (BENCHMARKS.md). A decode call and a batched call give the same bits. A block of 32 holding a NaN or an
+infinity makes its rows NaN (the FMA kernels would give an infinity where the reference does). The FMA kernels remain
+for tiles across groups, strided x and Q8_0.
 A one-token call on this path runs kernels.q4k_dp4a's kernel instead of q4k_imma_t1_kernel (USE_DP4A): the same
 digit sums by the SIMD byte dot product, the same FP32 operations in the same order, so the same bits, with no MMA
 of which seven columns in eight are idle (on the H200 the head went 178 -> 119 us a call, wo_a 17.2 -> 10.5;
@@ -136,7 +146,8 @@ RING_COPIES = 5                                   # copies a lane issues a tile 
 RING_ALIGN = None if SIM else 16                  # cp.async's 16-byte destinations
 MMA_MIN_BLOCKS = 2             # the batched kernel's
 MMA_PART_TOKENS = 64           # tokens per launch of a split matrix (bounds its slice-partials scratch)
-USE_MMA = True                 # FP8-grid activations take the tensor-core path (bench/dev/q4k_probe.py compares)
+USE_MMA = True                 # FP8-grid activations the integer path leaves (IM_FP8_MIN_*; none by default) take
+                               # the FP8 tensor-core path (bench/dev/q4k_probe.py compares)
 USE_IMMA = True                # other activations take the integer tensor-core path where im_fits (q4k_probe compares)
 USE_DP4A = True                # one-token integer-path calls run kernels.q4k_dp4a's kernel (the same bits; dp4a)
 EARLY_WEIGHTS = True           # the tensor-core kernels load their first weight words before the grid entry,
@@ -863,7 +874,7 @@ q4k_mma_t1_kernel = _make_mma_kernel(True, MMA_MIN_BLOCKS_T1, ring=MMA_RING)
 q4k_mma_kernel = _make_mma_kernel(False, MMA_MIN_BLOCKS)
 
 
-# ------------------------------------------------- the integer tensor-core path (FP32 / BF16 activations)
+# ------------------------------ the integer tensor-core path (FP32 / BF16 activations; FP8-grid ones by default)
 IM_WARPS = 4                   # warps of a block: the K quarters of one 16-row tile
 IM_ROWS = 16                   # rows of a block (the MMA's M)
 IM_BATCH = 2                   # super-blocks whose weight words a lane loads before using any of them,
@@ -874,10 +885,14 @@ IM_RING = 0                    # the one-token kernels' weight tiles in flight p
 IM_SMEM_SB = 32                # a one-token call stages its tile's activations (<= 32 super-blocks) in shared memory
 IM_SMEM_WORDS = IM_SMEM_SB * QK_K                 # (uint32 words of digit bytes: 8 per 8 inputs)
 IM_SMEM_PS = IM_SMEM_SB * 16                      # (floats of its (p, X) pairs)
-IM_FP8_MIN_ROWS = 4096         # FP8-grid activations take this path for matrices of at least this many rows and
-IM_FP8_MIN_SB = 16             # super-blocks a row; the others keep q4k_mma (on the H200 only V4.1's wo_b gains:
-                               # 21.1 -> 18.3 us; wq_b, K = 1,280, went 17.6 -> 23.6). A function of the shape
-                               # alone, so a token's bits are the same in decode and batched calls
+IM_FP8_MIN_ROWS = 0            # FP8-grid activations take this path for matrices of at least this many rows and
+IM_FP8_MIN_SB = 0              # super-blocks a row, the others q4k_mma: 0, every matrix (a function of the shape
+                               # alone, so a token's bits are the same in decode and batched calls). On an H100 a
+                               # V4.1 step went 7.72 -> 7.48 ms with every FP8-grid matrix here (wq_a 10.14 -> 7.85
+                               # us a call, shared w2 9.85 -> 7.55, wq_b 15.5 -> 15.9), +0.35 ms with wq_a alone,
+                               # -0.06 with rows >= 4,096 alone (BENCHMARKS.md, thirty-seventh session; the imma
+                               # kernel on the H200 earlier: wo_b 21.1 -> 18.3 us, wq_b 17.6 -> 23.6). Raised, they
+                               # give q4k_mma and norm_path back (probes; a batched / prefill timing not yet made)
 IM_STAGE_THREADS = 256         # threads of a staging block (8 inputs each),
 IM_STAGE_WARPS = IM_STAGE_THREADS // WARP         # its warps
 
@@ -1464,7 +1479,8 @@ def _row_length(w, kind, name):
 
 # ----------------------------------------------------------------------------------------------- launchers
 def _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input):
-    """Whether FP8-grid activations of these q4_K rows suit q4k_mma_kernel (C-contiguous x; ungrouped rows)."""
+    """Whether FP8-grid activations of these q4_K rows suit q4k_mma_kernel (C-contiguous x; ungrouped rows): it
+    takes them where im_path does not (IM_FP8_MIN_*; by default it always does)."""
     return kind == "q4_K" and USE_MMA and (quantize or fp8_input) and rpg == n_rows
 
 
@@ -1480,7 +1496,8 @@ def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
 def norm_path(kind, n_rows, k, rows_per_group=None):
     """Whether q4k_gemv(x, w, quantize=True, norm=...) can norm x in its staging: linear_q of these q4_K rows takes
     the FP8 tensor-core path (q4k_mma_kernel: one input group, not the integer path), whose staging the norm rides
-    on. A function of the shape alone."""
+    on. A function of the shape alone; with the default IM_FP8_MIN_* (0: every FP8-grid matrix on the integer path)
+    it holds for none."""
     rpg = n_rows if rows_per_group is None else int(rows_per_group)
     return bool(_fp8_mma_fits(kind, n_rows, rpg, True, False) and k % 2 == 0
                 and not im_path(kind, n_rows, k, rpg, quantize=True))
@@ -1517,14 +1534,16 @@ def q4k_gemv(x, w, *, kind="q4_K", quantize=True, out_bf16=True, rows_per_group=
     `quantize` applies linear_q's activation rule (act_quant_fp8, block 32) to x first (into scratch);
     `out_bf16` rounds to BF16 (linear_q / linear_bf16), False keeps FP32 (linear_f32). `rows_per_group` (default
     N) maps row n to the x slice n // rows_per_group (attention's grouped wo_a). `fp8_input` says that x already
-    holds act_quant_fp8 values (quantize=False): q4_K rows then take the tensor-core path, as they do with
-    quantize=True (q4k_mma_kernel, or q4k_imma_kernel for long matrices: IM_FP8_MIN_*); any other x must not be passed
-    with it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels (`im_path` says which).
+    holds act_quant_fp8 values (quantize=False): q4_K rows then take a tensor-core path, as they do with
+    quantize=True: by default the integer one for every shape (q4k_imma_kernel; one token: kernels.q4k_dp4a's),
+    q4k_mma_kernel only for matrices below IM_FP8_MIN_* where those are raised; any other x must not be passed with
+    it. Other q4_K calls take q4k_imma_kernel where `im_fits`, else the FMA kernels (`im_path` says which).
     `staged` (only where im_path holds): the operands `im_stage(x, quantize=quantize)` would write, written by x's
     producer; the staging launch is skipped (x still gives the shape).
-    `norm` = (weight [K] float32, eps) (only with quantize=True, where `norm_path` holds): x is the input of
-    kernels.rms_norm.rms_norm, and the GEMV is linear_q of its output, the bits of rms_norm(x, weight, eps, out_q=xq)
-    then q4k_gemv(xq, w, quantize=False, fp8_input=True), in one launch (q4k_mma_kernel's docstring).
+    `norm` = (weight [K] float32, eps) (only with quantize=True, where `norm_path` holds: q4k_mma_kernel, so never
+    with the default IM_FP8_MIN_*): x is the input of kernels.rms_norm.rms_norm, and the GEMV is linear_q of its
+    output, the bits of rms_norm(x, weight, eps, out_q=xq) then q4k_gemv(xq, w, quantize=False, fp8_input=True), in
+    one launch (q4k_mma_kernel's docstring).
     `stage_out` (where `stage_out_path` holds: a one-token integer-path call): the (digits, pairs) that
     im_stage(out, quantize=True) would write, written by this call (q4k_imma_kernel's `stage`), for the next GEMV's
     `staged` (wo_a's output into wo_b: one staging launch fewer)."""

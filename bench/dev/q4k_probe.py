@@ -3,7 +3,8 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
 
     ncu --clock-control none -k regex:q4k --launch-skip 2 --launch-count 1 python bench/dev/q4k_probe.py --shape wo_b
     python bench/dev/q4k_probe.py --time          # every shape: µs per call, cold, CUDA-graph replay (JSON lines)
-    python bench/dev/q4k_probe.py --time --mode mma   # the tensor-core path on FP8-grid activations (fp8_input)
+    python bench/dev/q4k_probe.py --time --mode mma   # the FP8 tensor-core path (q4k_mma) on FP8-grid activations
+        (fp8_input), IM_FP8_MIN_* raised here so that it takes them
     python bench/dev/q4k_probe.py --check         # tensor-core vs FMA kernel vs float64 reference, 512 rows a shape
     python bench/dev/q4k_probe.py --time --mode mma --targets 264,528,1056   # the same per MMA_TARGET_BLOCKS value
     python bench/dev/q4k_probe.py --time --mode mma --rings 0,1,2   # the same per weight-ring depth (decode kernel;
@@ -15,8 +16,9 @@ shapes, cold (copies cycled past L2), eager calls only, for Nsight Compute:
         times the FMA kernel the same calls took before it
     python bench/dev/q4k_probe.py --check --mode imma   # integer tensor-core path vs FMA kernel vs float64, FP32 inputs
     python bench/dev/q4k_probe.py --check --mode mma --save DIR   # also keep the outputs, to compare two trees' bits
-    python bench/dev/q4k_probe.py --time --mode imma8   # FP8-grid inputs (fp8_input) on the integer path, every shape;
-        --mode mma times them on q4k_mma (IM_FP8_MIN_ROWS decides between the two in the engine)
+    python bench/dev/q4k_probe.py --time --mode imma8   # FP8-grid inputs (fp8_input) on the integer path, every shape
+        (the engine's default: kernels.q4k_gemv.IM_FP8_MIN_* = 0, BENCHMARKS.md, thirty-seventh session); --mode mma
+        times them on q4k_mma, where the engine takes them only with IM_FP8_MIN_* raised
 """
 import argparse
 import itertools
@@ -60,7 +62,7 @@ if a.shapes:
 IM_MODE = a.mode in ("imma", "imma8")                     # (--rings: the integer path's one-token kernel)
 qk.USE_IMMA = IM_MODE                                      # deep: the FMA kernel FP32 inputs took before q4k_imma
 qk.IM_FP8_MIN_ROWS = 0 if a.mode == "imma8" else 1 << 30   # imma8: FP8-grid inputs on the integer path, any shape
-qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30
+qk.IM_FP8_MIN_SB = 0 if a.mode == "imma8" else 1 << 30     # (the module's default); the other modes: on q4k_mma
 IM_VARIANTS = [tuple(int(v) for v in iv.split(",")) for iv in a.im.split("/")] if a.im else [None]
 RINGS = [int(v) for v in a.rings.split(",")] if a.rings else [None]
 if IM_MODE and (a.im or a.rings) and not a.dp:

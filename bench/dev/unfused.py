@@ -17,7 +17,9 @@ either way, so the last greedy token must be too):
 - `wo_a` (the same session's): the attention output staged for wo_a's integer path by its own q4k_im_stage launch
   again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
 - `q_norm` (the twenty-sixth session's): the q latent normed by its own rms_norm launch again, not in the staging of
-  wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off).
+  wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off). Since the thirty-seventh session wq_b takes the integer path
+  by default (kernels.q4k_gemv.IM_FP8_MIN_* = 0) and the norm is launched anyway: this split changes nothing unless
+  those are raised (kernels.q4k_gemv.norm_path).
 - `combine` (the same session's): the MoE's combine as its own moe_combine launch again, not formed in the ffn's
   hc_post (ds4lib.engine.backend_cuda.COMBINE_IN_POST off).
 - `wo_b` (the same session's): wo_b's integer-path operands staged by their own q4k_im_stage launch again, not by

@@ -41,7 +41,7 @@ the side stream at its lowest, captured into the graphs' kernel nodes (ds4lib.en
 
 Three streams: what a layer needs only later runs beside the critical path — on the side stream the attention's
 window key (its projection, norm and RoPE, written to the window ring with the window rows of the call) and, for
-one session's rows, the compressor, beside the query path (wq_a, wq_b with the q_norm in its staging); the
+one session's rows, the compressor, beside the query path (wq_a, the q_norm and wq_b: `_query`); the
 attention's mHC mixes (read h, first needed by its hc_post) after them, beside the attention itself; and the
 shared expert, from the FFN's norm on, beside the routing and the routed experts —, forked from the main stream and
 joined back by events (`_fork`, `_join`), with its own scratch (`scr_side`); and on the mix stream the FFN's mixes,
@@ -103,7 +103,8 @@ _SAMPLE_GRAPHS = 256               # captured samplers kept (per parameter set a
 BUCKET_MIN_ROWS = 512              # the finest step of a decode step's cache views (`_bucket`)
 SHARED_EXPERT_AT = ("early", "side", "main")   # where `_moe` runs the shared expert (CudaBackend.shared_expert_at)
 L2_PREFETCH = ("wo", "wq")         # what CudaBackend.l2_prefetch may ask L2 for ahead of its reader (class docstring)
-NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare)
+NORM_IN_STAGING = True             # the q latent normed in its readers' staging (`_query`; tests compare): only
+                                   # where they take q4k_gemv.norm_path, none with q4k_gemv's default IM_FP8_MIN_*
 COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_post (`_layer`; tests compare)
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
 STAGE_SHARED_IN_NORM = True        # the ffn norm stages the shared expert's gate / up operands (`_layer`; tests
@@ -323,9 +324,14 @@ class CudaBackend:
         ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
         idx = T * (self.ctx.context_length // ratio) * 4 if ratio else 0
         act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
-        mma = sum(q4k_gemv.mma_part_bytes(n, k, T) for n, k in (
+
+        def fp8_gemv(n, k):          # an FP8-grid q4_K GEMV's temporaries on the path its shape takes
+            if q4k_gemv.im_path("q4_K", n, k, quantize=True):          # the integer path's staged operands
+                return sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in im_operand.im_stage_shapes(T, k))
+            return q4k_gemv.mma_part_bytes(n, k, T)                      # q4k_mma's slice partials
+        mma = sum(fp8_gemv(n, k) for n, k in (
             (cfg.q_lora_rank, D), (Dh, D), (H * Dh, cfg.q_lora_rank), (D, cfg.o_groups * cfg.o_lora_rank),
-            (F, D), (D, F)) if k % q4k_gemv.QK_K == 0)                   # the tensor-core path's slice partials
+            (F, D), (D, F)) if k % q4k_gemv.QK_K == 0)
         return attn + vqb + idx + act + mma + T * cfg.vocab_size * 4
 
     # ------------------------------------------------------------------ scratch
@@ -362,7 +368,8 @@ class CudaBackend:
     def _linear(self, x, lin, *, quantize, bf16=True, rpg=None, out=None, fp8=False, side=False, staged=None,
                 stage_out=None):
         """x [T, in] float32 (device) -> [T, rows]: linear_q (quantize) / linear_bf16 / linear_f32 of the reference.
-        `fp8`: x holds act_quant_fp8 values already (q4_K weights then take the tensor-core path, as with quantize).
+        `fp8`: x holds act_quant_fp8 values already (q4_K weights then take a tensor-core path, as with quantize:
+        by default the integer one, kernels.q4k_gemv.IM_FP8_MIN_*).
         `side`: on the side stream with its scratch (between `_fork` and `_join`). `staged`: x's integer-path
         operands, written by its producer (`_im_staging`); `stage_out`: the output's, for the next linear
         (kernels.q4k_gemv's `stage_out`)."""
@@ -1174,7 +1181,7 @@ class CudaBackend:
 
     def _shared_im_staging(self, l, T):
         """Buffers for the ffn norm's FP8 output [T, D] staged as the shared expert's gate / up operands when that
-        GEMV takes the integer path (kernels.q4k_gemv.im_path for FP8 input: V4.1's 4,608 x 5,120), else None (or
+        GEMV takes the integer path (kernels.q4k_gemv.im_path for FP8 input: by default every shape), else None (or
         with STAGE_SHARED_IN_NORM off): the norm writes them and the GEMV launches no staging. The side stream reads
         them between the fork and the join; the next layer's norm writes them after the join."""
         lin = self.L[l][SHARED_W13]
@@ -1216,8 +1223,10 @@ class CudaBackend:
         """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, q latent, queries [T, H, Dh]) (ref
         attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them). The q latent
         (`_latent`'s argument) is the q_norm's input with its weight, normed in the staging of each GEMV that reads
-        it where every reader of the layer takes kernels.q4k_gemv.norm_path (no norm launch; V4.1: the 32 layers
-        without an indexer, whose wq_b alone reads it), else the FP8 values of the normed latent."""
+        it where every reader of the layer takes kernels.q4k_gemv.norm_path (no norm launch), else the FP8 values of
+        the normed latent. With kernels.q4k_gemv's default IM_FP8_MIN_* no reader does (wq_b takes the integer path:
+        BENCHMARKS.md, thirty-seventh session), so every layer launches the norm; raised (probes), V4.1's 32 layers
+        without an indexer, whose wq_b alone reads the latent, norm it in wq_b's staging."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         if xq is None:

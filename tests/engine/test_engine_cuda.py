@@ -63,10 +63,11 @@ def micro(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def micro_q256(tmp_path_factory):
-    """The micro model with a q rank of 256 (wq_b: q4_K rows of one super-block, the FP8 tensor-core path the q_norm
-    can ride on: kernels.q4k_gemv.norm_path), a window-only layer 0 (no indexer, whose wq_b the base file stores
-    in FP8: a BF16 GEMV), and 8 heads of 64 with an output rank of 128 (wo_a: 256 q4_K rows of one super-block a
-    group, the integer path; wo_b: 32 rows of one super-block); CPU and CUDA engines."""
+    """The micro model with a q rank of 256 (wq_b: q4_K rows of one super-block, which the q_norm can ride on where
+    they take the FP8 tensor-core path: kernels.q4k_gemv.norm_path, with IM_FP8_MIN_* raised; by default they take
+    the integer path), a window-only layer 0 (no indexer, whose wq_b the base file stores in FP8: a BF16 GEMV), and 8
+    heads of 64 with an output rank of 128 (wo_a: 256 q4_K rows of one super-block a group, the integer path; wo_b:
+    32 rows of one super-block); CPU and CUDA engines."""
     from ds4lib.quant.base_file import quantize_checkpoint
     from ds4lib.synth import write_random_checkpoint
     root = tmp_path_factory.mktemp("micro_q256")
@@ -111,14 +112,17 @@ def test_micro_fused_launches_give_the_launches_bits(micro_q256, monkeypatch):
     """Three fusions against the launches they replace, on one model. Where every reader of the q latent takes the
     FP8 q4_K path (layer 0: wq_b only), `_query` launches no q_norm and wq_b norms its input in its staging; layer
     1, whose indexer reads the latent through a BF16 GEMV, keeps the norm launch. Where wo_a and wo_b both take the
-    integer path for one token (here with wo_b's shape let onto it, as V4.1's 5,120 x 8,192 is: the micro model's
-    32 rows are far below IM_FP8_MIN_ROWS), wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no
-    staging. The ffn's hc_post forms the MoE's combine itself (no moe_combine launch). Two decode steps give the
-    bits of the engine with all of them launched (NORM_IN_STAGING, STAGE_WO_B and COMBINE_IN_POST off), and the CPU
-    reference's top-1."""
+    integer path for one token, wo_a stages wo_b's operands itself (`stage_out`) and wo_b launches no staging. The
+    ffn's hc_post forms the MoE's combine itself (no moe_combine launch). By default every FP8-grid q4_K GEMV takes
+    the integer path (kernels.q4k_gemv.IM_FP8_MIN_* = 0) and no wq_b is on norm_path, so here they are put back on
+    q4k_mma (tests/kernels/conftest.py's put_fp8_on_mma) but for wo_b's shape, let onto the integer path as by
+    default: all three fusions run. Two decode steps give the bits of the engine with all of them launched
+    (NORM_IN_STAGING, STAGE_WO_B and COMBINE_IN_POST off), and the CPU reference's top-1."""
     import kernels.hc as hc
     import kernels.q4k_gemv as qk
+    from tests.kernels.conftest import put_fp8_on_mma
     cpu, cuda = micro_q256
+    put_fp8_on_mma(monkeypatch)
     w0, w1 = cuda.backend.L[0], cuda.backend.L[1]
     real_im_path, wo_b_shape = qk.im_path, (w0["attn.wo_b.weight"].rows, w0["attn.wo_b.weight"].k)
 
@@ -140,6 +144,24 @@ def test_micro_fused_launches_give_the_launches_bits(micro_q256, monkeypatch):
     np.testing.assert_array_equal(fused.argmax(-1), cpu.logits(PROMPT).argmax(-1))
 
 
+def test_micro_chunk_scratch_counts_the_path_each_fp8_gemv_takes(micro_q256, monkeypatch):
+    """The prefill chunk's budget (`_chunk_scratch`, read by `_pick_chunk`) counts each FP8-grid q4_K GEMV's
+    temporaries on the path its shape takes: by default the integer path's staged operands (digits and pairs, 4.25
+    bytes an input a token), with IM_FP8_MIN_* raised q4k_mma's slice partials (none for these one-slice shapes)."""
+    import kernels.q4k_gemv as qk
+    from tests.kernels.conftest import put_fp8_on_mma
+    be, T = micro_q256[1].backend, 64
+    wq_b, wo_b = be.L[0]["attn.wq_b.weight"], be.L[0]["attn.wo_b.weight"]
+    ks = [lin.k for lin in (wq_b, wo_b)]
+    assert all(k % qk.QK_K == 0 for k in ks)
+    on_im = be._chunk_scratch(T)
+    with monkeypatch.context() as m:
+        put_fp8_on_mma(m)
+        assert all(qk.mma_part_bytes(lin.rows, lin.k, T) == 0 for lin in (wq_b, wo_b))
+        on_mma = be._chunk_scratch(T)
+    assert on_im - on_mma == sum(T * k * 17 // 4 for k in ks)
+
+
 @pytest.fixture(scope="module")
 def micro_d256(tmp_path_factory):
     """The micro model at D = 256, whose shared expert's gate / up (64 x 256) is q4_K rows of one super-block (the
@@ -154,19 +176,21 @@ def micro_d256(tmp_path_factory):
 
 @pytest.mark.slow
 def test_micro_ffn_norm_stages_the_shared_experts_integer_operands(micro_d256, monkeypatch):
-    """Where the shared expert's gate / up takes the integer path (here let onto it through IM_FP8_MIN_*, as V4.1's
-    4,608 x 5,120 takes it as it is), the ffn norm stages its operands (`hc_rms_norm(im=)`) and the GEMV launches no
-    staging: two decode steps give the bits of the engine with the staging launched (STAGE_SHARED_IN_NORM off)."""
+    """The shared expert's gate / up takes the integer path (by default, as every FP8-grid q4_K GEMV does:
+    kernels.q4k_gemv.IM_FP8_MIN_* = 0; put back on q4k_mma, it gets no staging buffers), so the ffn norm stages its
+    operands (`hc_rms_norm(im=)`) and the GEMV launches no staging: two decode steps give the bits of the engine with
+    the staging launched (STAGE_SHARED_IN_NORM off)."""
     import kernels.q4k_gemv as qk
     import kernels.rms_norm as rn
     from ds4lib.engine.cuda_weights import SHARED_W13
+    from tests.kernels.conftest import put_fp8_on_mma
     cuda = micro_d256
     lins = [cuda.backend.L[l][SHARED_W13] for l in range(cuda.cfg.n_layers)]
     on_im = lambda: [qk.im_path(x.kind, x.rows, x.k, quantize=False, fp8_input=True) for x in lins]   # noqa: E731
-    assert lins[0].kind == "q4_K" and not any(on_im())
-    assert cuda.backend._shared_im_staging(0, 1) is None
-    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", lins[0].rows)
-    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", lins[0].k // qk.QK_K)
+    assert lins[0].kind == "q4_K" and all(on_im())
+    with monkeypatch.context() as m:
+        put_fp8_on_mma(m)
+        assert not any(on_im()) and cuda.backend._shared_im_staging(0, 1) is None
     assert all(on_im())
     staged, real, ws = [], qk.q4k_gemv, {id(x.w) for x in lins}
 

@@ -36,3 +36,20 @@ def cuda_ready():
     if REQUIRE_CUDA and (SIMULATOR or not cuda.is_available()):
         raise RuntimeError("DS4_REQUIRE_CUDA=1 but no real CUDA device is usable")
     return cuda
+
+
+def put_fp8_on_mma(monkeypatch):
+    """Put every FP8-grid q4_K GEMV (quantize=True or fp8_input=True) back on the FP8 tensor-core path
+    (q4k_mma_kernel) and with it the norm in its staging (norm_path): kernels.q4k_gemv.IM_FP8_MIN_ROWS and
+    IM_FP8_MIN_SB raised past any shape, where the defaults (0) send every such call to the integer path. For the
+    tests of that path and of the fusions that ride on it; a plain function, so that tests/engine, which does not see
+    this file's fixtures, can call it too."""
+    import kernels.q4k_gemv as qk
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 1 << 30)
+
+
+@pytest.fixture
+def fp8_on_mma(monkeypatch):
+    """put_fp8_on_mma for the test that asks for it (undone after it)."""
+    put_fp8_on_mma(monkeypatch)

@@ -120,7 +120,10 @@ def test_decode_kernel_equals_the_two_step_kernel(cuda_ready, monkeypatch, rows,
     np.testing.assert_array_equal(strided, got)
 
 
-# ------------------------------------------------------------------ the tensor-core path (FP8-grid activations)
+# ---------------------------------------- the FP8 tensor-core path (FP8-grid activations where IM_FP8_MIN_* allow)
+# By default every FP8-grid call takes the integer path (kernels.q4k_gemv.IM_FP8_MIN_* = 0;
+# test_fp8_grid_calls_take_the_integer_path_by_default): the tests of q4k_mma put it back with the fp8_on_mma fixture
+# (tests/kernels/conftest.py).
 def _mma_taken(scratch):
     return any(key[0] == "mma_counters" for key in scratch)
 
@@ -138,7 +141,7 @@ def test_e4m3_encoder_is_exact_on_every_code(cuda_ready):
 
 
 @pytest.mark.parametrize("single_slice", [False, True])
-def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
+def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, fp8_on_mma, single_slice):
     """On the tensor-core path a token's result is the same bits whether it is decoded alone or shares a call with
     9 others (two groups of 8 tokens, the last ragged; with K split, two launches of at most MMA_PART_TOKENS tokens
     sharing one slice-partials array), with K split in slices or not, over a row tail (24 rows = 1.5 warps); and it
@@ -166,7 +169,7 @@ def test_mma_prefill_rows_equal_decode(cuda_ready, monkeypatch, single_slice):
 
 @pytest.mark.parametrize("ring", [1, 2, 3])
 @pytest.mark.parametrize("target", [1, 2])
-def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, target):
+def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, fp8_on_mma, ring, target):
     """The decode kernel with its weights through a ring of `ring` tiles a warp gives the bits of the default
     (MMA_RING; 0: in registers, one super-block ahead): 40 rows (a block's last warps read clamped rows) of 5
     super-blocks, in one slice (target 1) or two uneven ones (target 2: 3 + 2), so the ring wraps and its last
@@ -186,7 +189,7 @@ def test_weight_ring_depths_give_the_same_bits(cuda_ready, monkeypatch, ring, ta
     assert_matches("gemv_bf16", want, linear_q(x.copy_to_host(), w, True))
 
 
-def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready, monkeypatch):
+def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready, monkeypatch, fp8_on_mma):
     """The one-token ring kernels' cp.async copies read 16-byte pieces: weights at an address 8 bytes off are
     refused with a clear error on both tensor-core paths, not a fault (on a GPU; the simulator has no device
     addresses)."""
@@ -204,7 +207,7 @@ def test_ring_kernels_refuse_weights_off_16_bytes(cuda_ready, monkeypatch):
     w.copy_to_device(q)
     x = cuda_ready.to_device(rng.standard_normal((1, 256)).astype(np.float32))
     with pytest.raises(ValueError, match="16 bytes"):
-        q4k_gemv(x, w)                                   # FP8 path (quantize=True)
+        q4k_gemv(x, w)                                   # FP8 path (quantize=True; fp8_on_mma)
     with pytest.raises(ValueError, match="16 bytes"):
         q4k_gemv(x, w, quantize=False)                   # integer path (FP32 x)
 
@@ -217,7 +220,7 @@ def test_weight_ring_is_for_the_decode_kernel():
         qk._make_im_kernel(False, ring=2)
 
 
-def test_mma_fp8_input_and_block_scales(cuda_ready):
+def test_mma_fp8_input_and_block_scales(cuda_ready, fp8_on_mma):
     """Pre-quantised activations with fp8_input=True give the bits of quantize=True on the raw values (8 tokens over
     two stages of activations in shared memory); blocks of 32
     spanning 2^-24 .. 2^12 in magnitude (subnormal codes, large scales) and an all-zero block stay exact in the
@@ -243,7 +246,7 @@ def test_mma_fp8_input_and_block_scales(cuda_ready):
 
 @pytest.mark.parametrize("n_tok,k,split", [(1, 1280, False), (1, 1280, True), (3, 256 * 9, True),
                                            (10, 1280, False)])
-def test_norm_in_the_staging_equals_rms_norm_then_the_gemv(cuda_ready, monkeypatch, n_tok, k, split):
+def test_norm_in_the_staging_equals_rms_norm_then_the_gemv(cuda_ready, monkeypatch, fp8_on_mma, n_tok, k, split):
     """q4k_gemv(x, w, norm=(nw, eps)) gives the bits of rms_norm(x, nw, eps, out_q=xq) and then the FP8-grid GEMV
     of xq: decode (V4.1's q rank 1,280: rms_norm's 5 warps played by the GEMV block's 4), K split in slices (every
     slice forms the scale from the whole row), and batched calls (10 tokens: a pass of 8 stages its 5 super-blocks
@@ -276,9 +279,12 @@ def test_norm_in_the_staging_equals_rms_norm_then_the_gemv(cuda_ready, monkeypat
         assert not np.array_equal(plain, want)
 
 
-def test_norm_is_refused_off_the_fp8_path(cuda_ready):
-    """norm= needs linear_q on q4k_mma_kernel: refused with quantize=False, for Q8_0 rows, grouped rows, a matrix the
-    integer path takes, and a norm weight of the wrong length."""
+def test_norm_is_refused_off_the_fp8_path(cuda_ready, monkeypatch, fp8_on_mma):
+    """norm= needs linear_q on q4k_mma_kernel (every FP8-grid shape put back on it here: fp8_on_mma): refused with
+    quantize=False, for Q8_0 rows, grouped rows, a norm weight of the wrong length, and a matrix the integer path takes
+    (IM_FP8_MIN_* lowered to its shape; at 4,096 rows and 16 super-blocks a row, the defaults before the
+    thirty-seventh session, V4.1's wq_b and the indexer's are on norm_path, a longer matrix is not). With the
+    module's defaults no shape is on norm_path (test_fp8_grid_calls_take_the_integer_path_by_default)."""
     import kernels.q4k_gemv as qk
     rng = np.random.default_rng(5)
     q, _ = _q4k(rng, 8, 512)
@@ -295,8 +301,17 @@ def test_norm_is_refused_off_the_fp8_path(cuda_ready):
     with pytest.raises(ValueError, match="norm"):
         qk.q4k_gemv(cuda_ready.to_device(np.zeros((1, 1024), np.float32)), d_q, rows_per_group=4, norm=(nw, 1e-6))
     assert not qk.norm_path("q4_K", 8, 512, 4) and not qk.norm_path("q8_0", 8, 512)
-    assert not qk.norm_path("q4_K", 8192, 256 * 16)            # long FP8-grid rows take the integer path
+    assert qk.norm_path("q4_K", 8, 512) and qk.norm_path("q4_K", 8192, 256 * 16)
     assert qk.norm_path("q4_K", 32768, 1280) and qk.norm_path("q4_K", 8192, 1280)   # V4.1's wq_b, the indexer's
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 4096)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 16)
+    assert not qk.norm_path("q4_K", 8192, 256 * 16)            # long FP8-grid rows take the integer path
+    assert qk.norm_path("q4_K", 32768, 1280) and qk.norm_path("q4_K", 8192, 1280)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_ROWS", 8)
+    monkeypatch.setattr(qk, "IM_FP8_MIN_SB", 2)
+    assert not qk.norm_path("q4_K", 8, 512)
+    with pytest.raises(ValueError, match="norm"):
+        qk.q4k_gemv(x, d_q, norm=(nw, 1e-6))
 
 
 # ------------------------------------------------- the integer tensor-core path (FP32 / BF16 activations)
@@ -500,11 +515,12 @@ def test_stage_out_equals_im_stage_of_the_output(cuda_ready, out_bf16):
         q4k_gemv(d_x, d_q, quantize=False, rows_per_group=R, stage_out=_im_staged(cuda_ready, 1, 64))
 
 
-def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
-    """Matrices of at least IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row take the integer path for
-    FP8-grid activations too (linear_q: raw x quantised in its staging by act_quant_fp8's rule, or fp8_input): the
-    same bits either way, a token's bits the same decoded alone or among 10, and linear_q's result within its
-    tolerance (FP8-grid values are integers there exactly); other matrices keep q4k_mma."""
+def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch, fp8_on_mma):
+    """With IM_FP8_MIN_* raised (fp8_on_mma) FP8-grid activations keep q4k_mma; lowered to a matrix's shape (at least
+    IM_FP8_MIN_ROWS rows and IM_FP8_MIN_SB super-blocks a row), they take the integer path for it (linear_q: raw x
+    quantised in its staging by act_quant_fp8's rule, or fp8_input): the same bits either way, a token's bits the
+    same decoded alone or among 10, and linear_q's result within its tolerance (FP8-grid values are integers there
+    exactly), as q4k_mma's is."""
     import kernels.q4k_gemv as qk
     from kernels.gemv import act_quant_fp8
     rng = np.random.default_rng(25)
@@ -528,6 +544,34 @@ def test_imma_takes_fp8_activations_of_long_matrices(cuda_ready, monkeypatch):
         np.testing.assert_array_equal(one[0], raw[t])
     assert_matches("gemv_bf16", raw, linear_q(x, w, True))
     assert_matches("gemv_bf16", short, linear_q(x, w, True))
+
+
+V41_FP8_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "indexer wq_b": (8192, 1280),
+                  "shared w2": (5120, 2304), "wkv": (512, 5120), "shared w13": (4608, 5120), "tiny": (24, 768)}
+
+
+def test_fp8_grid_calls_take_the_integer_path_by_default(cuda_ready):
+    """With the module's defaults (IM_FP8_MIN_ROWS = IM_FP8_MIN_SB = 0: the V4.1 decode step 3 % faster on an H100,
+    BENCHMARKS.md, thirty-seventh session) every FP8-grid q4_K GEMV takes the integer path: V4.1's shapes that took
+    q4k_mma before (wq_a, wq_b, the indexer's wq_b, the shared expert's w2, wkv) and those that did not (the shared
+    gate / up), and a tiny matrix, for quantize=True and fp8_input=True alike, so none is on norm_path. A small
+    linear_q call launches the integer path's staging and not q4k_mma, gives linear_q within its tolerance, and
+    refuses norm= (it rides on q4k_mma's staging)."""
+    import kernels.q4k_gemv as qk
+    for name, (n, k) in V41_FP8_SHAPES.items():
+        assert qk.im_path("q4_K", n, k, quantize=True), name
+        assert qk.im_path("q4_K", n, k, quantize=False, fp8_input=True), name
+        assert not qk.norm_path("q4_K", n, k), name
+    rng = np.random.default_rng(26)
+    q, w = _q4k(rng, 24, 768)
+    x = round_bf16(rng.standard_normal((1, 768)) * 2)
+    d_x, d_q = cuda_ready.to_device(x), cuda_ready.to_device(q)
+    scratch = {}
+    got = qk.q4k_gemv(d_x, d_q, scratch=scratch).copy_to_host()
+    assert _im_taken(scratch) and not _mma_taken(scratch)
+    assert_matches("gemv_bf16", got, linear_q(x, w, True))
+    with pytest.raises(ValueError, match="norm"):
+        qk.q4k_gemv(d_x, d_q, norm=(cuda_ready.to_device(np.ones(768, np.float32)), 1e-6))
 
 
 @cuda.jit
