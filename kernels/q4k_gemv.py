@@ -111,7 +111,7 @@ from kernels.ticket import take_ticket_device
 __all__ = ["q4k_gemv", "q4k_rows", "q4k_gemv_t1_kernel", "q4k_gemv_t4_kernel", "q4k_gemv_deep_kernel",
            "q4k_mma_kernel", "q4k_mma_t1_kernel", "q4k_imma_kernel", "q4k_imma_t1_kernel", "q4k_imma_t1s_kernel",
            "q4k_im_stage_kernel", "im_fits", "im_path", "norm_path", "stage_out_path", "im_stage", "mma_splits",
-           "mma_part_rows", "mma_part_bytes",
+           "mma_part_rows", "mma_part_bytes", "fp8_scratch_bytes",
            "q8_0_gemv_t1_kernel", "q8_0_gemv_t4_kernel", "q4k_rows_kernel", "q8_0_rows_kernel", "SIGNATURES", "KINDS",
            "EARLY_READS"]
 
@@ -1491,6 +1491,15 @@ def im_path(kind, n_rows, k, rows_per_group=None, *, quantize, fp8_input=False):
     mma = _fp8_mma_fits(kind, n_rows, rpg, quantize, fp8_input)
     return bool(kind == "q4_K" and USE_IMMA and im_fits(n_rows, rpg)
                 and (not mma or (n_rows >= IM_FP8_MIN_ROWS and k >= IM_FP8_MIN_SB * QK_K)))
+
+
+def fp8_scratch_bytes(n_rows, k, n_tok):
+    """Bytes of the larger scratch a linear_q call (quantize=True) on n_tok rows of a q4_K [n_rows, k] matrix
+    allocates on the path its shape takes (`im_path`): the integer path's staged operands (im_stage_shapes), else
+    q4k_mma's slice partials (mma_part_bytes)."""
+    if im_path("q4_K", n_rows, k, quantize=True):
+        return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in im_stage_shapes(n_tok, k))
+    return mma_part_bytes(n_rows, k, n_tok)
 
 
 def norm_path(kind, n_rows, k, rows_per_group=None):

@@ -324,15 +324,10 @@ class CudaBackend:
         ratio = min((r for r in cfg.compress_ratios[:cfg.n_layers] if r), default=0)
         idx = T * (self.ctx.context_length // ratio) * 4 if ratio else 0
         act = T * (8 * cfg.hc_mult * D + 4 * H * Dh + 2 * cfg.q_lora_rank) * 4
-
-        def fp8_gemv(n, k):          # an FP8-grid q4_K GEMV's temporaries on the path its shape takes
-            if q4k_gemv.im_path("q4_K", n, k, quantize=True):          # the integer path's staged operands
-                return sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in im_operand.im_stage_shapes(T, k))
-            return q4k_gemv.mma_part_bytes(n, k, T)                      # q4k_mma's slice partials
-        mma = sum(fp8_gemv(n, k) for n, k in (
+        fp8 = sum(q4k_gemv.fp8_scratch_bytes(n, k, T) for n, k in (      # on the path each shape takes
             (cfg.q_lora_rank, D), (Dh, D), (H * Dh, cfg.q_lora_rank), (D, cfg.o_groups * cfg.o_lora_rank),
             (F, D), (D, F)) if k % q4k_gemv.QK_K == 0)
-        return attn + vqb + idx + act + mma + T * cfg.vocab_size * 4
+        return attn + vqb + idx + act + fp8 + T * cfg.vocab_size * 4
 
     # ------------------------------------------------------------------ scratch
     def _buf(self, name, shape, dtype=np.float32, var=False):
