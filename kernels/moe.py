@@ -19,8 +19,9 @@ Owns:
 - `swiglu`: a = silu(min(g, limit)) * clamp(u, -limit, limit) (* routing weight of the row), BF16 — the
   elementwise step between the gate/up GEMVs and the down GEMV of an expert (routed or shared); with `out_q` the
   same kernel also writes act_quant_fp8(a) (block 32: with F % 32 == 0 a warp's 32 elements are one block of a
-  row, so the amax is a shuffle reduction; kernels.fp8.act_quant_fp8_lane_device). g and u may be strided
-  views (the two halves of one [n, 2F] GEMV output).
+  row, so the amax is a shuffle reduction; kernels.fp8.act_quant_fp8_lane_device), and with `im` too out_q staged
+  as the integer tensor-core path's operand (kernels.im_operand.im_stage_lane_device: the shared expert's w2
+  launches no staging). g and u may be strided views (the two halves of one [n, 2F] GEMV output).
 Does not own: the expert GEMVs (FP4/VQ weights: the quantized-format kernels), the expert-major reduction, the
 plan for several tokens (kernels.vq_gemv.vq_plan).
 
@@ -36,12 +37,13 @@ from kernels import bounded_jit, inline_device
 from kernels.bf16 import exp_f32_device, log1p_f32_device, round_bf16_device
 from kernels.fp8 import act_quant_fp8_lane_device
 from kernels.gemv import BLOCK_WARPS as GEMV_BLOCK_WARPS, gemv, gemv_rows_t1_device, launch_geometry
+from kernels.im_operand import check_im_staged, im_stage_lane_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.ticket import last_block_device
 
 __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route_gemv_kernel", "route_in_gemv",
-           "swiglu_kernel", "swiglu_q_kernel", "SIGNATURES"]
+           "swiglu_kernel", "swiglu_q_kernel", "swiglu_qi_kernel", "SIGNATURES"]
 
 WARP = 32
 THREADS = 128
@@ -249,6 +251,21 @@ def swiglu_q_kernel(g, u, w, has_w, limit, out, out_q):
     """swiglu_kernel and out_q = act_quant_fp8(out) (F % 32 == 0: a warp's elements are one block of a row, and
     a warp is wholly inside or wholly past the n*F elements, so its return is warp-uniform)."""
     grid_entry_device()
+    _swiglu_q_device(g, u, w, has_w, limit, out, out_q, out_q, out_q, False)      # (ixd, ips: not read)
+
+
+@cuda.jit(cache=True)
+def swiglu_qi_kernel(g, u, w, has_w, limit, out, out_q, ixd, ips):
+    """swiglu_q_kernel, and out_q staged as the integer tensor-core path's operand (ixd, ips: what
+    kernels.q4k_gemv.im_stage(out_q, quantize=False) writes for finite values; kernels.im_operand
+    .im_stage_lane_device on the warp's block of 32): the shared expert's down projection launches no staging."""
+    grid_entry_device()
+    _swiglu_q_device(g, u, w, has_w, limit, out, out_q, ixd, ips, True)
+
+
+@inline_device
+def _swiglu_q_device(g, u, w, has_w, limit, out, out_q, ixd, ips, im):
+    """The two quantising kernels' one body (`im`: a constant of the caller's)."""
     n, f = g.shape
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i >= n * f:
@@ -256,8 +273,12 @@ def swiglu_q_kernel(g, u, w, has_w, limit, out, out_q):
     r = i // f
     c = i % f
     a = _swiglu_device(g, u, w, has_w, limit, r, c)
+    q = act_quant_fp8_lane_device(a)
+    if im:
+        lane = cuda.threadIdx.x % QUANT_BLOCK      # a warp: one block of 32 (THREADS and F multiples of 32)
+        im_stage_lane_device(q, (i - lane) // QUANT_BLOCK, lane, True, ixd, ips)
     out[r, c] = a
-    out_q[r, c] = act_quant_fp8_lane_device(a)
+    out_q[r, c] = q
 
 
 SIGNATURES = {
@@ -269,6 +290,8 @@ SIGNATURES = {
     "swiglu_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :])",
     "swiglu_q_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :], "
                        "float32[:, :])",
+    "swiglu_qi_kernel": "void(float32[:, :], float32[:, :], float32[:], boolean, float32, float32[:, :], "
+                        "float32[:, :], uint32[:], float32[:])",
 }
 
 
@@ -338,9 +361,12 @@ def _check_plan(plan, n_tok, n_exp, top_k):
         raise ValueError(f"route: plan arrays must be int32 pairs [{top_k}], tiles [{top_k}, 3], n_tiles [1]")
 
 
-def swiglu(g, u, limit, weights=None, out=None, out_q=None, scratch=None, stream=0):
+def swiglu(g, u, limit, weights=None, out=None, out_q=None, im=None, scratch=None, stream=0):
     """g, u [n, F] float32 (BF16 GEMV outputs; strided views allowed), weights [n] (routed rows) -> out [n, F] BF16
-    values; with out_q [n, F] (F % 32 == 0) also out_q = act_quant_fp8(out) from the same kernel."""
+    values; with out_q [n, F] (F % 32 == 0) also out_q = act_quant_fp8(out) from the same kernel; with `im` (and
+    out_q) = (digits, pairs) of kernels.im_operand.im_stage_shapes(n, F) also out_q staged as the integer
+    tensor-core path's operand, the bits kernels.q4k_gemv.im_stage(out_q, quantize=False) writes (finite values), for
+    q4k_gemv(..., staged=im) (the shared expert's w2: its staging launch goes)."""
     shape = tuple(g.shape)
     if len(shape) != 2 or tuple(u.shape) != shape or g.dtype != np.float32 or u.dtype != np.float32:
         raise ValueError(f"swiglu: g {g.shape} and u {u.shape} must be float32 [n, F]")
@@ -354,12 +380,18 @@ def swiglu(g, u, limit, weights=None, out=None, out_q=None, scratch=None, stream
     if out_q is not None and (tuple(out_q.shape) != shape or out_q.dtype != np.float32 or shape[1] % QUANT_BLOCK):
         raise ValueError(f"swiglu: out_q must be float32 {list(shape)} with F % {QUANT_BLOCK} == 0, got "
                          f"{out_q.dtype} {tuple(out_q.shape)}")
+    if im is not None:
+        if out_q is None:
+            raise ValueError("swiglu: im needs out_q (it stages the quantised values)")
+        check_im_staged(im, shape[0], shape[1], "swiglu (im)")
     n = shape[0] * shape[1]
     if n:
         w = weights if has_w else _scratch(scratch, "no_weights", (1,), np.float32, stream)
         grid = (n + THREADS - 1) // THREADS
         if out_q is None:
             swiglu_kernel[grid, THREADS, stream](g, u, w, has_w, np.float32(limit), out)
-        else:
+        elif im is None:
             swiglu_q_kernel[grid, THREADS, stream](g, u, w, has_w, np.float32(limit), out, out_q)
+        else:
+            swiglu_qi_kernel[grid, THREADS, stream](g, u, w, has_w, np.float32(limit), out, out_q, *im)
     return out

@@ -2,14 +2,16 @@
 fused with its neighbours of a decode step (each fused form gives the bits of the chain of kernels it replaces).
 
 Owns:
-- `rms_norm`: out = rms_norm(x, w); with `out_q` also out_q = act_quant_fp8(out) (kernels.gemv) from the same kernel.
+- `rms_norm`: out = rms_norm(x, w); with `out_q` also out_q = act_quant_fp8(out) (kernels.gemv) from the same kernel,
+  with `im` also out_q staged as the integer tensor-core path's operand (below; the q latent's norm, for wq_b).
 - `hc_rms_norm`: out = rms_norm(hc_pre(h, pre), w) (kernels.hc.hc_pre's collapse, recomputed per element and never
   written), optionally with out_q as above: one launch where hc_pre, rms_norm and act_quant_fp8 took three. With `vq`
   it also stages out_q as kernels.vq_gemv's B operand (the halves and block scales vq_stage_kernel writes, bit for
   bit: kernels.vq_gemv.stage_lane_device on each warp's block of 32, stage_pad_device for the padded codewords), so
   the MoE's gate / up GEMV launches no staging kernel (the ffn norm of a layer; 4.9 us a launch on the H200). With
-  `im` too it stages out_q as the integer tensor-core path's operand (kernels.im_operand.im_stage_lane_device), so
-  that the shared expert's gate / up launches no q4k_im_stage either (4.8 us on the side stream, H100).
+  `im` (with or without `vq`) it stages out_q as the integer tensor-core path's operand
+  (kernels.im_operand.im_stage_lane_device), so that the q4_K GEMVs reading out_q launch no q4k_im_stage (the ffn
+  norm's for the shared expert's gate / up: 4.8 us on the side stream, H100; the attention norm's for wq_a and wkv).
 - `row_sumsq_words_device` / `row_scale_words_device`: a row's sum of squares / scale exactly as rms_norm_kernel
   forms them, from a block of any number of warps (the order played warp by warp): for a kernel that norms its
   input as it stages it (kernels.q4k_gemv's `norm`), so that no norm launch runs before it.
@@ -65,8 +67,9 @@ from kernels.warp import block_sum_f64_device, warp_tree_sum_device
 __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms_norm_q_kernel", "hc_rms_norm_kernel",
            "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
            "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel", "hc_rms_norm_qvi_kernel",
-           "hc_rms_norm_qvi_split_kernel",
-           "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device", "SIGNATURES"]
+           "hc_rms_norm_qvi_split_kernel", "rms_norm_qi_kernel", "rms_norm_qi_split_kernel", "hc_rms_norm_qi_kernel",
+           "hc_rms_norm_qi_split_kernel", "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device",
+           "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
@@ -194,11 +197,7 @@ def _store_x_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, 
 def _store_q_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
     """_store_x_elem_device and act_quant_fp8 of the stored value: every lane of the warp calls it with the 32
     contiguous elements of one quantisation block (D % 32 == 0: a warp's block is whole)."""
-    y = round_bf16_device(wv * (xv * scale))
-    q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))     # every lane: a warp-wide reduction
-    if j < d:
-        out[row, j] = y
-        out_q[row, j] = q
+    _store_quant_device(xv, wv, scale, row, j, d, out, out_q, ixd, ips, False)
 
 
 @inline_device
@@ -214,6 +213,28 @@ def _store_qvi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp
     ips: what kernels.q4k_gemv.im_stage(out_q, quantize=False) would write; kernels.im_operand.im_stage_lane_device)
     for a q4_K GEMV of the same input (the shared expert's gate / up)."""
     _store_staged_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips, True)
+
+
+@inline_device
+def _store_qi_elem_device(xv, wv, scale, row, j, d, out, out_q, xh, scl1, n_cwp, ixd, ips):
+    """_store_q_elem_device, and the quantised value staged as the integer tensor-core path's operand only (ixd,
+    ips; kernels.im_operand.im_stage_lane_device) for the q4_K GEMVs that read out_q: the attention norm's output
+    (wq_a, wkv), the q latent's (wq_b, the indexer's wq_b)."""
+    _store_quant_device(xv, wv, scale, row, j, d, out, out_q, ixd, ips, True)
+
+
+@inline_device
+def _store_quant_device(xv, wv, scale, row, j, d, out, out_q, ixd, ips, im):
+    """The quantising stores' one body without the VQ staging (`im`: a constant of the caller's, so that the integer
+    staging is compiled in or out)."""
+    y = round_bf16_device(wv * (xv * scale))
+    q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))     # every lane: a warp-wide reduction
+    if im:
+        lane = cuda.threadIdx.x % WARP
+        im_stage_lane_device(q, (row * d + j - lane) // QUANT_BLOCK, lane, j < d, ixd, ips)
+    if j < d:
+        out[row, j] = y
+        out_q[row, j] = q
 
 
 @inline_device
@@ -260,14 +281,15 @@ def _load_x_pass_device(x, pv, w, row, base, d, xs, ws):
 def _make_norm_kernel(hc_in, quant, vq=False, split=1, im=False):
     """The row kernel of rms_norm (x [T, D]) or hc_rms_norm (`hc_in`: h [T, 4, D] and pre [T, 4] collapsed per
     element), with act_quant_fp8 of the output into out_q (`quant`), with `vq` (quant only) also out_q staged as
-    the VQ GEMV's B operand, and with `im` (vq only) also as the integer tensor-core path's. Arguments (src, pre, w,
-    eps, out, out_q), with `vq` then (xh, scl1, n_cwp), with `im` then (ixd, ips); the forms without pre / out_q
+    the VQ GEMV's B operand, and with `im` (quant only) also as the integer tensor-core path's. Arguments (src, pre,
+    w, eps, out, out_q), with `vq` then (xh, scl1, n_cwp), with `im` then (ixd, ips); the forms without pre / out_q
     take and ignore a dummy. One body, the loads and stores chosen at build time."""
+    assert quant or not (vq or im), "the staged forms stage the quantised output"
     prep = _load_pre_device if hc_in else _no_pre_device
     load = _load_hc_pass_device if hc_in else _load_x_pass_device
     load_one = _load_hc_elem_device if hc_in else _load_x_elem_device
-    store = (_store_qvi_elem_device if im else _store_qv_elem_device if vq else _store_q_elem_device if quant
-             else _store_x_elem_device)
+    store = (_store_qvi_elem_device if im and vq else _store_qv_elem_device if vq else _store_qi_elem_device if im
+             else _store_q_elem_device if quant else _store_x_elem_device)
     pad = _stage_pad_device if vq else _no_pad_device
     jit = _row_jit()
 
@@ -303,11 +325,16 @@ def _make_norm_kernel(hc_in, quant, vq=False, split=1, im=False):
             if part == 0:
                 pad(row, d, xh, scl1, n_cwp)
 
-    if im:
+    if im and vq:
         @jit
         def rms_norm_row_kernel(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips):
             grid_entry_device()
             body(src, pre, w, eps, out, out_q, xh, scl1, n_cwp, ixd, ips)
+    elif im:
+        @jit
+        def rms_norm_row_kernel(src, pre, w, eps, out, out_q, ixd, ips):
+            grid_entry_device()
+            body(src, pre, w, eps, out, out_q, out_q, out_q, 0, ixd, ips)      # (xh, scl1, n_cwp: not read)
     elif vq:
         @jit
         def rms_norm_row_kernel(src, pre, w, eps, out, out_q, xh, scl1, n_cwp):
@@ -327,6 +354,8 @@ hc_rms_norm_kernel = _make_norm_kernel(True, False)        # of x = hc_pre(h, pr
 hc_rms_norm_q_kernel = _make_norm_kernel(True, True)
 hc_rms_norm_qv_kernel = _make_norm_kernel(True, True, vq=True)   # and out_q staged for kernels.vq_gemv
 hc_rms_norm_qvi_kernel = _make_norm_kernel(True, True, vq=True, im=True)   # and for the integer path
+rms_norm_qi_kernel = _make_norm_kernel(False, True, im=True)     # out_q staged for the integer path alone
+hc_rms_norm_qi_kernel = _make_norm_kernel(True, True, im=True)
 # the same, ELEMS blocks a row (r = blockIdx.x // ELEMS; one pass): the launchers' choice for a decode step's row
 # (_split); hc_rms_norm without out_q (no decode caller) keeps the one-block kernel
 rms_norm_split_kernel = _make_norm_kernel(False, False, split=ELEMS)
@@ -334,6 +363,8 @@ rms_norm_q_split_kernel = _make_norm_kernel(False, True, split=ELEMS)
 hc_rms_norm_q_split_kernel = _make_norm_kernel(True, True, split=ELEMS)
 hc_rms_norm_qv_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS)
 hc_rms_norm_qvi_split_kernel = _make_norm_kernel(True, True, vq=True, split=ELEMS, im=True)
+rms_norm_qi_split_kernel = _make_norm_kernel(False, True, split=ELEMS, im=True)
+hc_rms_norm_qi_split_kernel = _make_norm_kernel(True, True, split=ELEMS, im=True)
 
 
 def _make_rope_q_kernel():
@@ -388,10 +419,13 @@ _HC_SIG = "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:,
 _HCV_SIG = ("void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :], uint32[:], "
             "float32[:], int64)")
 _HCVI_SIG = _HCV_SIG[:-1] + ", uint32[:], float32[:])"
+_XI_SIG = _X_SIG[:-1] + ", uint32[:], float32[:])"
+_HCI_SIG = _HC_SIG[:-1] + ", uint32[:], float32[:])"
 for _s in ("", "_split"):
     SIGNATURES.update({f"rms_norm{_s}_kernel": _X_SIG, f"rms_norm_q{_s}_kernel": _X_SIG,
                        f"hc_rms_norm_q{_s}_kernel": _HC_SIG, f"hc_rms_norm_qv{_s}_kernel": _HCV_SIG,
-                       f"hc_rms_norm_qvi{_s}_kernel": _HCVI_SIG})
+                       f"hc_rms_norm_qvi{_s}_kernel": _HCVI_SIG, f"rms_norm_qi{_s}_kernel": _XI_SIG,
+                       f"hc_rms_norm_qi{_s}_kernel": _HCI_SIG})
 SIGNATURES["hc_rms_norm_kernel"] = _HC_SIG
 
 
@@ -410,7 +444,8 @@ def _split(n_rows, d):
 
 _SPLIT_FORMS = {rms_norm_kernel: rms_norm_split_kernel, rms_norm_q_kernel: rms_norm_q_split_kernel,
                 hc_rms_norm_q_kernel: hc_rms_norm_q_split_kernel, hc_rms_norm_qv_kernel: hc_rms_norm_qv_split_kernel,
-                hc_rms_norm_qvi_kernel: hc_rms_norm_qvi_split_kernel}
+                hc_rms_norm_qvi_kernel: hc_rms_norm_qvi_split_kernel, rms_norm_qi_kernel: rms_norm_qi_split_kernel,
+                hc_rms_norm_qi_kernel: hc_rms_norm_qi_split_kernel}
 
 
 def _launch(kernel, n_rows, d):
@@ -435,17 +470,25 @@ def _outputs(name, n_rows, d, w, out, out_q, stream):
     return out
 
 
-def rms_norm(x, w, eps, out=None, out_q=None, stream=0):
+def rms_norm(x, w, eps, out=None, out_q=None, im=None, stream=0):
     """x [T, D], w [D] (device or host float32 arrays) -> out [T, D]; with out_q [T, D] (D % 32 == 0) also
-    out_q = act_quant_fp8(out) from the same kernel."""
+    out_q = act_quant_fp8(out) from the same kernel. `im` = (digits, pairs) of kernels.im_operand.im_stage_shapes(T,
+    D) (with out_q): out_q also staged as the integer tensor-core path's operand, the bits
+    kernels.q4k_gemv.im_stage(out_q, quantize=False) writes (finite values), for q4k_gemv(..., staged=im) (the q
+    latent into wq_b and the indexer's wq_b: their staging launches go)."""
     if x.ndim != 2 or x.dtype != np.float32:
         raise ValueError(f"rms_norm: x must be float32 [T, D], got {x.dtype} {tuple(x.shape)}")
     n_rows, d = tuple(x.shape)
     out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
+    if im is not None:
+        if out_q is None:
+            raise ValueError("rms_norm: im needs out_q (it stages the quantised values)")
+        check_im_staged(im, n_rows, d, "rms_norm (im)")
     if n_rows and d:
-        kernel, blocks = _launch(rms_norm_kernel if out_q is None else rms_norm_q_kernel, n_rows, d)
+        kernel, blocks = _launch(rms_norm_kernel if out_q is None else rms_norm_q_kernel if im is None
+                                 else rms_norm_qi_kernel, n_rows, d)
         kernel[blocks, _threads(d), stream](x, w.reshape((1, d)), w, np.float32(eps), out,   # (pre: not read)
-                                            out if out_q is None else out_q)
+                                            out if out_q is None else out_q, *(() if im is None else im))
     return out
 
 
@@ -475,9 +518,10 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, im=None, stream=0
     (D % 32 == 0) also out_q = act_quant_fp8(out). The collapsed x is not written. `vq` = (halves, scales) of
     kernels.vq_gemv.stage_shapes(T, D) (with out_q): out_q also staged as the VQ GEMV's B operand, the bits
     vq_gemv.vq_stage(out_q, quantize=False) writes, for vq_gemv(..., staged=vq) (the MoE's w1 / w3 input: one
-    launch fewer). `im` = (digits, pairs) of kernels.im_operand.im_stage_shapes(T, D) (with vq): out_q also staged
-    as the integer tensor-core path's operand, the bits kernels.q4k_gemv.im_stage(out_q, quantize=False) writes
-    (finite values), for q4k_gemv(..., staged=im) (the shared expert's gate / up: one launch fewer)."""
+    launch fewer). `im` = (digits, pairs) of kernels.im_operand.im_stage_shapes(T, D) (with out_q, with or without
+    vq): out_q also staged as the integer tensor-core path's operand, the bits kernels.q4k_gemv.im_stage(out_q,
+    quantize=False) writes (finite values), for q4k_gemv(..., staged=im) (the ffn norm's for the shared expert's gate
+    / up, the attention norm's for wq_a and wkv: one launch fewer each)."""
     shape = tuple(h.shape)
     if len(shape) != 3 or shape[1] != HC or h.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: h must be float32 [T, {HC}, D], got {h.dtype} {shape}")
@@ -485,20 +529,21 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, im=None, stream=0
     if tuple(pre.shape) != (n_rows, HC) or pre.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
     out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
-    if im is not None and vq is None:
-        raise ValueError("hc_rms_norm: im needs vq (the one norm kernel that stages for the integer path stages "
-                         "for the VQ GEMV too)")
+    if im is not None:
+        if out_q is None:
+            raise ValueError("hc_rms_norm: im needs out_q (it stages the quantised values)")
+        check_im_staged(im, n_rows, d, "hc_rms_norm (im)")
     if vq is not None:
         if out_q is None:
             raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")
         check_staged(vq, n_rows, d, "hc_rms_norm")
-        if im is not None:
-            check_im_staged(im, n_rows, d, "hc_rms_norm (im)")
         if n_rows and d:
             kernel, blocks = _launch(hc_rms_norm_qv_kernel if im is None else hc_rms_norm_qvi_kernel, n_rows, d)
             kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out_q, *vq, padded_codewords(d),
                                                 *(() if im is None else im))
     elif n_rows and d:
-        kernel, blocks = _launch(hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel, n_rows, d)
-        kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q)
+        kernel, blocks = _launch(hc_rms_norm_kernel if out_q is None else hc_rms_norm_q_kernel if im is None
+                                 else hc_rms_norm_qi_kernel, n_rows, d)
+        kernel[blocks, _threads(d), stream](h, pre, w, np.float32(eps), out, out if out_q is None else out_q,
+                                            *(() if im is None else im))
     return out

@@ -54,6 +54,13 @@
 #   unfused_norm  the same, --split norm: the decode step's norms in one block a row again (the same session's)
 #   unfused_sh_stage  the same, --split sh_stage: the shared expert's gate / up input staged by its own launch on
 #             the side stream again, not by the ffn norm (the thirty-first session's)
+#   unfused_xq_stage  the same, --split xq_stage: wq_a's and wkv's input staged by their own launches again, not by
+#             the attention norm (the thirty-eighth session's)
+#   unfused_q_stage  the same, --split q_stage: the q latent staged for wq_b by its own launch again, not by the q
+#             latent's norm (the same session's)
+#   unfused_w2_stage  the same, --split w2_stage: the shared expert's w2 input staged by its own launch again, not by
+#             its SwiGLU (the same session's)
+#   unfused_stage38  the same, --split xq_stage,q_stage,w2_stage: the three together (not in the default list)
 #   priority  the same, graph only, with DS4_CUDA_PRIORITY=1: the main stream at the highest priority, the side
 #             stream at the lowest, captured into the graph's nodes (the twenty-ninth session's; not in the default
 #             list: name it, e.g. DS4_PARTS=decode,priority DS4_ROUNDS=3)
@@ -101,7 +108,7 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 UNFUSED=unfused,unfused_vq,unfused_wo_a,unfused_q_norm,unfused_combine,unfused_wo_b,unfused_route,unfused_norm,\
-unfused_sh_stage
+unfused_sh_stage,unfused_xq_stage,unfused_q_stage,unfused_w2_stage
 PARTS=${DS4_PARTS:-tests,decode,base,before,flags,$UNFUSED,vq,trace,engine,index}
 ROUNDS=${DS4_ROUNDS:-1}
 DS4_FLAGS=${DS4_FLAGS:-both}
@@ -219,7 +226,9 @@ fi
 for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfused_wo_a wo_a wo_a staging" \
         "unfused_q_norm q_norm q_norm" "unfused_combine combine MoE combine" "unfused_wo_b wo_b wo_b staging" \
         "unfused_route route router top-k" "unfused_norm norm one-block norms" \
-        "unfused_sh_stage sh_stage shared expert staging"; do
+        "unfused_sh_stage sh_stage shared expert staging" "unfused_xq_stage xq_stage wq_a / wkv staging" \
+        "unfused_q_stage q_stage wq_b staging" "unfused_w2_stage w2_stage shared w2 staging" \
+        "unfused_stage38 xq_stage,q_stage,w2_stage all three of those stagings"; do
     read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
     if want "$part"; then
         run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \

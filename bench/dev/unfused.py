@@ -1,7 +1,8 @@
 """Run bench/bench_v41_decode.py with fused launches split out again, for an A/B on one lease (the bits are the same
 either way, so the last greedy token must be too):
 
-    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|sh_stage|attn,vq,... \
+    python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|sh_stage|xq_stage|q_stage|\
+        w2_stage|attn,vq,... \
         --contexts 1024,65536 \
         --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
@@ -13,9 +14,10 @@ either way, so the last greedy token must be too):
   fusions, BENCHMARKS.md "Next device call").
 - `vq` (the twenty-fifth session's): the MoE's gate / up input staged by its own vq_stage launch again, not by the
   ffn norm (kernels.rms_norm.hc_rms_norm's `vq`, kernels.vq_gemv.vq_gemv's `staged`); the shared expert's staging
-  (`sh_stage`), which rides on the same norm kernel, goes with it.
+  (`sh_stage`), which rides on the same norm kernel, goes with it (as when this split was timed).
 - `wo_a` (the same session's): the attention output staged for wo_a's integer path by its own q4k_im_stage launch
-  again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`).
+  again, not by the combine kernel (kernels.attention.sparse_attention's `im_stage`, kernels.q4k_gemv's `staged`:
+  the backend's `_im_staging` gives no buffers).
 - `q_norm` (the twenty-sixth session's): the q latent normed by its own rms_norm launch again, not in the staging of
   wq_b (ds4lib.engine.backend_cuda.NORM_IN_STAGING off). Since the thirty-seventh session wq_b takes the integer path
   by default (kernels.q4k_gemv.IM_FP8_MIN_* = 0) and the norm is launched anyway: this split changes nothing unless
@@ -31,6 +33,13 @@ either way, so the last greedy token must be too):
 - `sh_stage` (the thirty-first session's): the shared expert's gate / up input staged for the integer path by its
   own q4k_im_stage launch on the side stream again, not by the ffn norm (ds4lib.engine.backend_cuda
   .STAGE_SHARED_IN_NORM off).
+- `xq_stage` (the thirty-eighth session's): wq_a's and wkv's integer-path input staged by their own q4k_im_stage
+  launches again (one on the main stream, one on the side stream), not by the attention norm
+  (ds4lib.engine.backend_cuda.STAGE_XQ_IN_NORM off).
+- `q_stage` (the same session's): the q latent staged for wq_b (and the indexer's wq_b) by their own launches again,
+  not by the q latent's norm (STAGE_Q_IN_NORM off).
+- `w2_stage` (the same session's): the shared expert's w2 input staged by its own launch again, not by its SwiGLU
+  (STAGE_W2_IN_SWIGLU off).
 """
 import argparse
 import runpy
@@ -43,7 +52,6 @@ sys.path.insert(0, str(ROOT))
 import ds4lib.engine.backend_cuda as backend_cuda  # noqa: E402
 import kernels.attention as attention  # noqa: E402
 import kernels.moe as moe  # noqa: E402
-import kernels.q4k_gemv as q4k_gemv  # noqa: E402
 import kernels.rms_norm as rms_norm  # noqa: E402
 import kernels.rope as rope  # noqa: E402
 import kernels.vq_gemv as vq_gemv  # noqa: E402
@@ -75,13 +83,13 @@ def _drop_argument(module, fname, keyword):
 
 def _split_vq():
     _drop_argument(rms_norm, "hc_rms_norm", "vq")
-    _split_sh_stage()                 # hc_rms_norm refuses `im` without `vq` (one kernel stages for both)
+    _split_sh_stage()                 # as timed then (hc_rms_norm took `im` only with `vq` until the 38th session)
     _drop_argument(vq_gemv, "vq_gemv", "staged")
 
 
 def _split_wo_a():
-    _drop_argument(attention, "sparse_attention", "im_stage")
-    _drop_argument(q4k_gemv, "q4k_gemv", "staged")
+    backend_cuda.CudaBackend._im_staging = lambda self, l, T: None    # no buffers: the combine stages nothing and
+                                                                      # wo_a launches its staging
 
 
 def _split_q_norm():
@@ -108,9 +116,22 @@ def _split_sh_stage():
     backend_cuda.STAGE_SHARED_IN_NORM = False
 
 
+def _split_xq_stage():
+    backend_cuda.STAGE_XQ_IN_NORM = False
+
+
+def _split_q_stage():
+    backend_cuda.STAGE_Q_IN_NORM = False
+
+
+def _split_w2_stage():
+    backend_cuda.STAGE_W2_IN_SWIGLU = False
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
           "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route,
-          "norm": _split_norm, "sh_stage": _split_sh_stage}
+          "norm": _split_norm, "sh_stage": _split_sh_stage, "xq_stage": _split_xq_stage, "q_stage": _split_q_stage,
+          "w2_stage": _split_w2_stage}
 
 
 def main(argv):

@@ -51,6 +51,14 @@ same. `CudaBackend.shared_expert_at` may fork the shared expert after the routin
 and `ffn_mixes_apart=False` puts the FFN's mixes on the side stream before the shared expert (the same bits again;
 the defaults were the fastest on an H100, BENCHMARKS.md, thirtieth session).
 
+Operands staged by their producers: a q4_K GEMV on the integer tensor-core path reads its input as digits and block
+pairs (kernels.im_operand), which a staging kernel writes unless the kernel that makes the input writes them as well
+(the same bits): the attention norm for wq_a and wkv (STAGE_XQ_IN_NORM), the q latent's norm for wq_b and the
+indexer's wq_b (STAGE_Q_IN_NORM), the attention's combine for wo_a, wo_a for wo_b (STAGE_WO_B), the ffn norm for the
+shared expert's gate / up (STAGE_SHARED_IN_NORM; with the routed experts' VQ operand), the shared expert's SwiGLU for
+its w2 (STAGE_W2_IN_SWIGLU). Each flag off launches that staging again (tests compare the bits; bench/dev/unfused.py
+times them).
+
 Semantics are ds4lib.ref.model's, with the per-query rules of docs/architecture.md §1.1, erratum E2 (window rows
 from the ring before the chunk and from the chunk itself, compressed rows s < (t+1)//ratio per query, the
 compressor's partial group carried across calls, window written after reading). Every kernel forms a token's result
@@ -109,6 +117,9 @@ COMBINE_IN_POST = True             # the MoE's combine formed in the ffn's hc_po
 STAGE_WO_B = True                  # wo_a stages wo_b's integer-path operands (`_output`; tests compare)
 STAGE_SHARED_IN_NORM = True        # the ffn norm stages the shared expert's gate / up operands (`_layer`; tests
                                    # compare)
+STAGE_XQ_IN_NORM = True            # the attention norm stages wq_a's and wkv's operands (`_layer`; tests compare)
+STAGE_Q_IN_NORM = True             # the q latent's norm stages its readers' operands (`_query`; tests compare)
+STAGE_W2_IN_SWIGLU = True          # the shared expert's SwiGLU stages w2's operands (`_shared_expert`; tests compare)
 
 
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
@@ -1082,7 +1093,8 @@ class CudaBackend:
                   stream=self.side)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
         x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
-        rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, stream=s)
+        a_im = self._xq_im_staging(l, T) if attend is None else None
+        rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, im=a_im, stream=s)
         self._fork()                                     # after the collapse: it has the GPU to itself
 
         def mixes_a():
@@ -1091,7 +1103,7 @@ class CudaBackend:
             mixes_a()
             y = attend(x)
         else:
-            y = self._attention(l, st, c, x, xq, observer, beside=mixes_a)
+            y = self._attention(l, st, c, x, xq, observer, beside=mixes_a, xq_im=a_im)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         self._join()
@@ -1128,19 +1140,19 @@ class CudaBackend:
             observer(l, "block_pre", c.pre.copy_to_host())
 
     # ------------------------------------------------------------------ attention
-    def _attention(self, l, st, c, x, xq, observer, beside=None):
-        """The layer's attention over x [T, D] (xq: its act_quant_fp8 values): the projections over all T rows at
-        once; what reads or writes a session's state (window ring, compressor, indexer, sparse attention) per
-        session, over its own rows (a batched decode step: one row of each session in c.rows). `beside()`
-        (launches of the caller's, between its `_fork` and `_join`) goes on the side stream after the side
-        stream's share of the attention, once the main stream has joined that share: the attention does not wait
-        for it."""
+    def _attention(self, l, st, c, x, xq, observer, beside=None, xq_im=None):
+        """The layer's attention over x [T, D] (xq: its act_quant_fp8 values; `xq_im`: xq as wq_a's and wkv's
+        integer-path operands, written by the norm: `_xq_im_staging`): the projections over all T rows at once;
+        what reads or writes a session's state (window ring, compressor, indexer, sparse attention) per session,
+        over its own rows (a batched decode step: one row of each session in c.rows). `beside()` (launches of the
+        caller's, between its `_fork` and `_join`) goes on the side stream after the side stream's share of the
+        attention, once the main stream has joined that share: the attention does not wait for it."""
         cfg = self.cfg
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         # beside the query path, on the side stream after the sub-layer's mixes: the window key and, for one
         # session's rows, its window rows and the compressor (they read x and xq only; the indexer needs the query
         # latent)
-        kvq = self._window_kv(l, c, xq, side=True)
+        kvq = self._window_kv(l, c, xq, side=True, staged=xq_im)
         win_idx = wts = None
         if c.rows is None:
             win_idx = self._window_rows(l, st, c, kvq, side=True)
@@ -1148,7 +1160,7 @@ class CudaBackend:
                 self._compressor(l, st, c, x, side=True)
             if self.roles[l].ratio and self.roles[l].owns_indexer:     # the indexer's head weights read x only
                 wts = self._index_weights(l, x, side=True)
-        xq, qr, q3 = self._query(l, c, x, xq)
+        xq, qr, q3 = self._query(l, c, x, xq, staged=xq_im)
         self._prefetch("wo", l, ("attn.wo_a.weight", "attn.wo_b.weight"))
         self._join()
         if beside is not None:
@@ -1162,7 +1174,8 @@ class CudaBackend:
             o = self._buf("attn_o_rows", (T, H, dh))
             for b, (st_b, c_b) in enumerate(c.rows):
                 r = slice(b, b + 1)
-                self._attend_session(l, st_b, c_b, x[r], xq[r], (qr[0][r], qr[1]), q3[r], kvq[r], o[r], observer)
+                self._attend_session(l, st_b, c_b, x[r], xq[r], (qr[0][r], qr[1], None), q3[r], kvq[r], o[r],
+                                     observer)
         return self._output(l, c, o, staged=staged)
 
     def _im_staging(self, l, T):
@@ -1174,13 +1187,33 @@ class CudaBackend:
             return None
         return self._bufs("attn_o_im", im_operand.im_stage_shapes(T, kx))
 
+    def _xq_im_staging(self, l, T):
+        """Buffers for the attention norm's FP8 output [T, D] staged as wq_a's and wkv's integer-path operands when
+        either takes that path (kernels.q4k_gemv.im_path for FP8 input: by default every q4_K shape), else None (or
+        with STAGE_XQ_IN_NORM off): the norm writes them and those GEMVs launch no staging (`_staged_for` gives them
+        to each that takes the path). The side stream (wkv) reads them between the fork and the join; the next
+        layer's attention norm writes them after the join."""
+        w = self.L[l]
+        if not (STAGE_XQ_IN_NORM and any(self._im_fp8(w[n]) for n in ("attn.wq_a.weight", "attn.wkv.weight"))):
+            return None
+        return self._bufs("x_attn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
+
+    @staticmethod
+    def _im_fp8(lin):
+        """Whether a linear of FP8-valued input takes the integer path (kernels.q4k_gemv.im_path; q4_K only)."""
+        return q4k_gemv.im_path(lin.kind, lin.rows, lin.k, quantize=False, fp8_input=True)
+
+    def _staged_for(self, lin, staged):
+        """`staged` where lin takes the integer path for FP8 input (`_im_fp8`), else None (its GEMV then stages
+        nothing or takes another path)."""
+        return staged if staged is not None and self._im_fp8(lin) else None
+
     def _shared_im_staging(self, l, T):
         """Buffers for the ffn norm's FP8 output [T, D] staged as the shared expert's gate / up operands when that
         GEMV takes the integer path (kernels.q4k_gemv.im_path for FP8 input: by default every shape), else None (or
         with STAGE_SHARED_IN_NORM off): the norm writes them and the GEMV launches no staging. The side stream reads
         them between the fork and the join; the next layer's norm writes them after the join."""
-        lin = self.L[l][SHARED_W13]
-        if not (STAGE_SHARED_IN_NORM and q4k_gemv.im_path(lin.kind, lin.rows, lin.k, quantize=False, fp8_input=True)):
+        if not (STAGE_SHARED_IN_NORM and self._im_fp8(self.L[l][SHARED_W13])):
             return None
         return self._bufs("x_ffn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
 
@@ -1214,50 +1247,58 @@ class CudaBackend:
         return self._attend(l, q3, buf[:W + T], win_idx, cmp_keys, cmp_idx, c.pos, out=out,
                             window=(kvq, c.pos, buf[:W], st.ring_pos[l]), im_stage=im_stage)
 
-    def _query(self, l, c, x, xq=None):
-        """x [T, D] (xq: its FP8 values, or None to quantise here) -> (FP8 x, q latent, queries [T, H, Dh]) (ref
-        attention.query_path, but for the queries' RoPE: `_attend` has the score kernel rotate them). The q latent
-        (`_latent`'s argument) is the q_norm's input with its weight, normed in the staging of each GEMV that reads
-        it where every reader of the layer takes kernels.q4k_gemv.norm_path (no norm launch), else the FP8 values of
-        the normed latent. With kernels.q4k_gemv's default IM_FP8_MIN_* no reader does (wq_b takes the integer path:
-        BENCHMARKS.md, thirty-seventh session), so every layer launches the norm; raised (probes), V4.1's 32 layers
-        without an indexer, whose wq_b alone reads the latent, norm it in wq_b's staging."""
+    def _query(self, l, c, x, xq=None, staged=None):
+        """x [T, D] (xq: its FP8 values, or None to quantise here; `staged`: xq's integer-path operands from the norm,
+        `_xq_im_staging`) -> (FP8 x, q latent, queries [T, H, Dh]) (ref attention.query_path, but for the queries'
+        RoPE: `_attend` has the score kernel rotate them). The q latent (`_latent`'s argument) is the q_norm's input
+        with its weight, normed in the staging of each GEMV that reads it where every reader of the layer takes
+        kernels.q4k_gemv.norm_path (no norm launch), else the FP8 values of the normed latent, with their
+        integer-path operands where a reader takes that path (the norm stages them: STAGE_Q_IN_NORM). With
+        kernels.q4k_gemv's default IM_FP8_MIN_* no reader takes norm_path (wq_b takes the integer path:
+        BENCHMARKS.md, thirty-seventh session), so every layer launches the norm, which stages wq_b's operands;
+        raised (probes), V4.1's 32 layers without an indexer, whose wq_b alone reads the latent, norm it in wq_b's
+        staging."""
         cfg, s, w = self.cfg, self.stream, self.L[l]
         T, H, dh = c.T, cfg.n_heads, cfg.head_dim
         if xq is None:
-            xq = self._aq8(x, "x_attn_q")
-        qa = self._linear(xq, w["attn.wq_a.weight"], quantize=False, fp8=True,
-                          out=self._buf("qa", (T, cfg.q_lora_rank)))
+            xq, staged = self._aq8(x, "x_attn_q"), None
+        wq_a = w["attn.wq_a.weight"]
+        qa = self._linear(xq, wq_a, quantize=False, fp8=True, out=self._buf("qa", (T, cfg.q_lora_rank)),
+                          staged=self._staged_for(wq_a, staged))
         readers = [w["attn.wq_b.weight"]]
         if self.roles[l].ratio and self.roles[l].owns_indexer:
             readers.append(w["attn.indexer.wq_b.weight"])
         if NORM_IN_STAGING and all(q4k_gemv.norm_path(lin.kind, lin.rows, lin.k) for lin in readers):
-            qr = (qa, w["attn.q_norm.weight"])
+            qr = (qa, w["attn.q_norm.weight"], None)
         else:
             qrq = self._buf("qr_q", (T, cfg.q_lora_rank))         # only the FP8 values of the normed latent are read
+            q_im = None
+            if STAGE_Q_IN_NORM and any(self._im_fp8(lin) for lin in readers):
+                q_im = self._bufs("qr_im", im_operand.im_stage_shapes(T, cfg.q_lora_rank))
             rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
-                              out_q=qrq, stream=s)
-            qr = (qrq, None)
+                              out_q=qrq, im=q_im, stream=s)
+            qr = (qrq, None, q_im)
         q = self._latent(qr, w["attn.wq_b.weight"], out=self._buf("q", (T, H * dh)))
         return xq, qr, q.reshape(T, H, dh)
 
     def _latent(self, qr, lin, out):
-        """A linear of the normed q latent: qr = (q_norm's input, its weight) from `_query` (the GEMV norms it in its
-        staging: kernels.q4k_gemv's `norm`) or (its FP8 values, None)."""
-        x, nw = qr
+        """A linear of the normed q latent: qr = (q_norm's input, its weight, None) from `_query` (the GEMV norms it in
+        its staging: kernels.q4k_gemv's `norm`) or (its FP8 values, None, their integer-path operands or None)."""
+        x, nw, q_im = qr
         if nw is None:
-            return self._linear(x, lin, quantize=False, fp8=True, out=out)
+            return self._linear(x, lin, quantize=False, fp8=True, out=out, staged=self._staged_for(lin, q_im))
         return q4k_gemv.q4k_gemv(x, lin.w, kind=lin.kind, quantize=True, out=out, scratch=self.scr, stream=self.stream,
                                  norm=(nw, self.cfg.norm_eps))
 
-    def _window_kv(self, l, c, xq, side=False):
+    def _window_kv(self, l, c, xq, side=False, staged=None):
         """FP8 x [T, D] -> the window rows' FP8-valued keys [T, Dh] (ref attention.window_kv); `side`: on the side
-        stream (between `_fork` and `_join`)."""
+        stream (between `_fork` and `_join`); `staged`: xq's integer-path operands (`_xq_im_staging`)."""
         cfg, s, w = self.cfg, (self.side if side else self.stream), self.L[l]
         T, dh = c.T, cfg.head_dim
         cos, sin = self._rope[self.roles[l].yarn]
-        kv = self._linear(xq, w["attn.wkv.weight"], quantize=False, fp8=True, out=self._buf("kv", (T, dh)),
-                          side=side)
+        wkv = w["attn.wkv.weight"]
+        kv = self._linear(xq, wkv, quantize=False, fp8=True, out=self._buf("kv", (T, dh)), side=side,
+                          staged=self._staged_for(wkv, staged))
         kvq = self._buf("kvq", (T, dh))
         rms_norm.rms_norm_rope_q(kv, w["attn.kv_norm.weight"], cfg.norm_eps, c.pos, cos, sin,
                                  self._buf("kvn", (T, dh)), kvq, stream=s)
@@ -1457,11 +1498,14 @@ class CudaBackend:
         cfg, w, F = self.cfg, self.L[l], self.cfg.moe_inter_dim
         gu = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=side,
                           staged=staged)
-        a_q = self._buf("sh_aq", (T, F))
-        moe.swiglu(gu[:, :F], gu[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q,
+        a_q, w2 = self._buf("sh_aq", (T, F)), w["ffn.shared_experts.w2.weight"]
+        a_im = None                                   # w2's integer-path operands, staged by the SwiGLU
+        if STAGE_W2_IN_SWIGLU and self._im_fp8(w2):
+            a_im = self._bufs("sh_a_im", im_operand.im_stage_shapes(T, F))
+        moe.swiglu(gu[:, :F], gu[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q, im=a_im,
                    scratch=self.scr_side if side else self.scr, stream=self.side if side else self.stream)
-        return self._linear(a_q, w["ffn.shared_experts.w2.weight"], quantize=False, fp8=True,
-                            out=self._buf("sh_y", (T, cfg.dim)), side=side)
+        return self._linear(a_q, w2, quantize=False, fp8=True, out=self._buf("sh_y", (T, cfg.dim)), side=side,
+                            staged=a_im)
 
     # ------------------------------------------------------------------ host side
     def to_host(self, logits):

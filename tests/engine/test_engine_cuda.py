@@ -92,11 +92,11 @@ def _fused_then_launched(monkeypatch, cuda, spies, flags):
     calls = []
     want = {}
     for module, fname, per_step in spies:
-        def spy(*a, _real=getattr(module, fname), _keys=tuple(per_step), **kw):
-            calls.extend(k for k in _keys if kw.get(k) is not None)
+        def spy(*a, _real=getattr(module, fname), _keys=tuple(per_step), _f=fname, **kw):
+            calls.extend((_f, k) for k in _keys if kw.get(k) is not None)
             return _real(*a, **kw)
         monkeypatch.setattr(module, fname, spy)
-        want.update({k: len(PROMPT) * n for k, n in per_step.items()})
+        want.update({(fname, k): len(PROMPT) * n for k, n in per_step.items()})
     fused = cuda.logits(PROMPT, split=0)
     assert all(calls.count(k) >= n for k, n in want.items()), ({k: calls.count(k) for k in want}, want)
     for flag in flags:
@@ -164,44 +164,58 @@ def test_micro_chunk_scratch_counts_the_path_each_fp8_gemv_takes(micro_q256, mon
 
 @pytest.fixture(scope="module")
 def micro_d256(tmp_path_factory):
-    """The micro model at D = 256, whose shared expert's gate / up (64 x 256) is q4_K rows of one super-block (the
-    micro model's D = 32 stores it otherwise); the CUDA engine only."""
+    """The micro model at D = 256 with a q rank and an expert width of 256, whose q4_K GEMVs of FP8-valued input are
+    rows of one super-block (the micro model's 32 stores them otherwise): wq_a, wkv, wq_b, the shared expert's gate
+    / up and w2; the CUDA engine only."""
     from ds4lib.quant.base_file import quantize_checkpoint
     from ds4lib.synth import write_random_checkpoint
     root = tmp_path_factory.mktemp("micro_d256")
-    ckpt = write_random_checkpoint(root / "ckpt", micro_config().replace(dim=256), seed=2)
+    ckpt = write_random_checkpoint(root / "ckpt", micro_config().replace(dim=256, q_lora_rank=256, moe_inter_dim=256),
+                                   seed=2)
     quantize_checkpoint(checkpoint=ckpt, out=root / "base.gguf", bits_plan="1", rounds=1, progress=False)
     return Engine(root / "base.gguf", engram_dir=ckpt, tokenizer_path=TOKENIZER, backend="cuda")
 
 
+STAGED_READERS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.wq_b.weight", "ffn.shared_experts.w13",
+                  "ffn.shared_experts.w2.weight")           # (w13: ds4lib.engine.cuda_weights.SHARED_W13)
+
+
 @pytest.mark.slow
-def test_micro_ffn_norm_stages_the_shared_experts_integer_operands(micro_d256, monkeypatch):
-    """The shared expert's gate / up takes the integer path (by default, as every FP8-grid q4_K GEMV does:
-    kernels.q4k_gemv.IM_FP8_MIN_* = 0; put back on q4k_mma, it gets no staging buffers), so the ffn norm stages its
-    operands (`hc_rms_norm(im=)`) and the GEMV launches no staging: two decode steps give the bits of the engine with
-    the staging launched (STAGE_SHARED_IN_NORM off)."""
+def test_micro_producers_stage_the_integer_operands(micro_d256, monkeypatch):
+    """Every q4_K GEMV of FP8-valued input takes the integer path (by default: kernels.q4k_gemv.IM_FP8_MIN_* = 0; put
+    back on q4k_mma, none gets staging buffers), and the kernel that makes each input stages its operands: the
+    attention norm wq_a's and wkv's (`hc_rms_norm(im=)` without vq), the q latent's norm wq_b's (`rms_norm(im=)`),
+    the ffn norm the shared expert's gate / up (with vq), its SwiGLU w2's (`swiglu(im=)`); no staging is launched.
+    Two decode steps give the bits of the engine with those stagings launched (STAGE_XQ_IN_NORM, STAGE_Q_IN_NORM,
+    STAGE_SHARED_IN_NORM and STAGE_W2_IN_SWIGLU off)."""
+    import kernels.moe as moe
     import kernels.q4k_gemv as qk
     import kernels.rms_norm as rn
-    from ds4lib.engine.cuda_weights import SHARED_W13
     from tests.kernels.conftest import put_fp8_on_mma
     cuda = micro_d256
-    lins = [cuda.backend.L[l][SHARED_W13] for l in range(cuda.cfg.n_layers)]
-    on_im = lambda: [qk.im_path(x.kind, x.rows, x.k, quantize=False, fp8_input=True) for x in lins]   # noqa: E731
-    assert lins[0].kind == "q4_K" and all(on_im())
+    n_l = cuda.cfg.n_layers
+    be = cuda.backend
+    lins = {n: [be.L[l][n] for l in range(n_l)] for n in STAGED_READERS}
+    on_im = lambda: {n: [be._im_fp8(x) for x in xs] for n, xs in lins.items()}   # noqa: E731
+    assert all(x.kind == "q4_K" for xs in lins.values() for x in xs)
+    assert all(all(v) for v in on_im().values()), on_im()
     with monkeypatch.context() as m:
         put_fp8_on_mma(m)
-        assert not any(on_im()) and cuda.backend._shared_im_staging(0, 1) is None
-    assert all(on_im())
-    staged, real, ws = [], qk.q4k_gemv, {id(x.w) for x in lins}
+        assert not any(any(v) for v in on_im().values())
+        assert be._shared_im_staging(0, 1) is None and be._xq_im_staging(0, 1) is None
+    staged, real, names = [], qk.q4k_gemv, {id(x.w): n for n, xs in lins.items() for x in xs}
 
-    def q4k_gemv(x, w, **kw):                     # whether each shared gate / up GEMV was given its operands
-        if id(w) in ws:
-            staged.append(kw.get("staged") is not None)
+    def q4k_gemv(x, w, **kw):                     # whether each reader's GEMV was given its operands
+        if id(w) in names:
+            staged.append((names[id(w)], kw.get("staged") is not None))
         return real(x, w, **kw)
     monkeypatch.setattr(qk, "q4k_gemv", q4k_gemv)
-    _fused_then_launched(monkeypatch, cuda, [(rn, "hc_rms_norm", {"im": cuda.cfg.n_layers})],
-                         ("STAGE_SHARED_IN_NORM",))
-    assert staged[0] and not staged[-1] and staged == sorted(staged, reverse=True)   # fused calls, then launched
+    _fused_then_launched(monkeypatch, cuda, [(rn, "hc_rms_norm", {"im": 2 * n_l}), (rn, "rms_norm", {"im": n_l}),
+                                             (moe, "swiglu", {"im": n_l})],
+                         ("STAGE_XQ_IN_NORM", "STAGE_Q_IN_NORM", "STAGE_SHARED_IN_NORM", "STAGE_W2_IN_SWIGLU"))
+    half = len(staged) // 2                       # fused calls, then launched
+    assert sorted({n for n, _ in staged}) == sorted(STAGED_READERS)
+    assert all(g for _, g in staged[:half]) and not any(g for _, g in staged[half:]), staged
 
 
 def test_micro_graph_keep_holds_every_scratch_dict(micro):

@@ -94,6 +94,34 @@ def test_swiglu_with_out_q_is_swiglu_then_act_quant(cuda_ready, n, F, routed):
     assert not np.array_equal(want_q, want)                          # the quantiser did something
 
 
+@pytest.mark.parametrize("n,F", [(1, 64), (3, 96), (2, 1024)])
+def test_swiglu_stages_the_integer_operand_as_im_stage(cuda_ready, n, F):
+    """`im=` (the shared expert's SwiGLU, for w2): out and out_q bit-equal to swiglu with out_q alone, and the
+    integer path's digits and (p, sum) pairs bit-equal to kernels.q4k_gemv.im_stage of out_q (quantize=False), the
+    launch it replaces, into arrays of all-ones words (an unwritten word shows); g and u strided halves of one GEMV
+    output, a zero block and rows of wide dynamic range included."""
+    from tests.kernels.filled import filled
+    from kernels.im_operand import im_stage_shapes
+    from kernels.moe import swiglu
+    from kernels.q4k_gemv import im_stage
+    rng = np.random.default_rng(n * 100 + F)
+    gu = round_bf16(rng.standard_normal((n, 2 * F)) * np.exp2(rng.integers(-14, 4, (n, 2 * F))))
+    gu[0, 32:64] = 0.0
+    d_gu = cuda_ready.to_device(gu)
+    g, u = d_gu[:, :F], d_gu[:, F:]
+    outs = [cuda_ready.device_array((n, F), np.float32) for _ in range(4)]
+    swiglu(g, u, CFG.swiglu_limit, out=outs[0], out_q=outs[1])
+    got_im = filled(cuda_ready, im_stage_shapes(n, F), 0xFFFFFFFF)
+    swiglu(g, u, CFG.swiglu_limit, out=outs[2], out_q=outs[3], im=got_im)
+    want_im = im_stage(outs[1], quantize=False, out=filled(cuda_ready, im_stage_shapes(n, F), 0x7F7F7F7F))
+    for i in (0, 1):
+        np.testing.assert_array_equal(_bits(outs[i + 2].copy_to_host()), _bits(outs[i].copy_to_host()))
+    for gi, e in zip(got_im, want_im):
+        np.testing.assert_array_equal(gi.copy_to_host().view(np.uint32), e.copy_to_host().view(np.uint32))
+    pairs = want_im[1].copy_to_host()
+    assert np.isfinite(pairs).all() and (pairs[1::2] != 0).any() and (pairs[1::2] == 0).any()
+
+
 @pytest.mark.parametrize("E,K", [(CFG.n_routed_experts, CFG.n_activated_experts),
                                  (40, 16),                             # K_MAX, ragged experts
                                  (160, 6)])                            # 5 experts a lane
@@ -162,6 +190,7 @@ def test_route_in_the_gate_gemv_equals_gemv_then_route(cuda_ready, monkeypatch, 
 
 def test_fused_moe_steps_refuse_bad_arguments(cuda_ready):
     """Checked before any launch."""
+    from kernels.im_operand import im_stage_shapes
     from kernels.moe import route, swiglu
     from kernels.vq_gemv import vq_plan
     f32 = lambda *s: np.zeros(s, np.float32)                        # noqa: E731
@@ -173,6 +202,13 @@ def test_fused_moe_steps_refuse_bad_arguments(cuda_ready):
         swiglu(f32(2, 64), f32(2, 64), 10.0, out_q=np.zeros((2, 64)))   # out_q dtype
     with pytest.raises(ValueError):
         swiglu(f32(2, 64), f32(2, 32), 10.0)                         # u shape
+    im = tuple(np.zeros(sh, dt) for sh, dt in im_stage_shapes(2, 64))
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 64), f32(2, 64), 10.0, im=im)                  # im without out_q
+    with pytest.raises(ValueError):
+        swiglu(f32(2, 64), f32(2, 64), 10.0, out_q=f32(2, 64), im=im[::-1])          # im's arrays swapped
+    with pytest.raises(ValueError):
+        swiglu(f32(1, 64), f32(1, 64), 10.0, out_q=f32(1, 64), im=im)                # im for two rows
     E, K, D = 16, 4, 64
     gate, bias = np.zeros((E, D), np.uint16), f32(E)
     plan = vq_plan(cuda_ready.to_device(np.arange(2 * K, dtype=np.int32).reshape(2, K)), E)

@@ -289,12 +289,43 @@ def test_hc_rms_norm_stages_the_integer_operand_as_im_stage(cuda_ready, T, D):
     assert np.isfinite(pairs).all() and (pairs[1::2] != 0).any()        # real blocks: finite p, nonzero sums
 
 
+@pytest.mark.parametrize("T,D", [(3, 96), (1, 512), (2, 1056)])
+def test_norms_stage_the_integer_operand_alone_as_im_stage(cuda_ready, T, D):
+    """`im=` without vq (rms_norm: the q latent's norm; hc_rms_norm: the attention norm): out and out_q bit-equal
+    to the norm without it, and the integer path's digits and (p, sum) pairs bit-equal to kernels.q4k_gemv.im_stage
+    of out_q (quantize=False), the launch it replaces, into arrays of all-ones words (an unwritten word shows); one
+    block a row (T > 1) and the split kernels (T = 1). Rows of wide dynamic range and a zero block included."""
+    from kernels.im_operand import im_stage_shapes
+    from kernels.q4k_gemv import im_stage
+    from kernels.rms_norm import hc_rms_norm, rms_norm
+    rng = np.random.default_rng(70 + D)
+    h, pre, w = _hc_case(rng, T, D)
+    x = round_bf16(rng.standard_normal((T, D)) * np.exp2(rng.integers(-12, 6, (T, D))))
+    x[0, 32:64] = 0.0
+    d_h, d_pre, d_w, d_x = (cuda_ready.to_device(a) for a in (h, pre, w, x))
+    for name, norm in (("rms_norm", lambda **kw: rms_norm(d_x, d_w, 1e-6, **kw)),
+                       ("hc_rms_norm", lambda **kw: hc_rms_norm(d_h, d_pre, d_w, 1e-6, **kw))):
+        outs = [cuda_ready.device_array((T, D), np.float32) for _ in range(4)]
+        got_im = filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF)
+        norm(out=outs[0], out_q=outs[1])
+        norm(out=outs[2], out_q=outs[3], im=got_im)
+        want_im = im_stage(outs[1], quantize=False, out=filled(cuda_ready, im_stage_shapes(T, D), 0x7F7F7F7F))
+        for i in (0, 1):
+            np.testing.assert_array_equal(_bits(outs[i + 2].copy_to_host()), _bits(outs[i].copy_to_host()),
+                                          err_msg=name)
+        for g, e in zip(got_im, want_im):
+            np.testing.assert_array_equal(g.copy_to_host().view(np.uint32), e.copy_to_host().view(np.uint32),
+                                          err_msg=name)
+        pairs = want_im[1].copy_to_host()
+        assert np.isfinite(pairs).all() and (pairs[1::2] != 0).any(), name   # real blocks: finite p, nonzero sums
+
+
 @pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
 def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
     """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share
-    of the elements: every output of the five split forms (out, out_q, the VQ staging with its padded codewords, the
-    integer path's staging) equals the one-block kernels', into outputs filled with NaN or all-ones words so that an
-    element no block stores shows (hc_rms_norm without out_q keeps one block)."""
+    of the elements: every output of the seven split forms (out, out_q, the VQ staging with its padded codewords, the
+    integer path's staging with or without the VQ's) equals the one-block kernels', into outputs filled with NaN or
+    all-ones words so that an element no block stores shows (hc_rms_norm without out_q keeps one block)."""
     import kernels.rms_norm as rn
     from kernels.im_operand import im_stage_shapes
     rng = np.random.default_rng(50 + D)
@@ -305,16 +336,18 @@ def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, 
     def run(rows_max):
         monkeypatch.setattr(rn, "SPLIT_ROWS_MAX", rows_max)
         assert rn._split(T, D) == (rn.ELEMS if rows_max else 1)
-        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(8)]
+        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(12)]
         vq, vq2 = _staged(cuda_ready, T, D, 0xFFFFFFFF), _staged(cuda_ready, T, D, 0xFFFFFFFF)
-        im = filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF)
+        im, im2, im3 = (filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF) for _ in range(3))
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[0])
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[1], out_q=outs[2])
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[3])
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[4], out_q=outs[5], vq=vq)
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[6], out_q=outs[7], vq=vq2, im=im)
+        rn.rms_norm(d_x, d_w, 1e-6, out=outs[8], out_q=outs[9], im=im2)
+        rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[10], out_q=outs[11], im=im3)
         return [o.copy_to_host().view(np.uint32) for o in outs] + [a.copy_to_host().view(np.uint32)
-                                                                   for a in vq + vq2 + im]
+                                                                   for a in vq + vq2 + im + im2 + im3]
     want, got = run(0), run(T)
     for i, (g, e) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(g, e, err_msg=f"output {i}")
@@ -342,8 +375,12 @@ def test_fused_rms_norms_refuse_bad_arguments():
                             vq=_host_staged(1, 96)),                                       # vq for one row
         lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
                             vq=_host_staged(2, 96)[::-1]),                                 # vq's arrays swapped
+        lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, im=_host_im(2, 96)),      # im without out_q
         lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96),
-                            im=_host_im(2, 96)),                                           # im without vq
+                            im=_host_im(1, 96)),                                           # im for one row
+        lambda: rms_norm(f32(2, 96), f32(96), 1e-6, im=_host_im(2, 96)),               # im without out_q
+        lambda: rms_norm(f32(2, 96), f32(96), 1e-6, out_q=f32(2, 96), im=_host_im(2, 64)),     # im for D = 64
+        lambda: rms_norm(f32(2, 96), f32(96), 1e-6, out_q=f32(2, 96), im=_host_im(2, 96)[::-1]),   # swapped
         lambda: hc_rms_norm(f32(2, 4, 96), f32(2, 4), f32(96), 1e-6, out_q=f32(2, 96), vq=_host_staged(2, 96),
                             im=_host_im(1, 96)),                                           # im for one row
     ]
