@@ -12,6 +12,7 @@ tests/kernels; the group is placed as one file of their summed seconds.
 
     python -m tests.shards DURLOG > tests/shard_weights.tsv   # the table from a per-test log (bench/pytest_durlog.py)
 """
+import math
 import sys
 from pathlib import Path
 
@@ -61,14 +62,18 @@ def ptx_groups(files, root: Path = ROOT) -> dict[str, str]:
 def assign(files, n: int, weights: dict[str, float], together: dict[str, str] | None = None) -> dict[str, int]:
     """{file: shard} for n shards: the longest unit first onto the least loaded shard (ties: the lower shard; units
     of equal weight in name order), so every process given the same files gets the same answer. A unit is a file,
-    or a file f and every file that `together` ({file: f}) sends with it, weighing their sum."""
+    or a file f and every file that `together` ({file: f}) sends with it, weighing their sum (math.fsum: exactly
+    rounded, so the same in any order). Each shard's process computes this on its own: a sum that followed a set's
+    iteration order differed by an ulp between processes with different hash seeds, the greedy loads came out
+    within an ulp of each other, and the shards disagreed, running some files twice and others not at all
+    (thirty-eighth session: 188 of 1,163 tests in no shard)."""
     together = together or {}
-    files = set(files)
+    present = set(files)
     units = {}
-    for f in files:
+    for f in sorted(present):                   # never in a set's order: that follows the process's hash seed
         lead = together.get(f, f)
-        units.setdefault(lead if lead in files else f, []).append(f)
-    weight = {u: sum(weights.get(f, DEFAULT_SECONDS) for f in members) for u, members in units.items()}
+        units.setdefault(lead if lead in present else f, []).append(f)
+    weight = {u: math.fsum(weights.get(f, DEFAULT_SECONDS) for f in members) for u, members in units.items()}
     load = [0.0] * n
     out = {}
     for u in sorted(units, key=lambda u: (-weight[u], u)):

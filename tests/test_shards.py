@@ -77,6 +77,36 @@ def _collected(shard, files):
     return {line for line in r.stdout.splitlines() if re.match(r"tests/.+::", line)}
 
 
+_SEEDED = """
+import json, sys
+from tests import shards
+files, weights, together = json.loads(sys.stdin.read())
+print(json.dumps(shards.assign(files, 2, weights, together=together), sort_keys=True))
+"""
+
+
+def test_every_process_assigns_alike_whatever_its_hash_seed():
+    """Each shard's pytest computes the assignment itself, so processes with different PYTHONHASHSEEDs must agree:
+    a group whose members' seconds sum to a float that depends on their order (0.1 + 0.2 + 0.3), a file of that
+    sum, files of no seconds (they follow the lighter shard), and the real suite's files and table."""
+    import json
+    synth_w = {"tests/g.py": 0.0, "tests/g1.py": 0.1, "tests/g2.py": 0.2, "tests/g3.py": 0.3, "tests/x.py": 0.6,
+               "tests/y.py": 0.3}
+    synth_w.update({f"tests/z{i}.py": 0.0 for i in range(12)})
+    synth_t = {f"tests/g{i}.py": "tests/g.py" for i in (1, 2, 3)}
+    real = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    cases = [(list(synth_w), synth_w, synth_t), (real, shards.read_weights(), shards.ptx_groups(real))]
+    for files, weights, together in cases:
+        outs = set()
+        for seed in range(6):
+            env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+            r = subprocess.run([sys.executable, "-c", _SEEDED], cwd=ROOT, env=env, input=json.dumps(
+                [files, weights, together]), capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            outs.add(r.stdout)
+        assert len(outs) == 1, f"{len(outs)} different assignments of {len(files)} files"
+
+
 def test_the_shards_of_a_collection_partition_it_by_whole_files():
     files = ["tests/test_config.py", "tests/formats/test_q4k.py", "tests/formats/test_vq.py",
              "tests/formats/test_number_formats.py"]
