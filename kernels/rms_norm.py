@@ -16,7 +16,9 @@ Owns:
   forms them, from a block of any number of warps (the order played warp by warp): for a kernel that norms its
   input as it stages it (kernels.q4k_gemv's `norm`), so that no norm launch runs before it.
 - `rms_norm_rope_q`: rms_norm, then kernels.rope's forward rotation of the tail (rope_pair_value_device, the pair's
-  other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were.
+  other value from the neighbouring lane), then act_quant_fp8: a window key row in one launch where three were; a
+  decode step's row over ELEMS blocks as the norms' (below; one block of 64 threads took 11.1 us a call at D = 512 on
+  an H100, its eight passes' quantiser reductions in series: BENCHMARKS.md, thirty-eighth session).
 Does not own: the hyper-connection mixes and hc_pre itself (kernels.hc), the activation quantiser's device function
 (kernels.fp8), the block sums (kernels.warp).
 
@@ -68,13 +70,14 @@ __all__ = ["rms_norm", "hc_rms_norm", "rms_norm_rope_q", "rms_norm_kernel", "rms
            "hc_rms_norm_q_kernel", "hc_rms_norm_qv_kernel", "rms_norm_split_kernel", "rms_norm_q_split_kernel",
            "hc_rms_norm_q_split_kernel", "hc_rms_norm_qv_split_kernel", "hc_rms_norm_qvi_kernel",
            "hc_rms_norm_qvi_split_kernel", "rms_norm_qi_kernel", "rms_norm_qi_split_kernel", "hc_rms_norm_qi_kernel",
-           "hc_rms_norm_qi_split_kernel", "rms_norm_rope_q_kernel", "row_scale_words_device", "row_sumsq_words_device",
-           "SIGNATURES"]
+           "hc_rms_norm_qi_split_kernel", "rms_norm_rope_q_kernel", "rms_norm_rope_q_split_kernel",
+           "row_scale_words_device", "row_sumsq_words_device", "SIGNATURES"]
 
 WARP = 32
 ELEMS = 8                       # elements of a row per thread and pass (unrolled loads)
 THREADS_MAX = 1024              # one pass up to D = 8192; longer rows take several
 SPLIT_ROWS_MAX = 1              # rows a call up to which a one-pass row takes ELEMS blocks (_split; 0: never)
+ROPE_Q_SPLIT = True             # rms_norm_rope_q takes its split form where _split asks (bench/dev/unfused.py times it)
 
 
 def _row_jit():
@@ -367,8 +370,10 @@ rms_norm_qi_split_kernel = _make_norm_kernel(False, True, split=ELEMS, im=True)
 hc_rms_norm_qi_split_kernel = _make_norm_kernel(True, True, split=ELEMS, im=True)
 
 
-def _make_rope_q_kernel():
-    """rms_norm_rope_q_kernel (a factory for its launch bounds, as _make_norm_kernel)."""
+def _make_rope_q_kernel(split=1):
+    """rms_norm_rope_q_kernel (a factory for its launch bounds, as _make_norm_kernel); `split` = ELEMS: its form of
+    ELEMS blocks a row (a one-pass row: block p stores element m = p of each thread's pass, as the norm kernels'
+    split forms do, with the same sum and scale in every block, so the same bits)."""
     jit = _row_jit()
 
     @jit
@@ -377,7 +382,7 @@ def _make_rope_q_kernel():
         the head dims as normed), then out_q[r] = act_quant_fp8(out[r]) (D % 32 == 0). A pair (2i, 2i+1) sits in two
         neighbouring lanes of one warp (element j is thread j mod n's), so its other value is one shuffle away."""
         grid_entry_device()
-        row = cuda.blockIdx.x
+        row = cuda.blockIdx.x // split
         d = x.shape[1]
         step = cuda.blockDim.x * ELEMS
         first = d // 2 - cos.shape[1]                 # first rotated pair
@@ -390,30 +395,42 @@ def _make_rope_q_kernel():
             acc = _add_squares_device(xs, base, d, acc)
         scale = _row_scale_device(acc, sh, d, eps)
         pos = positions[row]
-        for base in range(0, d, step):
-            if step < d:
-                _load_pass_device(x, w, row, base, d, xs, ws)
-            for m in range(ELEMS):
-                j = base + m * cuda.blockDim.x + cuda.threadIdx.x
-                y = round_bf16_device(ws[m] * (xs[m] * scale))
-                other = cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
-                p = j // 2 - first
-                if j < d and p >= 0:
-                    y = rope_pair_value_device(y, other, j % 2 == 1, cos[pos, p], sin[pos, p])
-                q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))
-                if j < d:
-                    out[row, j] = y
-                    out_q[row, j] = q
+        if split == 1:
+            for base in range(0, d, step):
+                if step < d:
+                    _load_pass_device(x, w, row, base, d, xs, ws)
+                for m in range(ELEMS):
+                    _store_rope_q_device(xs[m], ws[m], scale, row, base + m * cuda.blockDim.x + cuda.threadIdx.x, d,
+                                         first, pos, cos, sin, out, out_q)
+        else:                                         # one pass (_split's rule): the block's element m = part
+            j = (cuda.blockIdx.x % split) * cuda.blockDim.x + cuda.threadIdx.x
+            xv, wv = _load_x_elem_device(x, xs, w, row, min(j, d - 1))
+            _store_rope_q_device(xv, wv, scale, row, j, d, first, pos, cos, sin, out, out_q)
     return rms_norm_rope_q_kernel
 
 
+@inline_device
+def _store_rope_q_device(xv, wv, scale, row, j, d, first, pos, cos, sin, out, out_q):
+    """rms_norm_rope_q's element j (every lane of the warp calls it, with 32 contiguous elements: the pair's other
+    value and the quantiser's amax are shuffles): normed, rotated where its pair is in the tail, quantised."""
+    y = round_bf16_device(wv * (xv * scale))
+    other = cuda.shfl_xor_sync(0xFFFFFFFF, y, 1)
+    p = j // 2 - first
+    if j < d and p >= 0:
+        y = rope_pair_value_device(y, other, j % 2 == 1, cos[pos, p], sin[pos, p])
+    q = act_quant_fp8_lane_device(y if j < d else np.float32(0.0))
+    if j < d:
+        out[row, j] = y
+        out_q[row, j] = q
+
+
 rms_norm_rope_q_kernel = _make_rope_q_kernel()
+rms_norm_rope_q_split_kernel = _make_rope_q_kernel(split=ELEMS)     # the launcher's choice for a decode step's row
 
 
-SIGNATURES = {
-    "rms_norm_rope_q_kernel": "void(float32[:, :], float32[:], float32, int64[:], float32[:, :], float32[:, :], "
-                              "float32[:, :], float32[:, :])",
-}
+_ROPE_Q_SIG = ("void(float32[:, :], float32[:], float32, int64[:], float32[:, :], float32[:, :], float32[:, :], "
+               "float32[:, :])")
+SIGNATURES = {"rms_norm_rope_q_kernel": _ROPE_Q_SIG, "rms_norm_rope_q_split_kernel": _ROPE_Q_SIG}
 _X_SIG = "void(float32[:, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])"
 _HC_SIG = "void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :])"
 _HCV_SIG = ("void(float32[:, :, :], float32[:, :], float32[:], float32, float32[:, :], float32[:, :], uint32[:], "
@@ -509,7 +526,9 @@ def rms_norm_rope_q(x, w, eps, positions, cos, sin, out, out_q, stream=0):
         raise ValueError(f"rms_norm_rope_q: cos {cos.shape} and sin {sin.shape} must be float32 [P, rd/2] with "
                          f"rd <= D = {d}")
     if n_rows and d:
-        rms_norm_rope_q_kernel[n_rows, _threads(d), stream](x, w, np.float32(eps), positions, cos, sin, out, out_q)
+        split = _split(n_rows, d) if ROPE_Q_SPLIT else 1
+        kernel = rms_norm_rope_q_split_kernel if split > 1 else rms_norm_rope_q_kernel
+        kernel[n_rows * split, _threads(d), stream](x, w, np.float32(eps), positions, cos, sin, out, out_q)
     return out
 
 

@@ -61,6 +61,8 @@
 #   unfused_w2_stage  the same, --split w2_stage: the shared expert's w2 input staged by its own launch again, not by
 #             its SwiGLU (the same session's)
 #   unfused_stage38  the same, --split xq_stage,q_stage,w2_stage: the three together (not in the default list)
+#   unfused_rope_q  the same, --split rope_q: the window key's norm + RoPE in one block a row again (the same
+#             session's; not in the default list)
 #   priority  the same, graph only, with DS4_CUDA_PRIORITY=1: the main stream at the highest priority, the side
 #             stream at the lowest, captured into the graph's nodes (the twenty-ninth session's; not in the default
 #             list: name it, e.g. DS4_PARTS=decode,priority DS4_ROUNDS=3)
@@ -228,7 +230,8 @@ for spec in "unfused attn attention launches" "unfused_vq vq VQ staging" "unfuse
         "unfused_route route router top-k" "unfused_norm norm one-block norms" \
         "unfused_sh_stage sh_stage shared expert staging" "unfused_xq_stage xq_stage wq_a / wkv staging" \
         "unfused_q_stage q_stage wq_b staging" "unfused_w2_stage w2_stage shared w2 staging" \
-        "unfused_stage38 xq_stage,q_stage,w2_stage all three of those stagings"; do
+        "unfused_stage38 xq_stage,q_stage,w2_stage all three of those stagings" \
+        "unfused_rope_q rope_q one-block window key norms"; do
     read -r part split label <<< "$spec"              # the part, bench/dev/unfused.py's split, the summary's words
     if want "$part"; then
         run "decode, $label unfused$S" 110 "$part.log" $PY bench/dev/unfused.py --split "$split" \

@@ -2,7 +2,7 @@
 either way, so the last greedy token must be too):
 
     python bench/dev/unfused.py --split attn|vq|wo_a|q_norm|combine|wo_b|route|norm|sh_stage|xq_stage|q_stage|\
-        w2_stage|attn,vq,... \
+        w2_stage|rope_q|attn,vq,... \
         --contexts 1024,65536 \
         --rounds 3 --trace-steps 0 --graph-only --out F.jsonl
 
@@ -40,6 +40,8 @@ either way, so the last greedy token must be too):
   not by the q latent's norm (STAGE_Q_IN_NORM off).
 - `w2_stage` (the same session's): the shared expert's w2 input staged by its own launch again, not by its SwiGLU
   (STAGE_W2_IN_SWIGLU off).
+- `rope_q` (the same session's): the window key's norm + RoPE + quantiser in one block a row again, not ELEMS
+  blocks (kernels.rms_norm.ROPE_Q_SPLIT off; `norm` covers it too, with the other norms).
 """
 import argparse
 import runpy
@@ -109,7 +111,7 @@ def _split_route():
 
 
 def _split_norm():
-    rms_norm.SPLIT_ROWS_MAX = 0
+    rms_norm.SPLIT_ROWS_MAX = 0                  # (rms_norm_rope_q's split form too)
 
 
 def _split_sh_stage():
@@ -128,10 +130,14 @@ def _split_w2_stage():
     backend_cuda.STAGE_W2_IN_SWIGLU = False
 
 
+def _split_rope_q():
+    rms_norm.ROPE_Q_SPLIT = False
+
+
 SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
           "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route,
           "norm": _split_norm, "sh_stage": _split_sh_stage, "xq_stage": _split_xq_stage, "q_stage": _split_q_stage,
-          "w2_stage": _split_w2_stage}
+          "w2_stage": _split_w2_stage, "rope_q": _split_rope_q}
 
 
 def main(argv):

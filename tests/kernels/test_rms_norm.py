@@ -145,10 +145,11 @@ def test_rms_norm_with_out_q_is_rms_norm_then_act_quant(cuda_ready, T, D):
     np.testing.assert_array_equal(_bits(out_q.copy_to_host()), _bits(want_q))
 
 
-@pytest.mark.parametrize("T,D,half", [(1, 64, 8), (3, 512, 32)])
+@pytest.mark.parametrize("T,D,half", [(1, 64, 8), (3, 512, 32), (1, 512, 32)])
 def test_rms_norm_rope_q_is_rms_norm_then_rope_then_act_quant(cuda_ready, T, D, half):
     """The window key row's fused kernel: out bit-identical to rms_norm then rope.rope (in place, forward) at the
-    rows' positions, out_q to act_quant_fp8 of that; a zero row and a wide row included; bad tables refused."""
+    rows' positions, out_q to act_quant_fp8 of that; a zero row and a wide row included; bad tables refused. One row
+    takes the split kernel (a decode step's; V4.1's head of 512 with a rotated tail of 64), three one block a row."""
     from kernels.gemv import act_quant_fp8
     from kernels.rms_norm import rms_norm, rms_norm_rope_q
     from kernels.rope import rope
@@ -323,20 +324,24 @@ def test_norms_stage_the_integer_operand_alone_as_im_stage(cuda_ready, T, D):
 @pytest.mark.parametrize("T,D", [(2, 96), (1, 1056)])
 def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, T, D):
     """Rows taking the split kernels, ELEMS blocks a row (rms_norm._split: a decode step's), each storing its share
-    of the elements: every output of the seven split forms (out, out_q, the VQ staging with its padded codewords, the
-    integer path's staging with or without the VQ's) equals the one-block kernels', into outputs filled with NaN or
-    all-ones words so that an element no block stores shows (hc_rms_norm without out_q keeps one block)."""
+    of the elements: every output of the eight split forms (out, out_q, the VQ staging with its padded codewords, the
+    integer path's staging with or without the VQ's, the window key's RoPE'd row) equals the one-block kernels', into
+    outputs filled with NaN or all-ones words so that an element no block stores shows (hc_rms_norm without out_q
+    keeps one block)."""
     import kernels.rms_norm as rn
     from kernels.im_operand import im_stage_shapes
     rng = np.random.default_rng(50 + D)
     h, pre, w = _hc_case(rng, T, D)
     d_h, d_pre, d_w = cuda_ready.to_device(h), cuda_ready.to_device(pre), cuda_ready.to_device(w)
     d_x = cuda_ready.to_device(round_bf16(rng.standard_normal((T, D)) * 3))
+    ang = np.outer(np.arange(9, dtype=np.float32), rng.uniform(0.01, 1, 16).astype(np.float32)).astype(np.float32)
+    cos, sin = cuda_ready.to_device(np.cos(ang)), cuda_ready.to_device(np.sin(ang))
+    pos = cuda_ready.to_device(np.arange(5, 5 + T, dtype=np.int64))
 
     def run(rows_max):
         monkeypatch.setattr(rn, "SPLIT_ROWS_MAX", rows_max)
         assert rn._split(T, D) == (rn.ELEMS if rows_max else 1)
-        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(12)]
+        outs = [cuda_ready.to_device(np.full((T, D), np.nan, np.float32)) for _ in range(14)]
         vq, vq2 = _staged(cuda_ready, T, D, 0xFFFFFFFF), _staged(cuda_ready, T, D, 0xFFFFFFFF)
         im, im2, im3 = (filled(cuda_ready, im_stage_shapes(T, D), 0xFFFFFFFF) for _ in range(3))
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[0])
@@ -346,6 +351,7 @@ def test_a_row_split_over_blocks_gives_one_blocks_bits(cuda_ready, monkeypatch, 
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[6], out_q=outs[7], vq=vq2, im=im)
         rn.rms_norm(d_x, d_w, 1e-6, out=outs[8], out_q=outs[9], im=im2)
         rn.hc_rms_norm(d_h, d_pre, d_w, 1e-6, out=outs[10], out_q=outs[11], im=im3)
+        rn.rms_norm_rope_q(d_x, d_w, 1e-6, pos, cos, sin, outs[12], outs[13])
         return [o.copy_to_host().view(np.uint32) for o in outs] + [a.copy_to_host().view(np.uint32)
                                                                    for a in vq + vq2 + im + im2 + im3]
     want, got = run(0), run(T)
