@@ -83,6 +83,14 @@ def _drop_argument(module, fname, keyword):
     setattr(module, fname, unfused)
 
 
+def _set(module, name, value=False):
+    """A split that sets module.name (a fused path's switch) to `value`."""
+    return lambda: setattr(module, name, value)
+
+
+_split_sh_stage = _set(backend_cuda, "STAGE_SHARED_IN_NORM")
+
+
 def _split_vq():
     _drop_argument(rms_norm, "hc_rms_norm", "vq")
     _split_sh_stage()                 # as timed then (hc_rms_norm took `im` only with `vq` until the 38th session)
@@ -94,50 +102,13 @@ def _split_wo_a():
                                                                       # wo_a launches its staging
 
 
-def _split_q_norm():
-    backend_cuda.NORM_IN_STAGING = False
-
-
-def _split_combine():
-    backend_cuda.COMBINE_IN_POST = False
-
-
-def _split_wo_b():
-    backend_cuda.STAGE_WO_B = False
-
-
-def _split_route():
-    moe.ROUTE_IN_GEMV = False
-
-
-def _split_norm():
-    rms_norm.SPLIT_ROWS_MAX = 0                  # (rms_norm_rope_q's split form too)
-
-
-def _split_sh_stage():
-    backend_cuda.STAGE_SHARED_IN_NORM = False
-
-
-def _split_xq_stage():
-    backend_cuda.STAGE_XQ_IN_NORM = False
-
-
-def _split_q_stage():
-    backend_cuda.STAGE_Q_IN_NORM = False
-
-
-def _split_w2_stage():
-    backend_cuda.STAGE_W2_IN_SWIGLU = False
-
-
-def _split_rope_q():
-    rms_norm.ROPE_Q_SPLIT = False
-
-
-SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a, "q_norm": _split_q_norm,
-          "combine": _split_combine, "wo_b": _split_wo_b, "route": _split_route,
-          "norm": _split_norm, "sh_stage": _split_sh_stage, "xq_stage": _split_xq_stage, "q_stage": _split_q_stage,
-          "w2_stage": _split_w2_stage, "rope_q": _split_rope_q}
+SPLITS = {"attn": _split_attention, "vq": _split_vq, "wo_a": _split_wo_a,
+          "q_norm": _set(backend_cuda, "NORM_IN_STAGING"), "combine": _set(backend_cuda, "COMBINE_IN_POST"),
+          "wo_b": _set(backend_cuda, "STAGE_WO_B"), "route": _set(moe, "ROUTE_IN_GEMV"),
+          "norm": _set(rms_norm, "SPLIT_ROWS_MAX", 0),              # (rms_norm_rope_q's split form too)
+          "sh_stage": _split_sh_stage, "xq_stage": _set(backend_cuda, "STAGE_XQ_IN_NORM"),
+          "q_stage": _set(backend_cuda, "STAGE_Q_IN_NORM"), "w2_stage": _set(backend_cuda, "STAGE_W2_IN_SWIGLU"),
+          "rope_q": _set(rms_norm, "ROPE_Q_SPLIT")}
 
 
 def main(argv):
