@@ -462,7 +462,8 @@ def _split(n_rows, d):
 _SPLIT_FORMS = {rms_norm_kernel: rms_norm_split_kernel, rms_norm_q_kernel: rms_norm_q_split_kernel,
                 hc_rms_norm_q_kernel: hc_rms_norm_q_split_kernel, hc_rms_norm_qv_kernel: hc_rms_norm_qv_split_kernel,
                 hc_rms_norm_qvi_kernel: hc_rms_norm_qvi_split_kernel, rms_norm_qi_kernel: rms_norm_qi_split_kernel,
-                hc_rms_norm_qi_kernel: hc_rms_norm_qi_split_kernel}
+                hc_rms_norm_qi_kernel: hc_rms_norm_qi_split_kernel,
+                rms_norm_rope_q_kernel: rms_norm_rope_q_split_kernel}
 
 
 def _launch(kernel, n_rows, d):
@@ -472,10 +473,15 @@ def _launch(kernel, n_rows, d):
     return (_SPLIT_FORMS[kernel] if split > 1 else kernel), n_rows * split
 
 
-def _outputs(name, n_rows, d, w, out, out_q, stream):
-    """Checks w, out and out_q against [T, D] (allocating out); returns out."""
+def _outputs(name, n_rows, d, w, out, out_q, stream, im=None):
+    """Checks w, out, out_q and the integer-path operands `im` (which need out_q) against [T, D] (allocating out);
+    returns out."""
     if tuple(w.shape) != (d,) or w.dtype != np.float32:
         raise ValueError(f"{name}: w must be float32 [{d}], got {w.dtype} {tuple(w.shape)}")
+    if im is not None:
+        if out_q is None:
+            raise ValueError(f"{name}: im needs out_q (it stages the quantised values)")
+        check_im_staged(im, n_rows, d, f"{name} (im)")
     if out is None:
         out = cuda.device_array((n_rows, d), dtype=np.float32, stream=stream)
     elif tuple(out.shape) != (n_rows, d) or out.dtype != np.float32:
@@ -496,11 +502,7 @@ def rms_norm(x, w, eps, out=None, out_q=None, im=None, stream=0):
     if x.ndim != 2 or x.dtype != np.float32:
         raise ValueError(f"rms_norm: x must be float32 [T, D], got {x.dtype} {tuple(x.shape)}")
     n_rows, d = tuple(x.shape)
-    out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream)
-    if im is not None:
-        if out_q is None:
-            raise ValueError("rms_norm: im needs out_q (it stages the quantised values)")
-        check_im_staged(im, n_rows, d, "rms_norm (im)")
+    out = _outputs("rms_norm", n_rows, d, w, out, out_q, stream, im)
     if n_rows and d:
         kernel, blocks = _launch(rms_norm_kernel if out_q is None else rms_norm_q_kernel if im is None
                                  else rms_norm_qi_kernel, n_rows, d)
@@ -526,9 +528,9 @@ def rms_norm_rope_q(x, w, eps, positions, cos, sin, out, out_q, stream=0):
         raise ValueError(f"rms_norm_rope_q: cos {cos.shape} and sin {sin.shape} must be float32 [P, rd/2] with "
                          f"rd <= D = {d}")
     if n_rows and d:
-        split = _split(n_rows, d) if ROPE_Q_SPLIT else 1
-        kernel = rms_norm_rope_q_split_kernel if split > 1 else rms_norm_rope_q_kernel
-        kernel[n_rows * split, _threads(d), stream](x, w, np.float32(eps), positions, cos, sin, out, out_q)
+        kernel, blocks = (_launch(rms_norm_rope_q_kernel, n_rows, d) if ROPE_Q_SPLIT
+                          else (rms_norm_rope_q_kernel, n_rows))
+        kernel[blocks, _threads(d), stream](x, w, np.float32(eps), positions, cos, sin, out, out_q)
     return out
 
 
@@ -547,11 +549,7 @@ def hc_rms_norm(h, pre, w, eps, out=None, out_q=None, vq=None, im=None, stream=0
     n_rows, _, d = shape
     if tuple(pre.shape) != (n_rows, HC) or pre.dtype != np.float32:
         raise ValueError(f"hc_rms_norm: pre must be float32 [{n_rows}, {HC}], got {pre.dtype} {tuple(pre.shape)}")
-    out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream)
-    if im is not None:
-        if out_q is None:
-            raise ValueError("hc_rms_norm: im needs out_q (it stages the quantised values)")
-        check_im_staged(im, n_rows, d, "hc_rms_norm (im)")
+    out = _outputs("hc_rms_norm", n_rows, d, w, out, out_q, stream, im)
     if vq is not None:
         if out_q is None:
             raise ValueError("hc_rms_norm: vq needs out_q (it stages the quantised values)")

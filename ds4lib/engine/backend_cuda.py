@@ -1194,9 +1194,15 @@ class CudaBackend:
         to each that takes the path). The side stream (wkv) reads them between the fork and the join; the next
         layer's attention norm writes them after the join."""
         w = self.L[l]
-        if not (STAGE_XQ_IN_NORM and any(self._im_fp8(w[n]) for n in ("attn.wq_a.weight", "attn.wkv.weight"))):
+        return self._im_operands("x_attn_im", STAGE_XQ_IN_NORM, (w["attn.wq_a.weight"], w["attn.wkv.weight"]), T,
+                                 self.cfg.dim)
+
+    def _im_operands(self, name, on, readers, T, kx):
+        """Buffers `name` for an FP8-valued input [T, kx] staged by the kernel that makes it as its readers'
+        integer-path operands, when `on` (a STAGE_* flag) and a reader takes that path (`_im_fp8`), else None."""
+        if not (on and any(self._im_fp8(lin) for lin in readers)):
             return None
-        return self._bufs("x_attn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
+        return self._bufs(name, im_operand.im_stage_shapes(T, kx))
 
     @staticmethod
     def _im_fp8(lin):
@@ -1213,9 +1219,7 @@ class CudaBackend:
         GEMV takes the integer path (kernels.q4k_gemv.im_path for FP8 input: by default every shape), else None (or
         with STAGE_SHARED_IN_NORM off): the norm writes them and the GEMV launches no staging. The side stream reads
         them between the fork and the join; the next layer's norm writes them after the join."""
-        if not (STAGE_SHARED_IN_NORM and self._im_fp8(self.L[l][SHARED_W13])):
-            return None
-        return self._bufs("x_ffn_im", im_operand.im_stage_shapes(T, self.cfg.dim))
+        return self._im_operands("x_ffn_im", STAGE_SHARED_IN_NORM, (self.L[l][SHARED_W13],), T, self.cfg.dim)
 
     def _window_rows(self, l, st, c, kvq, side=False):
         """One session's window keys kvq [T, Dh] written past the ring of layer l, and the window rows its queries
@@ -1272,9 +1276,7 @@ class CudaBackend:
             qr = (qa, w["attn.q_norm.weight"], None)
         else:
             qrq = self._buf("qr_q", (T, cfg.q_lora_rank))         # only the FP8 values of the normed latent are read
-            q_im = None
-            if STAGE_Q_IN_NORM and any(self._im_fp8(lin) for lin in readers):
-                q_im = self._bufs("qr_im", im_operand.im_stage_shapes(T, cfg.q_lora_rank))
+            q_im = self._im_operands("qr_im", STAGE_Q_IN_NORM, readers, T, cfg.q_lora_rank)
             rms_norm.rms_norm(qa, w["attn.q_norm.weight"], cfg.norm_eps, out=self._buf("qr", (T, cfg.q_lora_rank)),
                               out_q=qrq, im=q_im, stream=s)
             qr = (qrq, None, q_im)
@@ -1499,9 +1501,7 @@ class CudaBackend:
         gu = self._linear(xq, w[SHARED_W13], quantize=False, fp8=True, out=self._buf("sh_gu", (T, 2 * F)), side=side,
                           staged=staged)
         a_q, w2 = self._buf("sh_aq", (T, F)), w["ffn.shared_experts.w2.weight"]
-        a_im = None                                   # w2's integer-path operands, staged by the SwiGLU
-        if STAGE_W2_IN_SWIGLU and self._im_fp8(w2):
-            a_im = self._bufs("sh_a_im", im_operand.im_stage_shapes(T, F))
+        a_im = self._im_operands("sh_a_im", STAGE_W2_IN_SWIGLU, (w2,), T, F)   # staged by the SwiGLU
         moe.swiglu(gu[:, :F], gu[:, F:], cfg.swiglu_limit, out=self._buf("sh_a", (T, F)), out_q=a_q, im=a_im,
                    scratch=self.scr_side if side else self.scr, stream=self.side if side else self.stream)
         return self._linear(a_q, w2, quantize=False, fp8=True, out=self._buf("sh_y", (T, cfg.dim)), side=side,
