@@ -5,11 +5,10 @@ Owns:
   threads compute s = sqrt(softplus(logits / gate_temp)) for every expert and the selection score s + bias
   (+ a sidecar delta), each thread for the E/THREADS experts it holds in registers (all of a thread's loads
   issued before its arithmetic: one warp scoring 384 experts one dependent load after another took 15.6 us on the
-  H200), then the block takes the top-k by (selection score descending, lower expert id first), weights = s at the
-  chosen ids divided by (their sum + 1e-20) (sum in selection order) times route_scale. A round is a block
-  arg-max: each thread's best untaken expert, a warp shuffle reduction, the warps' bests through shared memory
-  (one barrier a round). The first warp alone scanning E/32 experts a lane took ~360 dependent instructions a
-  round.
+  H200), then the first warp takes the top-k by (selection score descending, lower expert id first), weights = s
+  at the chosen ids divided by (their sum + 1e-20) (sum in selection order) times route_scale. A round is each
+  lane's best untaken expert of its E/32 (four independent compare chains), then a warp shuffle arg-max: no
+  barrier a round (`_make_route_block_device`).
   One token (decode) takes one launch, `route_gemv_kernel`: the gate's GEMV blocks (kernels.gemv's device function)
   write the logits, and the last block to draw a ticket routes (the same device functions, the same bits; a launch
   fewer a MoE layer on the decode step's critical path; ROUTE_IN_GEMV switches it off for A/B runs).
@@ -56,8 +55,9 @@ NEG_INF = np.float32(-np.inf)
 
 @inline_device
 def _better_device(v, e, v2, e2):
-    """(v2, e2) beats (v, e): larger value, then lower id."""
-    return v2 > v or (v2 == v and e2 < e)
+    """(v2, e2) beats (v, e): larger value, then lower id (bitwise, not short-circuit: no branch, so no convergence
+    barrier in a shuffle step)."""
+    return (v2 > v) | ((v2 == v) & (e2 < e))
 
 
 @inline_device
@@ -78,60 +78,78 @@ def _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles):
         n_tiles[0] = top_k
 
 
+SLOTS = E_MAX // WARP         # experts a lane of the selecting warp holds
+CHAINS = 4                    # independent compare chains of a lane's scan (SLOTS % CHAINS == 0)
+NO_ID = np.int32(0x7FFFFFFF)  # a round's id when no untaken expert has a score that is a number
+
+
+@inline_device
+def _untaken_best_device(vals, lane, taken):
+    """The best (larger value, then lower id) untaken expert of a lane's SLOTS (experts lane, lane + 32, ...; their
+    selection scores in vals) whose score is a number, or (-inf, NO_ID): CHAINS independent chains over alternate
+    slots, then their bests in chain order. The order is total on distinct ids, so this is the one arg-max a linear
+    scan from (-inf, NO_ID) finds."""
+    cv = cuda.local.array(CHAINS, np.float32)        # constant indices only: registers
+    ce = cuda.local.array(CHAINS, np.int32)
+    for c in range(CHAINS):
+        cv[c] = NEG_INF
+        ce[c] = NO_ID
+    for i in range(SLOTS // CHAINS):
+        for c in range(CHAINS):
+            j = i * CHAINS + c
+            e = np.int32(lane + WARP * j)
+            if ((taken >> np.uint32(j)) & np.uint32(1)) == 0 and _better_device(cv[c], ce[c], vals[j], e):
+                cv[c] = vals[j]
+                ce[c] = e
+    bv = cv[0]
+    be = ce[0]
+    for c in range(1, CHAINS):
+        if _better_device(bv, be, cv[c], ce[c]):
+            bv = cv[c]
+            be = ce[c]
+    return bv, be
+
+
+@inline_device
+def _warp_best_device(v, e):
+    """Every lane's (v, e) -> the warp's best (larger value, then lower id) in every lane: an xor-shuffle arg-max.
+    The values are numbers or -inf (the order is total on distinct ids), so the tree's shape does not matter."""
+    off = WARP // 2
+    while off > 0:
+        v2 = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+        e2 = cuda.shfl_xor_sync(0xFFFFFFFF, e, off)
+        if _better_device(v, e, v2, e2):
+            v = v2
+            e = e2
+        off //= 2
+    return v, e
+
+
 def _make_route_block_device(threads):
     """The routing of token t by a block of `threads` threads (a power of two, 32 .. E_MAX): scores [T, E], ids
     [T, K], weights [T, K] and, with has_plan, the VQ plan of the ids. Thread i scores experts i, i + threads, ...
-    (their loads issued before any arithmetic) and keeps their selection scores in registers; each of the K rounds
-    takes the block's best untaken expert (best_device: a round is a few dependent steps on every warp at once, where
-    one warp scanning 16 experts a lane took ~360 instructions a round). Every thread of the block must call it (its
-    barriers); the choice and the weights do not depend on `threads`."""
-    per = E_MAX // threads                       # experts a thread holds
-    n_warps = threads // WARP
-    log2 = threads.bit_length() - 1
-
-    @inline_device
-    def best_device(v, e, sh_v, sh_e, buf, warp, lane):
-        """The best (larger value, then lower id) of every thread's candidate (v, e): a warp's xor-shuffle arg-max,
-        its lane 0 posting the warp's best to buf's row of sh_v / sh_e, one barrier, then every thread takes the best
-        of the warps' posts in warp order. The order is total on distinct ids, so the result is the one arg-max
-        whatever the reduction's tree. buf alternates between rounds: a post of the next round cannot overwrite one
-        a slower warp has yet to read (it read this round's before the next round's barrier)."""
-        off = WARP // 2
-        while off > 0:
-            v2 = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-            e2 = cuda.shfl_xor_sync(0xFFFFFFFF, e, off)
-            if _better_device(v, e, v2, e2):
-                v = v2
-                e = e2
-            off //= 2
-        if lane == 0:
-            sh_v[buf, warp] = v
-            sh_e[buf, warp] = e
-        cuda.syncthreads()
-        bv = sh_v[buf, 0]
-        be = sh_e[buf, 0]
-        for w in range(1, n_warps):
-            if _better_device(bv, be, sh_v[buf, w], sh_e[buf, w]):
-                bv = sh_v[buf, w]
-                be = sh_e[buf, w]
-        return bv, be
+    (their loads issued before any arithmetic) into shared memory; after one barrier the first warp alone takes the
+    K rounds, lane l holding experts l, l + 32, ... (SLOTS of them, a bit each of `taken`): a round is each lane's
+    best untaken expert (_untaken_best_device: a few dependent compares over registers), the warp's shuffle arg-max
+    and one bit set, no barrier (a block arg-max a round, with its barrier and the warps' bests through shared
+    memory, took ~0.73 us a round on an H100: bench/dev/route_probe.py). NaN scores are never chosen; a round with
+    no score left that is a number gives NO_ID (its weight: the last expert's score). Every thread of the block must
+    call it (its barrier); the choice and the weights do not depend on `threads`."""
+    per = E_MAX // threads                       # experts a thread scores
 
     @inline_device
     def route_block_device(logits, t, bias, delta, has_delta, gate_temp, top_k, route_scale, normalise, scores, ids,
                            weights, has_plan, pairs, tiles, n_tiles):
         tid = cuda.threadIdx.x
         lane = tid % WARP
-        warp = tid // WARP
         n_exp = logits.shape[1]
         sh_raw = cuda.shared.array(E_MAX, np.float32)
-        sh_v = cuda.shared.array((2, n_warps), np.float32)
-        sh_e = cuda.shared.array((2, n_warps), np.int32)
+        sh_sel = cuda.shared.array(E_MAX, np.float32)
         got_id = cuda.shared.array(K_MAX, np.int32)
         got_w = cuda.shared.array(K_MAX, np.float32)
         xs = cuda.local.array(per, np.float32)       # constant indices only: registers
         bs = cuda.local.array(per, np.float32)
         ds = cuda.local.array(per, np.float32)
-        sel = cuda.local.array(per, np.float32)
         for i in range(per):                         # loads first: in bounds whatever e, so none waits on another
             ec = min(tid + threads * i, n_exp - 1)
             xs[i] = logits[t, ec]
@@ -139,7 +157,6 @@ def _make_route_block_device(threads):
             ds[i] = delta[ec]
         for i in range(per):
             e = tid + threads * i
-            sel[i] = NEG_INF
             if e < n_exp:
                 x = xs[i] / gate_temp
                 sp = x if x > np.float32(20.0) else log1p_f32_device(exp_f32_device(min(x, np.float32(20.0))))
@@ -148,40 +165,37 @@ def _make_route_block_device(threads):
                 v = sc + bs[i]
                 if has_delta:
                     v = v + ds[i]
-                sel[i] = v
+                sh_sel[e] = v
                 sh_raw[e] = sc
-        taken = np.uint32(0)                         # bit i: expert tid + threads i chosen (or past n_exp)
-        for i in range(per):
-            if tid + threads * i >= n_exp:
-                taken |= np.uint32(1) << np.uint32(i)
+        cuda.syncthreads()
+        if tid >= WARP:
+            return                                   # warp-uniform: the first warp chooses and writes
+        vals = cuda.local.array(SLOTS, np.float32)   # constant indices only: registers
+        taken = np.uint32(0)                         # bit j: expert lane + 32 j chosen (or past n_exp)
+        for j in range(SLOTS):
+            vals[j] = sh_sel[min(lane + WARP * j, n_exp - 1)]
+            if lane + WARP * j >= n_exp:
+                taken |= np.uint32(1) << np.uint32(j)
         for r in range(top_k):
-            bv = NEG_INF
-            be = np.int32(0x7FFFFFFF)
-            for i in range(per):
-                e = np.int32(tid + threads * i)
-                if ((taken >> np.uint32(i)) & np.uint32(1)) == 0 and _better_device(bv, be, sel[i], e):
-                    bv = sel[i]
-                    be = e
-            bv, be = best_device(bv, be, sh_v, sh_e, r & 1, warp, lane)     # its barrier orders sh_raw's stores
-            if be < n_exp and (be & (threads - 1)) == tid:   # NaN scores are never chosen: be past n_exp if all are
-                taken |= np.uint32(1) << np.uint32(be >> log2)
-            if tid == 0:
+            bv, be = _untaken_best_device(vals, lane, taken)
+            bv, be = _warp_best_device(bv, be)
+            if be < n_exp and (be & (WARP - 1)) == lane:
+                taken |= np.uint32(1) << np.uint32(be // WARP)
+            if lane == 0:
                 got_id[r] = be
                 got_w[r] = sh_raw[min(be, n_exp - 1)]
-        cuda.syncthreads()
-        if tid < WARP:                               # warp-uniform: the first warp writes
-            if lane == 0:
-                total = np.float32(0.0)
-                for i in range(top_k):
-                    total += got_w[i]
-                for i in range(top_k):
-                    w = got_w[i]
-                    if normalise and top_k > 1:
-                        w = w / (total + np.float32(1e-20))
-                    ids[t, i] = got_id[i]
-                    weights[t, i] = w * route_scale
-            if has_plan:
-                _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles)
+        cuda.syncwarp(0xFFFFFFFF)                    # lane 0's got_id / got_w before every lane reads them
+        if lane < top_k:
+            total = np.float32(0.0)
+            for i in range(top_k):                   # in selection order, as every lane adds them
+                total += got_w[i]
+            w = got_w[lane]
+            if normalise and top_k > 1:
+                w = w / (total + np.float32(1e-20))
+            ids[t, lane] = got_id[lane]
+            weights[t, lane] = w * route_scale
+        if has_plan:
+            _write_plan_device(got_id, top_k, lane, pairs, tiles, n_tiles)
     return route_block_device
 
 

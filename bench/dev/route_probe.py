@@ -10,7 +10,8 @@ copies cycled past L2), per call from a CUDA graph of many calls, in four forms:
   block that draws the last ticket, with the VQ plan);
 - `split`: the same with ROUTE_IN_GEMV off (kernels.gemv's GEMV, then route_topk_kernel);
 - `gemv`: the gate's GEMV alone (kernels.gemv.gemv, FP32 out);
-- `topk`: route_topk_kernel alone on logits already made.
+- `topk`: route_topk_kernel alone on logits already made;
+- `empty`: a kernel of one block that does nothing (the graph's cost of a node, to subtract).
 The whole-step trace (BENCHMARKS.md, thirty-eighth session) gave route_gemv_kernel 21.6 us a call on an H100 with 160
 experts, where the H200's table had 10.9 with 384: this says which part takes the time. One JSON line a form.
 """
@@ -26,6 +27,11 @@ from numba import cuda  # noqa: E402
 import kernels.moe as moe  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.vq_gemv import vq_plan  # noqa: E402
+
+
+@cuda.jit
+def _empty_kernel():
+    pass
 
 
 def main(argv):
@@ -75,7 +81,9 @@ def main(argv):
         def topk_only():
             moe.route_topk_kernel[1, moe.THREADS, s](logits, bias, bias, False, np.float32(1.0), K, np.float32(2.5),
                                                      True, *out, True, plan.pairs, plan.tiles, plan.n_tiles)
-        forms = {"fused": fused, "split": split, "gemv": gemv_only, "topk": topk_only}
+        def empty():
+            _empty_kernel[1, moe.THREADS, s]()
+        forms = {"fused": fused, "split": split, "gemv": gemv_only, "topk": topk_only, "empty": empty}
         for name in a.forms.split(","):
             call = forms[name]
             it[0] = 0

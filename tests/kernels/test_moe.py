@@ -39,6 +39,68 @@ def test_route_matches_ref(cuda_ready, T, E, delta):
     assert (want.ids[:, :len(tied)] == tied).all()
 
 
+def _choice_by_score_then_id(scores, sel, K, route_scale, normalise=True):
+    """The documented choice of one token: K rounds, each the untaken expert of largest selection score that is a
+    number, the lower id first on ties; a round with none gives id 0x7FFFFFFF and the last expert's score as its
+    weight. Weights: the scores of the chosen, over (their sum in selection order + 1e-20), times route_scale."""
+    E = len(sel)
+    taken = np.isnan(sel)
+    ids, got = [], []
+    for _ in range(K):
+        live = np.flatnonzero(~taken)
+        if len(live) == 0:
+            ids.append(0x7FFFFFFF)
+            got.append(scores[E - 1])
+            continue
+        best = live[np.flatnonzero(sel[live] == sel[live].max())[0]]       # the lower id among equal values
+        taken[best] = True
+        ids.append(best)
+        got.append(scores[best])
+    total = np.float32(0.0)
+    for g in got:
+        total = np.float32(total + g)
+    w = [np.float32(g / np.float32(total + np.float32(1e-20))) if normalise and K > 1 else g for g in got]
+    return np.array(ids, np.int32), np.array([np.float32(v * np.float32(route_scale)) for v in w], np.float32)
+
+
+@pytest.mark.parametrize("E,K,case", [(384, 6, "ties"),       # V4.1: a lane's 12 experts, ties across lanes / slots
+                                      (512, 16, "ties"),      # E_MAX and K_MAX
+                                      (160, 6, "nan"),        # NaN and -inf scores among the best
+                                      (40, 16, "few")])       # fewer numbers than K: the no-number rounds
+def test_route_chooses_by_score_then_id(cuda_ready, E, K, case):
+    """The one-launch decode router (256 threads a block) and the per-token kernel (two tokens: 128 threads) choose
+    as _choice_by_score_then_id says, bit for bit: equal selection scores go to the lower id wherever the experts sit
+    (one lane's slots, other lanes, other scoring threads), NaN is never chosen, -inf is chosen after every number."""
+    from kernels.moe import route
+    rng = np.random.default_rng(E + K)
+    D = 64
+    x = cuda_ready.to_device(round_bf16(rng.standard_normal((2, D))).astype(np.float32))
+    gate = cuda_ready.to_device(np.zeros((E, D), np.uint16))          # logits 0: every score the same
+    levels = np.float32([0.0, 0.25, 0.5])
+    bias = levels[rng.integers(0, 3, E)]                              # three values: ties everywhere
+    bias[[5, 37, 101 % E, 133 % E]] = 1.0                             # ids 5 and 37: one lane, slots 0 and 1
+    if case == "nan":
+        bias[[2, 40, 77]] = np.nan
+        bias[[9, 150]] = 2.0                                          # the best two ...
+        bias[150] = np.nan                                            # ... one of them NaN
+        bias[[3, 4]] = -np.inf
+        bias[bias == 0.5] = -np.inf                                   # -inf among the first K
+    if case == "few":
+        bias[:] = np.nan
+        bias[[11, 3, 30]] = [0.25, -np.inf, 0.25]                     # three numbers for K = 16
+    for T in (1, 2):
+        scores, ids, w = (a.copy_to_host() for a in route(x[:T], gate, cuda_ready.to_device(bias), K, 2.5))
+        for t in range(T):
+            sel = (scores[t] + bias).astype(np.float32)
+            want_ids, want_w = _choice_by_score_then_id(scores[t], sel, K, 2.5)
+            np.testing.assert_array_equal(ids[t], want_ids, err_msg=f"T={T} token {t}")
+            np.testing.assert_array_equal(w[t].view(np.uint32), want_w.view(np.uint32), err_msg=f"T={T} token {t}")
+    if case == "few":
+        assert (ids[0, 3:] == 0x7FFFFFFF).all() and list(ids[0, :3]) == [11, 30, 3]
+    else:
+        assert len(set(ids[0].tolist())) == K and ids[0, 0] in (5, 9)
+
+
 @pytest.mark.parametrize("routed", [True, False])
 def test_swiglu_matches_expert_ffn(cuda_ready, routed):
     """The kernel's output is the activation expert_ffn feeds its down projection: check through w2 = I."""
