@@ -45,6 +45,7 @@ __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route
            "swiglu_kernel", "swiglu_q_kernel", "swiglu_qi_kernel", "SIGNATURES"]
 
 WARP = 32
+LOG2_WARP = 5
 THREADS = 128
 E_MAX = 512                   # experts a router takes
 K_MAX = 16
@@ -179,8 +180,9 @@ def _make_route_block_device(threads):
         for r in range(top_k):
             bv, be = _untaken_best_device(vals, lane, taken)
             bv, be = _warp_best_device(bv, be)
-            if be < n_exp and (be & (WARP - 1)) == lane:
-                taken |= np.uint32(1) << np.uint32(be // WARP)
+            ub = np.uint32(be)                       # 32-bit: be is an id or NO_ID, both >= 0
+            if ub < np.uint32(n_exp) and (ub & np.uint32(WARP - 1)) == np.uint32(lane):
+                taken |= np.uint32(1) << (ub >> np.uint32(LOG2_WARP))
             if lane == 0:
                 got_id[r] = be
                 got_w[r] = sh_raw[min(be, n_exp - 1)]
