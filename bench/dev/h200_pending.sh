@@ -88,6 +88,9 @@
 #   engine    DS4_REQUIRE_CUDA=1 pytest on the CUDA engine tests (graph == eager, byte identity, speculative; about
 #             150 s gave 7 of them on a fresh machine: give it a call of its own)
 #   index     bench/dev/index_probe.py (the score kernels' times and bits at 256 / 4,096 / 16,384 rows)
+#   route     bench/dev/route_probe.py: the router's one-token call in its forms at 160 and 384 experts, then its
+#             top-k alone at top-k 1 and 6 (the difference / 5: a round's cost); about 40 s on a warm machine (the
+#             thirty-ninth session's; not in the default list)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
 # DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_CONTEXTS (default 1024,65536) sets every decode run's
 # contexts; DS4_ROUNDS=N runs the decode variants (decode, base, before, flags, unfused*: those asked for) N times
@@ -285,6 +288,12 @@ if want engine; then
 fi
 if want index; then
     run index_probe 60 index.jsonl $PY bench/dev/index_probe.py
+fi
+if want route; then
+    run "route_probe" 60 route.jsonl $PY bench/dev/route_probe.py --forms fused,split,gemv,topk,empty
+    for k in 1 6; do
+        run "route_probe top-k $k" 60 route.jsonl $PY bench/dev/route_probe.py --forms topk,empty --top-k $k
+    done
 fi
 # the graph replay of every decode run, in the order they ran: variant, context, ms a token, nodes, last token
 ls -tr "$OUT"/decode*.jsonl 2>/dev/null | while read -r f; do
