@@ -45,7 +45,7 @@ __all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route
            "swiglu_kernel", "swiglu_q_kernel", "swiglu_qi_kernel", "SIGNATURES"]
 
 WARP = 32
-LOG2_WARP = 5
+LOG2_WARP = WARP.bit_length() - 1
 THREADS = 128
 E_MAX = 512                   # experts a router takes
 K_MAX = 16

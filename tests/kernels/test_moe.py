@@ -81,8 +81,8 @@ def test_route_chooses_by_score_then_id(cuda_ready, E, K, case):
     bias[[5, 37, 101 % E, 133 % E]] = 1.0                             # ids 5 and 37: one lane, slots 0 and 1
     if case == "nan":
         bias[[2, 40, 77]] = np.nan
-        bias[[9, 150]] = 2.0                                          # the best two ...
-        bias[150] = np.nan                                            # ... one of them NaN
+        bias[9] = 2.0                                                 # the best ...
+        bias[150] = np.nan                                            # ... and one that would beat it, NaN
         bias[[3, 4]] = -np.inf
         bias[bias == 0.5] = -np.inf                                   # -inf among the first K
     if case == "few":
