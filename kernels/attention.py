@@ -20,22 +20,27 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
 1. scores: a block owns 32 x rows_per_quad rows x 4 heads (rows_per_quad 4, or 2 or 1 when a decode step would
    leave the GPU with under SCORE_BLOCKS blocks); the four heads' queries sit in shared memory (a head's 4 values
    of a key word one 16-byte load), each row's key is read once (8-byte words, 4 BF16) by a quad of lanes and used
-   for 4 heads; quads combine through shared.
+   for 4 heads; quads combine through shared. Loads go out in batches: a thread's 16 query values and its RoPE
+   table values together, the first row's index and first 8 words before the query's staging, each next group of
+   8 words before the current group's products (a loop of load-then-use waited a round trip at each step: about
+   20 a block, which made the kernel's time the same at 128 rows as at 640).
    Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
    query path then has no launch of its own for it.
 2. softmax and values in one kernel: a block owns 4 heads x all Dh dims of a split of the rows. Warp w first
    finds head w's score max over all its rows (every split's block does), and the blocks of split 0 also the
-   float64 denominator (lane-strided, then the warp's tree; plus the sink's term). The weights bf16(exp(z - max))
-   of the split's rows go to shared memory as they are staged; each thread accumulates 4 dims x 4 heads while
-   streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left a V4.1 decode step's
-   value kernel latency-bound: 14.6 us). Rows are summed in chunks of VALUE_CHUNK and the chunk sums in order;
-   decode splits one chunk per block (enough blocks), prefill keeps one split: the same bits. (Until the
-   twenty-fourth session the softmax was a kernel of its own, one warp per (query, head), writing the weights
-   back into z: the same operations in the same order.)
-4. combine: sums the splits in a fixed order, divides, rounds to BF16; optionally the inverse RoPE of the output
-   (`inverse_rope`, kernels.rope's arithmetic) and the window ring's write after the attention read it (`window`,
-   window_write's stores): one launch fewer per layer each; and the output staged for the output projection's
-   integer tensor-core path (`im_stage`, kernels.im_operand.im_stage_lane_device: wo_a's q4k_im_stage launch).
+   float64 denominator (lane-strided, then the warp's tree; plus the sink's term), from one batch of a lane's score
+   loads up to 640 rows (SOFTMAX_LOADS), with the first tile's scores and row indices loaded before it. The
+   weights bf16(exp(z - max)) of the split's rows go to shared memory as they are staged; each thread accumulates
+   4 dims x 4 heads while streaming key words, VALUE_GROUP rows' loads at a time (one dependent load per row left
+   a V4.1 decode step's value kernel latency-bound: 14.6 us). Rows are summed in chunks of VALUE_CHUNK and the
+   chunk sums in order; decode splits one chunk per block (enough blocks), prefill keeps one split: the same bits.
+   (Until the twenty-fourth session the softmax was a kernel of its own, one warp per (query, head), writing the
+   weights back into z: the same operations in the same order.)
+4. combine: sums the splits in a fixed order (COMBINE_LOADS of them loaded at once, with den and the RoPE tables
+   before them), divides, rounds to BF16; optionally the inverse RoPE of the output (`inverse_rope`, kernels.rope's
+   arithmetic) and the window ring's write after the attention read it (`window`, window_write's stores): one
+   launch fewer per layer each; and the output staged for the output projection's integer tensor-core path
+   (`im_stage`, kernels.im_operand.im_stage_lane_device: wo_a's q4k_im_stage launch).
 
 Shapes: T queries, H heads, Dh head dim (<= 512, a multiple of 4), W window, Kw window slots per query,
 Kc compressed slots per query (top-k), R = Kw + Kc rows per query, Nc compressed cache rows.
@@ -72,11 +77,15 @@ SCORE_GROUP = 8              # key words of a row a lane loads before it multipl
 assert HEADS_PER_BLOCK == 4  # the score kernel's four head sums are scalars (_score_word_device)
 DH_MAX = 512
 Q_SH = HEADS_PER_BLOCK * DH_MAX   # the score kernel's staged queries (floats)
-VALUE_TILE = 128             # rows staged per step of the value kernel
+Q_SLOTS = DH_MAX // THREADS   # a thread's elements of a head's query in the staging (k = tid + THREADS * i)
+assert Q_SLOTS * THREADS == DH_MAX
+COMBINE_LOADS = 20           # splits' partial sums a combine thread loads at once (a V4.1 decode step's 20)
+VALUE_TILE = THREADS         # rows staged per step of the value kernel (a thread each)
 E_SH = VALUE_TILE * HEADS_PER_BLOCK   # its staged weights (floats), a row's 4 heads together
 VALUE_CHUNK = 32             # rows summed from zero before joining the split's total (VALUE_TILE % VALUE_CHUNK == 0)
 VALUE_GROUP = 8              # rows whose key loads go out together (VALUE_CHUNK % VALUE_GROUP == 0)
-SOFTMAX_LOADS = 8            # scores a lane loads at once for the softmax's max and denominator
+SOFTMAX_LOADS = 20           # scores a lane loads at once for the softmax's max and denominator (V4.1's 640 rows
+                             # in one batch)
 NEG_BIG = np.float32(-1e30)  # the row max of a query with no valid row (the reference's value)
 NEG_INF = np.float32(-np.inf)
 
@@ -154,6 +163,28 @@ def _key_row_device(win_idx, cmp_idx, t, r):
 
 
 @inline_device
+def _key_view_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r):
+    """(key row index, the row's words) of slot r of query t (_key_row_device): the window buffer's row or the
+    compressed cache's, row 0 of it when the slot is invalid or past the end (its loads are never used), chosen once,
+    so that the row's loads need no branch."""
+    row, inw = _key_row_device(win_idx, cmp_idx, t, r)
+    if inw:
+        kr = win_keys[max(row, 0)]
+    else:
+        kr = cmp_keys[max(row, 0)]
+    return row, kr
+
+
+@inline_device
+def _score_words_device(kr, w0, nw):
+    """The 8 key words w0, w0 + 4, ..., w0 + 28 of a score lane (SCORE_GROUP), each clamped to the row's last word:
+    loads issued together."""
+    last = nw - 1
+    return (kr[min(w0, last)], kr[min(w0 + 4, last)], kr[min(w0 + 8, last)], kr[min(w0 + 12, last)],
+            kr[min(w0 + 16, last)], kr[min(w0 + 20, last)], kr[min(w0 + 24, last)], kr[min(w0 + 28, last)])
+
+
+@inline_device
 def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
     """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h. q_sh
     holds head h's query at h * DH_MAX: a head's 4 values are one 16-byte shared load (load4_device)."""
@@ -174,6 +205,41 @@ def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
     return a0, a1, a2, a3
 
 
+@inline_device
+def _stage_q_device(q, t, h0, positions, cos, sin, has_rope, q_sh):
+    """q_sh[hh * DH_MAX + k] = q[t, h0 + hh, k] for the block's 4 heads, rotated as kernels.rope's forward rotation
+    would leave it when `has_rope`, then the block's barrier. Thread tid takes k = tid + THREADS * i (i < Q_SLOTS)
+    of every head: its 16 loads of q and its loads of the tables go out together before any is used (a loop of
+    load, rotate, store waited a round trip each: 16 to 20 a block), and the pair's other value, k ^ 1, is the
+    neighbouring lane's (a shuffle, not a load)."""
+    tid = cuda.threadIdx.x
+    dh = q.shape[2]
+    first = dh // 2 - cos.shape[1]                # the first rotating pair
+    qv = cuda.local.array((HEADS_PER_BLOCK, Q_SLOTS), np.float32)
+    for hh in range(HEADS_PER_BLOCK):
+        for i in range(Q_SLOTS):
+            qv[hh, i] = q[t, h0 + hh, min(tid + THREADS * i, dh - 1)]     # (past dh: clamped, never stored)
+    cs = cuda.local.array(Q_SLOTS, np.float32)
+    sn = cuda.local.array(Q_SLOTS, np.float32)
+    if has_rope:
+        pos = positions[t]
+        for i in range(Q_SLOTS):
+            p = min(max((tid + THREADS * i) // 2 - first, 0), cos.shape[1] - 1)
+            cs[i] = cos[pos, p]
+            sn[i] = sin[pos, p]
+    for hh in range(HEADS_PER_BLOCK):
+        for i in range(Q_SLOTS):
+            k = tid + THREADS * i
+            v = qv[hh, i]
+            if has_rope:                          # block-uniform: every lane takes part in the shuffle
+                other = cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+                if k // 2 - first >= 0:
+                    v = rope_pair_value_device(v, other, k % 2 == 1, cs[i], sn[i])
+            if k < dh:
+                q_sh[hh * DH_MAX + k] = v
+    cuda.syncthreads()
+
+
 @cuda.jit(cache=True)
 def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_quad, positions, cos, sin, has_rope,
                       z):
@@ -190,38 +256,23 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
     dh = q.shape[2]
     nw = dh // 4
     n_rows = z.shape[2]
-    first = dh // 2 - cos.shape[1]                # the first rotating pair
-    pos = positions[t] if has_rope else 0         # loaded once, before q (the tables' row)
     q_sh = cuda.shared.array(Q_SH, np.float32, alignment=LOAD4_ALIGN)   # head hh's query at hh * DH_MAX
     red = cuda.shared.array((QUAD_SUMS, THREADS), np.float32)
-    for hh in range(HEADS_PER_BLOCK):             # head by head: no 64-bit division of a flat index
-        for k in range(tid, dh, THREADS):
-            v = q[t, h0 + hh, k]
-            p = k // 2 - first
-            if has_rope and p >= 0:
-                other = q[t, h0 + hh, k ^ 1]
-                v = rope_pair_value_device(v, other, k % 2 == 1, cos[pos, p], sin[pos, p])
-            q_sh[hh * DH_MAX + k] = v
-    cuda.syncthreads()
     r0 = cuda.blockIdx.x * (THREADS // 4) * rows_per_quad + quad * rows_per_quad
-    last = nw - 1
+    row, kr = _key_view_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r0)   # the first row's index and its
+    x = _score_words_device(kr, qd, nw)                                       # first words, before the staging
+    _stage_q_device(q, t, h0, positions, cos, sin, has_rope, q_sh)
     for rr in range(ROWS_PER_QUAD):                   # a row at a time, SCORE_GROUP of its words in flight
         a0 = a1 = a2 = a3 = np.float32(0.0)
-        row, inw = _key_row_device(win_idx, cmp_idx, t, r0 + rr) if rr < rows_per_quad else (-1, False)
+        if rr > 0:
+            row = -1
+            if rr < rows_per_quad:
+                row, kr = _key_view_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r0 + rr)
+                x = _score_words_device(kr, qd, nw)
         if row >= 0:
-            if inw:                                    # the row's view, chosen once: its loads need no branch
-                kr = win_keys[row]
-            else:
-                kr = cmp_keys[row]
             for w0 in range(qd, nw, 4 * SCORE_GROUP):
-                x0 = kr[min(w0, last)]                 # loads first (clamped)
-                x1 = kr[min(w0 + 4, last)]
-                x2 = kr[min(w0 + 8, last)]
-                x3 = kr[min(w0 + 12, last)]
-                x4 = kr[min(w0 + 16, last)]
-                x5 = kr[min(w0 + 20, last)]
-                x6 = kr[min(w0 + 24, last)]
-                x7 = kr[min(w0 + 28, last)]
+                y = _score_words_device(kr, w0 + 4 * SCORE_GROUP, nw)   # the next group's loads (clamped past
+                x0, x1, x2, x3, x4, x5, x6, x7 = x                      # the end) before this group's products
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)   # products in word order
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
@@ -230,6 +281,7 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x5, nw, a0, a1, a2, a3)
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x6, nw, a0, a1, a2, a3)
                 a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 28, x7, nw, a0, a1, a2, a3)
+                x = y
         red[rr * HEADS_PER_BLOCK, tid] = a0
         red[rr * HEADS_PER_BLOCK + 1, tid] = a1
         red[rr * HEADS_PER_BLOCK + 2, tid] = a2
@@ -256,9 +308,12 @@ def _scores_device(z, t, h, r, v):
 
 
 @inline_device
-def _row_max_device(z, t, h, lane):
-    """The largest score of (t, h) over its rows, in every lane of the warp (each lane its rows lane, lane + 32, ...
-    in order, then xor shuffles), and whether any row is valid; NEG_BIG in place of -inf when none is."""
+def _softmax_device(z, sink, t, h, lane, want_den):
+    """(m, den) of (t, h) in every lane of the warp: m the largest score over its rows (each lane its rows lane,
+    lane + 32, ... in order, then xor shuffles), NEG_BIG in place of -inf when no row is valid; den, when
+    `want_den`, the float64 sum of exp(z - m) over the rows (lane-strided in row order, then the warp's tree) plus
+    exp(sink - m), as FP32, 0 when no row is valid (valid in lane 0; 0 when not wanted). Up to WARP * SOFTMAX_LOADS
+    rows (V4.1's 640) are one batch of loads, which the denominator reuses; more are read again."""
     n = z.shape[2]
     v = cuda.local.array(SOFTMAX_LOADS, np.float32)
     m = NEG_INF
@@ -274,25 +329,31 @@ def _row_max_device(z, t, h, lane):
         m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
         off //= 2
     has = m > NEG_INF
-    return (m if has else NEG_BIG), has
+    m = m if has else NEG_BIG
+    dv = np.float32(0.0)
+    if want_den:                                  # (warp-uniform)
+        acc = 0.0
+        r = lane
+        while r < n:
+            if n > WARP * SOFTMAX_LOADS:
+                _scores_device(z, t, h, r, v)
+            for i in range(SOFTMAX_LOADS):
+                if r + WARP * i < n:
+                    acc += np.float64(exp_f32_device(v[i] - m))
+            r += WARP * SOFTMAX_LOADS
+        acc = warp_tree_sum_device(acc)
+        dv = np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+    return m, dv
 
 
 @inline_device
-def _denominator_device(z, sink, t, h, lane, m, has):
-    """float64 sum of exp(z - m) over the rows of (t, h) (lane-strided, then the warp's tree), plus exp(sink - m),
-    as FP32; 0 when no row is valid. Valid in lane 0."""
-    n = z.shape[2]
-    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
-    acc = 0.0
-    r = lane
-    while r < n:
-        _scores_device(z, t, h, r, v)
-        for i in range(SOFTMAX_LOADS):
-            if r + WARP * i < n:
-                acc += np.float64(exp_f32_device(v[i] - m))
-        r += WARP * SOFTMAX_LOADS
-    acc = warp_tree_sum_device(acc)
-    return np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+def _tile_loads_device(z, win_idx, cmp_idx, t, h0, k, r_hi):
+    """What the value kernel's thread stages for row k of a tile (k < r_hi; past it the last row's, never used):
+    the key row's index and whether it is the window's (_key_row_device) and the row's 4 scores of the block's
+    heads, loads issued together."""
+    kc = min(k, z.shape[2] - 1)
+    row, inw = _key_row_device(win_idx, cmp_idx, t, kc)
+    return row, inw, z[t, h0, kc], z[t, h0 + 1, kc], z[t, h0 + 2, kc], z[t, h0 + 3, kc]
 
 
 @inline_device
@@ -301,6 +362,16 @@ def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
     of it when kr < 0 (a load that is never used, so that the loads of a group go out together)."""
     r = max(kr, 0)
     return win_keys[r, col] if from_win else cmp_keys[r, col]
+
+
+@inline_device
+def _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0, n, tid, kr, words):
+    """kr[g], words[g] = the key row and word `tid` of staged row k0 + g of the tile (g < VALUE_GROUP), -1 and row
+    0's word past its n rows: the group's loads issued together."""
+    for g in range(VALUE_GROUP):
+        k = min(k0 + g, n - 1)
+        kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
+        words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
 
 
 @cuda.jit(cache=True)
@@ -327,11 +398,10 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     m_sh = cuda.shared.array(HEADS_PER_BLOCK, np.float32)
     lane = tid % WARP
     hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
-    m, has = _row_max_device(z, t, hw, lane)
-    if s == 0:                                    # block-uniform
-        dv = _denominator_device(z, sink, t, hw, lane, m, has)
-        if lane == 0:
-            den[t, hw] = dv
+    row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid, r_hi)   # the first
+    m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)          # tile's, before the softmax (no need of its max)
+    if s == 0 and lane == 0:
+        den[t, hw] = dv
     if lane == 0:
         m_sh[tid // WARP] = m
     cuda.syncthreads()
@@ -342,26 +412,28 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     tot = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
     kr = cuda.local.array(VALUE_GROUP, np.int64)
     words = cuda.local.array(VALUE_GROUP, np.uint64)
+    kr2 = cuda.local.array(VALUE_GROUP, np.int64)
+    words2 = cuda.local.array(VALUE_GROUP, np.uint64)
     for hh in range(HEADS_PER_BLOCK):
         for i in range(4):
             acc[hh, i] = np.float32(0.0)
             tot[hh, i] = np.float32(0.0)
     for base in range(r_lo, r_hi, VALUE_TILE):
         n = min(VALUE_TILE, r_hi - base)
-        for k in range(tid, n, THREADS):
-            k_sh[k], w_sh[k] = _key_row_device(win_idx, cmp_idx, t, base + k)
-        for hh in range(HEADS_PER_BLOCK):         # head by head: no 64-bit division of a flat index
-            mh = m_sh[hh]
-            for k in range(tid, n, THREADS):
-                e_sh[HEADS_PER_BLOCK * k + hh] = round_bf16_device(exp_f32_device(z[t, h0 + hh, base + k] - mh))
+        if base != r_lo:
+            row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, base + tid, r_hi)
+        if tid < n:                               # a thread a row (VALUE_TILE == THREADS)
+            k_sh[tid], w_sh[tid] = row, inw
+            e_sh[HEADS_PER_BLOCK * tid] = round_bf16_device(exp_f32_device(z0 - m_sh[0]))
+            e_sh[HEADS_PER_BLOCK * tid + 1] = round_bf16_device(exp_f32_device(z1 - m_sh[1]))
+            e_sh[HEADS_PER_BLOCK * tid + 2] = round_bf16_device(exp_f32_device(z2 - m_sh[2]))
+            e_sh[HEADS_PER_BLOCK * tid + 3] = round_bf16_device(exp_f32_device(z3 - m_sh[3]))
         cuda.syncthreads()
         if tid < nw:
+            _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
             for k0 in range(0, n, VALUE_GROUP):
-                for g in range(VALUE_GROUP):
-                    k = min(k0 + g, n - 1)
-                    kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
-                    words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
-                for g in range(VALUE_GROUP):
+                _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0 + VALUE_GROUP, n, tid, kr2, words2)   # the
+                for g in range(VALUE_GROUP):                            # next group's loads before this one's sums
                     if kr[g] >= 0:
                         word = words[g]
                         v0 = bf16x4_device(word, 0)
@@ -380,6 +452,9 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
                         for i in range(4):
                             tot[hh, i] += acc[hh, i]
                             acc[hh, i] = np.float32(0.0)
+                for g in range(VALUE_GROUP):
+                    kr[g] = kr2[g]
+                    words[g] = words2[g]
         cuda.syncthreads()
     if tid < nw:
         for hh in range(HEADS_PER_BLOCK):
@@ -407,30 +482,27 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ri
     t = gc // (dh * n_heads)
     if has_window and ok and h == 0:
         _window_store_device(kv, kv_pos, ring, ring_pos, t, d)
+    dv = den[t, h]                                   # every load of the thread before the first add
+    p = d // 2 - (dh // 2 - cos.shape[1])
+    c = sn = np.float32(0.0)
+    if has_rope and p >= 0:
+        c = cos[positions[t], p]
+        sn = -sin[positions[t], p]
     num = part[t, 0, h, d]
-    v = cuda.local.array(8, np.float32)
+    v = cuda.local.array(COMBINE_LOADS, np.float32)
+    last = n_split - 1
     s = 1
-    while s + 7 < n_split:                           # the splits added in order, eight loads in flight
-        for i in range(8):
-            v[i] = part[t, s + i, h, d]
-        for i in range(8):
-            num += v[i]
-        s += 8
-    while s + 3 < n_split:
-        v0, v1, v2, v3 = part[t, s, h, d], part[t, s + 1, h, d], part[t, s + 2, h, d], part[t, s + 3, h, d]
-        num = (((num + v0) + v1) + v2) + v3
-        s += 4
-    while s < n_split:
-        num += part[t, s, h, d]
-        s += 1
-    dv = den[t, h]
+    while s < n_split:                               # the splits added in order, COMBINE_LOADS loads in flight
+        for i in range(COMBINE_LOADS):
+            v[i] = part[t, min(s + i, last), h, d]
+        for i in range(COMBINE_LOADS):
+            if s + i < n_split:
+                num += v[i]
+        s += COMBINE_LOADS
     v = round_bf16_device(num / dv) if dv > np.float32(0.0) else np.float32(0.0)
     if has_rope:
         other = cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
-        p = d // 2 - (dh // 2 - cos.shape[1])
         if p >= 0:
-            c = cos[positions[t], p]
-            sn = -sin[positions[t], p]
             v = rope_pair_value_device(v, other, d % 2 == 1, c, sn)
     if has_stage:                                     # every lane: the staging's warp reductions
         im_stage_lane_device(v if ok else np.float32(0.0), g // WARP, g % WARP, ok, xd, ps)

@@ -185,14 +185,18 @@ def _denominator_emulated(cuda_mod, z, sink):
     return den
 
 
-def test_value_kernel_softmax_denominator_and_scores(cuda_ready):
+@pytest.mark.parametrize("n", [40, 700])
+def test_value_kernel_softmax_denominator_and_scores(cuda_ready, n):
     """The softmax inside the value kernel: den is the softmax's float64 lane-and-tree sum plus the sink's term (0 for
-    a query with no valid row), written once whatever the split count, and the scores in z are left as they were."""
-    from kernels.attention import sparse_attention
+    a query with no valid row), written once whatever the split count, and the scores in z are left as they were.
+    700 rows are more than a lane's one batch of score loads (SOFTMAX_LOADS a lane: 640), which the denominator then
+    reads again instead of reusing."""
+    from kernels.attention import SOFTMAX_LOADS, WARP, sparse_attention
+    assert (n > WARP * SOFTMAX_LOADS) == (n == 700)
     rng = np.random.default_rng(31)
-    keys = _rows(rng, 40)
+    keys = _rows(rng, n)
     q = round_bf16(rng.standard_normal((3, 4, DH)))
-    idx = np.stack([rng.permutation(40) for _ in range(3)]).astype(np.int32)
+    idx = np.stack([rng.permutation(n) for _ in range(3)]).astype(np.int32)
     idx[1, 5:] = -1
     idx[2, :] = -1                                                               # no valid row
     sink = rng.standard_normal(4).astype(np.float32)
@@ -202,7 +206,7 @@ def test_value_kernel_softmax_denominator_and_scores(cuda_ready):
     for n_split in (1, 2):
         scratch = {}
         outs.append(sparse_attention(*args, n_split=n_split, scratch=scratch).copy_to_host())
-        z = scratch[("z", (3, 4, 40), "<f4")].copy_to_host()
+        z = scratch[("z", (3, 4, n), "<f4")].copy_to_host()
         den = scratch[("den", (3, 4), "<f4")].copy_to_host()
         assert np.isneginf(z[1, :, 5:]).all() and np.isfinite(z[0]).all()     # raw scores, not weights
         want = _denominator_emulated(cuda_ready, z, sink)
@@ -241,6 +245,31 @@ def test_sparse_attention_at_the_v41_head_dim(cuda_ready):
     live = np.concatenate([win_idx[0], idx[0]]) >= 0
     np.testing.assert_allclose(z[0][:, live], exact[:, live], rtol=0, atol=2e-5 * np.abs(exact).max())
     assert np.isneginf(z[0][:, ~live]).all()
+
+
+def test_rope_q_at_the_v41_head_dim_equals_the_rope_kernel(cuda_ready):
+    """Head dim 512 with V4.1's 64 rotating dims: a staging thread holds 4 elements of each head's query, only the
+    last of which rotates, with its pair's other value from the neighbouring lane; sparse_attention(..., rope_q=)
+    gives exactly rope.rope(q) then sparse_attention, at two positions."""
+    from kernels.attention import sparse_attention
+    from kernels.rope import rope
+    dh, heads, n = 512, 4, 20
+    rng = np.random.default_rng(64)
+    keys = act_quant_fp8(round_bf16(rng.standard_normal((n, dh)) * 2), 32)
+    q = round_bf16(rng.standard_normal((2, heads, dh)))
+    idx = np.stack([rng.permutation(n) for _ in range(2)]).astype(np.int32)
+    pos = np.array([5, 17], np.int64)
+    freqs = (1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    ang = np.outer(np.arange(32, dtype=np.float32), freqs).astype(np.float32)
+    cos, sin = cuda_ready.to_device(np.cos(ang)), cuda_ready.to_device(np.sin(ang))
+    p_dev = cuda_ready.to_device(pos)
+    rest = (cuda_ready.to_device(f32_to_bf16_bits(keys)), cuda_ready.to_device(idx), None, None,
+            cuda_ready.to_device(rng.standard_normal(heads).astype(np.float32)), dh ** -0.5)
+    q_rot = rope(cuda_ready.to_device(q), p_dev, cos, sin)
+    assert not np.array_equal(q_rot.copy_to_host(), q)
+    want = sparse_attention(q_rot, *rest).copy_to_host()
+    got = sparse_attention(cuda_ready.to_device(q), *rest, rope_q=(p_dev, cos, sin)).copy_to_host()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_score_rows_per_quad_does_not_change_a_bit(cuda_ready):
@@ -354,10 +383,11 @@ def test_window_write_ring(cuda_ready):
     assert_matches("window", rows, allkv[pos])
 
 
-@pytest.mark.parametrize("n_split", [20, 13, 6])   # V4.1's decode at 64k (640 rows: 20 chunks), and ragged counts
+@pytest.mark.parametrize("n_split", [20, 13, 6, 30])   # V4.1's decode at 64k (640 rows: 20 chunks), ragged counts
 def test_combine_adds_the_splits_in_order(cuda_ready, n_split):
-    """The combine adds a head's split sums s = 0, 1, ... one by one, whatever loads it keeps in flight: bit for bit
-    against that sequence in float32, then / den and BF16 rounding (no RoPE here; den == 0 gives 0)."""
+    """The combine adds a head's split sums s = 0, 1, ... one by one, whatever loads it keeps in flight (30 splits:
+    more than one batch of COMBINE_LOADS): bit for bit against that sequence in float32, then / den and BF16 rounding
+    (no RoPE here; den == 0 gives 0)."""
     from kernels.attention import THREADS, attn_combine_kernel
     rng = np.random.default_rng(n_split)
     heads = 4
