@@ -91,6 +91,10 @@
 #   route     bench/dev/route_probe.py: the router's one-token call in its forms at 160 and 384 experts, then its
 #             top-k alone at top-k 1 and 6 (the difference / 5: a round's cost); about 40 s on a warm machine (the
 #             thirty-ninth session's; not in the default list)
+#   attn      bench/dev/attn_probe.py: the sparse attention of one decode token at 128 and 640 rows, whole and kernel by
+#             kernel (the score kernel with and without the query's RoPE, the launcher's rows a quad and 1), on the
+#             tree (attn.jsonl) and with ab_head/'s files (attn_base.jsonl), two rounds alternating (the fortieth
+#             session's; not in the default list)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
 # DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_CONTEXTS (default 1024,65536) sets every decode run's
 # contexts; DS4_ROUNDS=N runs the decode variants (decode, base, before, flags, unfused*: those asked for) N times
@@ -293,6 +297,16 @@ if want route; then
     run "route_probe" 60 route.jsonl $PY bench/dev/route_probe.py --forms fused,split,gemv,topk,empty
     for k in 1 6; do
         run "route_probe top-k $k" 60 route.jsonl $PY bench/dev/route_probe.py --forms topk,empty --top-k $k
+    done
+fi
+if want attn; then                 # the tree's attention and, with ab_head/'s files, its base's, alternating
+    for R in 1 2; do
+        run "attn_probe, round $R" 90 attn.jsonl $PY bench/dev/attn_probe.py --rpq 0,1
+        if have_ab "$AB_HEAD"; then
+            swap_in "$AB_HEAD"
+            run "attn_probe (base), round $R" 90 attn_base.jsonl $PY bench/dev/attn_probe.py --rpq 0,1
+            swap_out
+        fi
     done
 fi
 # the graph replay of every decode run, in the order they ran: variant, context, ms a token, nodes, last token
