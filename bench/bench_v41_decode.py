@@ -77,6 +77,10 @@ def _args(argv=None):
                    help="where the FFN's mHC mixes run (CudaBackend.ffn_mixes_apart): apart (default) on a stream "
                         "of their own beside the whole MoE, side on the side stream ahead of the shared expert; "
                         "the same bits")
+    p.add_argument("--attn-mixes", choices=("beside", "early"), default="beside",
+                   help="where the attention's mHC mixes run (CudaBackend.attn_mixes_early): beside (default) on the "
+                        "side stream after the window key, beside the scores and values; early on the mix stream "
+                        "from the attention norm on, beside the query path; the same bits")
     p.add_argument("--l2-prefetch", default="",
                    help="comma-separated weights the mix stream asks L2 for ahead of their GEMVs "
                         "(CudaBackend.l2_prefetch): wo (the layer's wo_a, wo_b, beside the attention), wq (the next "
@@ -582,6 +586,7 @@ def build(cfg, bits):
     for b in backends.values():
         b.shared_expert_at = ARGS.shared_expert
         b.ffn_mixes_apart = ARGS.ffn_mixes == "apart"
+        b.attn_mixes_early = ARGS.attn_mixes == "early"
         b.l2_prefetch = tuple(n for n in ARGS.l2_prefetch.split(",") if n)
     return W, backends, gen
 
@@ -689,7 +694,8 @@ def main():
         "engram_rows_kept": ARGS.engram_rows, "roofline": roof, "steps": ARGS.steps, "warm": ARGS.warm,
         "sampling": "greedy (temperature 0), device sampler, token read back every step",
         "streams": "one (--one-stream)" if ARGS.one_stream else "main + side + mix",
-        "shared_expert": ARGS.shared_expert, "ffn_mixes": ARGS.ffn_mixes, "l2_prefetch": ARGS.l2_prefetch or "none",
+        "shared_expert": ARGS.shared_expert, "ffn_mixes": ARGS.ffn_mixes, "attn_mixes": ARGS.attn_mixes,
+        "l2_prefetch": ARGS.l2_prefetch or "none",
         "programmatic_edges": "on" if Env.read().cuda_pdl else "off (DS4_CUDA_PDL=0)",
         "stream_priority": "main high, side low (DS4_CUDA_PRIORITY=1)" if Env.read().cuda_priority else "off"}
     emit(run, lines)

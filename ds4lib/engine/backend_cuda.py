@@ -158,6 +158,9 @@ class CudaBackend:
     `ffn_mixes_apart` (default True) runs the FFN's mHC mixes on the mix stream, forked after the FFN's norm and
     joined before its hc_post, beside the whole MoE; False puts them on the side stream ahead of the shared expert
     (from the fork on). On an H100 the defaults took 0.18 ms a V4.1 token less than ("side", False) (BENCHMARKS.md).
+    `attn_mixes_early` (default False) runs the attention's mHC mixes on the mix stream, forked right after the
+    attention norm (beside the query path: wq_a, the q latent's norm, wq_b) and joined before the attention's
+    hc_post; False keeps them on the side stream after the window key, beside the scores and values.
     `l2_prefetch` (a tuple of L2_PREFETCH's names; empty, the default, until timed) asks L2 for weights on the mix
     stream ahead of the GEMVs that read them (kernels.prefetch; the same bits): "wo" the layer's wo_a and wo_b,
     forked once its query projections are queued (beside the rope, scores and values); "wq" the next layer's wq_a
@@ -168,7 +171,7 @@ class CudaBackend:
     simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
     def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None,
-                 shared_expert_at: str = "early", ffn_mixes_apart: bool = True):
+                 shared_expert_at: str = "early", ffn_mixes_apart: bool = True, attn_mixes_early: bool = False):
         from ds4lib.engine.engine import EngineError
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
@@ -209,6 +212,7 @@ class CudaBackend:
         self.scr_mix = {}             # the mix stream's scratch
         self.shared_expert_at = shared_expert_at
         self.ffn_mixes_apart = ffn_mixes_apart
+        self.attn_mixes_early = attn_mixes_early
         self.l2_prefetch = ()
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
@@ -279,6 +283,18 @@ class CudaBackend:
         if not isinstance(apart, bool):
             raise ValueError(f"ffn_mixes_apart {apart!r}: expected True or False")
         self._ffn_mixes_apart = apart
+
+    @property
+    def attn_mixes_early(self) -> bool:
+        """Whether `_layer` runs the attention's mixes on the mix stream from the attention norm on (class
+        docstring)."""
+        return self._attn_mixes_early
+
+    @attn_mixes_early.setter
+    def attn_mixes_early(self, early):
+        if not isinstance(early, bool):
+            raise ValueError(f"attn_mixes_early {early!r}: expected True or False")
+        self._attn_mixes_early = early
 
     @property
     def l2_prefetch(self) -> tuple:
@@ -1097,16 +1113,23 @@ class CudaBackend:
         rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, im=a_im, stream=s)
         self._fork()                                     # after the collapse: it has the GPU to itself
 
-        def mixes_a():
-            hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a, **kw)
+        def mixes_a(stream=self.side, scratch=self.scr_side):
+            hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a,
+                        **{**kw, "stream": stream, "scratch": scratch})
+        early = self.attn_mixes_early and attend is None
+        if early:                                        # on the mix stream, beside the query path
+            self._fork_mix()
+            mixes_a(self.mix, self.scr_mix)
         if attend is not None:                           # a draft stage's attention: the mixes first, beside it
             mixes_a()
             y = attend(x)
         else:
-            y = self._attention(l, st, c, x, xq, observer, beside=mixes_a, xq_im=a_im)
+            y = self._attention(l, st, c, x, xq, observer, beside=None if early else mixes_a, xq_im=a_im)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         self._join()
+        if early:
+            self._join_mix()
         hc.hc_post(y, h, mix_a[1], mix_a[2], out=h, stream=s)
         mix_f = (self._buf("f_pre", (T, 4)), self._buf("f_post", (T, 4)), self._buf("f_comb", (T, 4, 4)))
         x, xq = self._buf("x_ffn", (T, D)), self._buf("x_ffn_q", (T, D))

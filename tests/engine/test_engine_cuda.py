@@ -234,12 +234,14 @@ def test_micro_graph_keep_holds_every_scratch_dict(micro):
 
 def test_micro_shared_expert_placements_give_the_same_bits(micro):
     """`shared_expert_at` moves the shared expert (forked before the routing, after it, or on the main stream with
-    the main scratch) and `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's)
-    without changing a bit: one decode step per placement against the default placement's, eager (a pooled state's
-    graph would replay the placement it was captured with; the default's graphs are the other tests')."""
+    the main scratch), `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's) and
+    `attn_mixes_early` the attention's (the mix stream from the attention norm on, sharing its scratch with the FFN's
+    mixes, or the side stream after the window key) without changing a bit: one decode step per placement against
+    the default placement's, eager (a pooled state's graph would replay the placement it was captured with; the
+    default's graphs are the other tests')."""
     _, cuda = micro
     be = cuda.backend
-    assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
+    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early) == ("early", True, False)
     got = {}
     graphs, be.graphs = be.graphs, False
     try:
@@ -247,8 +249,10 @@ def test_micro_shared_expert_placements_give_the_same_bits(micro):
             for apart in (True, False):
                 be.shared_expert_at, be.ffn_mixes_apart = at, apart
                 got[at, apart] = cuda.logits([0], split=0)
+        be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early = "early", True, True
+        got["early", True, "attention's mixes early"] = cuda.logits([0], split=0)
     finally:
-        be.shared_expert_at, be.ffn_mixes_apart, be.graphs = "early", True, graphs
+        be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early, be.graphs = "early", True, False, graphs
     want = got["early", True]
     assert np.isfinite(want).all()
     assert be.scr_mix, "the mix stream's launchers made no scratch of their own"
@@ -262,7 +266,9 @@ def test_micro_shared_expert_placement_refuses_unknown_values(micro):
         be.shared_expert_at = "beside"
     with pytest.raises(ValueError, match=r"ffn_mixes_apart 'yes': expected True or False"):
         be.ffn_mixes_apart = "yes"
-    assert (be.shared_expert_at, be.ffn_mixes_apart) == ("early", True)
+    with pytest.raises(ValueError, match=r"attn_mixes_early 1: expected True or False"):
+        be.attn_mixes_early = 1
+    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early) == ("early", True, False)
 
 
 def test_micro_l2_prefetch_gives_the_same_bits(micro, monkeypatch):
