@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-__all__ = ["graph_time", "eager_time", "use_simulator"]
+__all__ = ["graph_time", "eager_time", "probe_time", "use_simulator"]
 
 
 def use_simulator():
@@ -51,6 +51,21 @@ def graph_time(run, stream, reps):
     check(rt.cudaGraphExecDestroy(exe))
     check(rt.cudaGraphDestroy(graph))
     return cuda.event_elapsed_time(start, end) / 1e3 / reps
+
+
+def probe_time(run, stream, eager, calls, copies):
+    """A dev probe's (bench/dev) timing of `run`: one call first (it compiles and warms), then with `eager` `calls`
+    (at least one) eager calls for a profiler and (calls, None); else (reps, µs a call) replayed from a CUDA graph of
+    reps = calls, or enough captured calls to cycle the probe's `copies` of its cold operands 4 times (40 at least)."""
+    run()
+    stream.synchronize()
+    if eager:
+        for _ in range(max(calls, 1)):
+            run()
+        stream.synchronize()
+        return calls, None
+    reps = calls or max(copies * 4, 40)
+    return reps, graph_time(run, stream, reps) * 1e6
 
 
 def eager_time(run, stream, reps, simulator=False):

@@ -55,7 +55,7 @@ def main(argv):
     ap.add_argument("--calls", type=int, default=0, help="calls a graph (0: enough to cycle the copies 4 times)")
     ap.add_argument("--eager", action="store_true", help="eager calls only (for Nsight Compute), no timing")
     a = ap.parse_args(argv)
-    from bench.timing import graph_time
+    from bench.timing import probe_time
     s = cuda.stream()
     rng = np.random.default_rng(0)
     H, Dh, W, P = a.heads, a.head_dim, a.window, 4096
@@ -126,18 +126,10 @@ def main(argv):
                 forms.append((name, None, {"full": full, "value": value, "combine": combine, "empty": empty}[name]))
         for name, rpq, call in forms:
             it[0] = 0
-            call()
-            s.synchronize()
-            if a.eager:
-                for _ in range(max(a.calls, 1)):
-                    call()
-                s.synchronize()
-                reps, us = a.calls, None
-            else:
-                reps = a.calls or max(copies * 4, 40)
-                us = round(graph_time(call, s, reps) * 1e6, 2)
+            reps, us = probe_time(call, s, a.eager, a.calls, copies)
             print(json.dumps({"form": name, "rows": n_rows, "heads": H, "head_dim": Dh, "rpq": rpq,
-                              "splits": part.shape[1], "copies": copies, "calls": reps, "us_per_call": us,
+                              "splits": part.shape[1], "copies": copies, "calls": reps,
+                              "us_per_call": None if us is None else round(us, 2),
                               "z_sum": float(np.float64(z.copy_to_host()).sum()),
                               "out_sum": float(np.float64(out.copy_to_host()).sum())}), flush=True)
 

@@ -43,7 +43,7 @@ def main(argv):
     ap.add_argument("--calls", type=int, default=0, help="calls a graph (0: enough to cycle the copies 4 times)")
     ap.add_argument("--eager", action="store_true", help="eager calls only (for Nsight Compute), no timing")
     a = ap.parse_args(argv)
-    from bench.timing import graph_time
+    from bench.timing import probe_time
     s = cuda.stream()
     rng = np.random.default_rng(0)
     D, K = a.dim, a.top_k
@@ -85,17 +85,10 @@ def main(argv):
             _empty_kernel[1, moe.THREADS, s]()
         forms = {"fused": fused, "split": split, "gemv": gemv_only, "topk": topk_only, "empty": empty}
         for name in a.forms.split(","):
-            call = forms[name]
             it[0] = 0
-            call()
-            s.synchronize()
-            if a.eager:
-                for _ in range(max(a.calls, 1)):
-                    call()
-                s.synchronize()
+            reps, us = probe_time(forms[name], s, a.eager, a.calls, copies)
+            if us is None:
                 continue
-            reps = a.calls or max(copies * 4, 40)
-            us = graph_time(call, s, reps) * 1e6
             print(json.dumps({"form": name, "experts": E, "dim": D, "top_k": K, "copies": copies, "calls": reps,
                               "us_per_call": round(us, 2), "gate_gbps": round(nbytes / us / 1e3, 1)
                               if name in ("fused", "split", "gemv") else None,
