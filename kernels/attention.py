@@ -22,8 +22,8 @@ Kernels of `sparse_attention` (all tiles sized for decode, T = 1, and reused for
    of a key word one 16-byte load), each row's key is read once (8-byte words, 4 BF16) by a quad of lanes and used
    for 4 heads; quads combine through shared. Loads go out in batches: a thread's 16 query values and its RoPE
    table values together, the first row's index and first 8 words before the query's staging, each next group of
-   8 words before the current group's products (a loop of load-then-use waited a round trip at each step: about
-   20 a block, which made the kernel's time the same at 128 rows as at 640).
+   8 words before the current group's products (the staging's loop of load, rotate, store waited a round trip at
+   each step, 16 to 20 a block: 9.7 us a call at 128 rows against 6.8 now, H200, BENCHMARKS.md).
    Optionally the queries' forward RoPE as they are staged (`rope_q`, kernels.rope's arithmetic): the engine's
    query path then has no launch of its own for it.
 2. softmax and values in one kernel: a block owns 4 heads x all Dh dims of a split of the rows. Warp w first
@@ -347,10 +347,10 @@ def _softmax_device(z, sink, t, h, lane, want_den):
 
 
 @inline_device
-def _tile_loads_device(z, win_idx, cmp_idx, t, h0, k, r_hi):
-    """What the value kernel's thread stages for row k of a tile (k < r_hi; past it the last row's, never used):
-    the key row's index and whether it is the window's (_key_row_device) and the row's 4 scores of the block's
-    heads, loads issued together."""
+def _tile_loads_device(z, win_idx, cmp_idx, t, h0, k):
+    """What the value kernel's thread stages for row k of a tile: the key row's index and whether it is the
+    window's (_key_row_device) and the row's 4 scores of the block's heads, loads issued together (past the last
+    row, the last row's: never staged)."""
     kc = min(k, z.shape[2] - 1)
     row, inw = _key_row_device(win_idx, cmp_idx, t, kc)
     return row, inw, z[t, h0, kc], z[t, h0 + 1, kc], z[t, h0 + 2, kc], z[t, h0 + 3, kc]
@@ -398,7 +398,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     m_sh = cuda.shared.array(HEADS_PER_BLOCK, np.float32)
     lane = tid % WARP
     hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
-    row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid, r_hi)   # the first
+    row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid)   # the first
     m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)          # tile's, before the softmax (no need of its max)
     if s == 0 and lane == 0:
         den[t, hw] = dv
@@ -421,7 +421,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     for base in range(r_lo, r_hi, VALUE_TILE):
         n = min(VALUE_TILE, r_hi - base)
         if base != r_lo:
-            row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, base + tid, r_hi)
+            row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, base + tid)
         if tid < n:                               # a thread a row (VALUE_TILE == THREADS)
             k_sh[tid], w_sh[tid] = row, inw
             e_sh[HEADS_PER_BLOCK * tid] = round_bf16_device(exp_f32_device(z0 - m_sh[0]))
