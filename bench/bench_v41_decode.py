@@ -73,10 +73,10 @@ def _args(argv=None):
                    help="where the MoE's shared expert runs (CudaBackend.shared_expert_at): early (default) on the "
                         "side stream from the FFN's norm on, beside the routing and the routed experts; side forked "
                         "after the routing; main on the main stream before the routed experts; the same bits")
-    p.add_argument("--ffn-mixes", choices=("apart", "side"), default="apart",
-                   help="where the FFN's mHC mixes run (CudaBackend.ffn_mixes_apart): apart (default) on a stream "
-                        "of their own beside the whole MoE, side on the side stream ahead of the shared expert; "
-                        "the same bits")
+    p.add_argument("--ffn-mixes", choices=("apart", "late", "side"), default="apart",
+                   help="where the FFN's mHC mixes run (CudaBackend.ffn_mixes_apart, ffn_mixes_late): apart "
+                        "(default) on a stream of their own beside the whole MoE, late the same forked after the "
+                        "routing, side on the side stream ahead of the shared expert; the same bits")
     p.add_argument("--attn-mixes", choices=("beside", "early"), default="beside",
                    help="where the attention's mHC mixes run (CudaBackend.attn_mixes_early): beside (default) on the "
                         "side stream after the window key, beside the scores and values; early on the mix stream "
@@ -585,7 +585,8 @@ def build(cfg, bits):
             b.side = b.mix = b.stream        # the forks and joins become no-ops (CudaBackend: side is stream)
     for b in backends.values():
         b.shared_expert_at = ARGS.shared_expert
-        b.ffn_mixes_apart = ARGS.ffn_mixes == "apart"
+        b.ffn_mixes_apart = ARGS.ffn_mixes in ("apart", "late")
+        b.ffn_mixes_late = ARGS.ffn_mixes == "late"
         b.attn_mixes_early = ARGS.attn_mixes == "early"
         b.l2_prefetch = tuple(n for n in ARGS.l2_prefetch.split(",") if n)
     return W, backends, gen

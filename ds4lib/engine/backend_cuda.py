@@ -158,6 +158,10 @@ class CudaBackend:
     `ffn_mixes_apart` (default True) runs the FFN's mHC mixes on the mix stream, forked after the FFN's norm and
     joined before its hc_post, beside the whole MoE; False puts them on the side stream ahead of the shared expert
     (from the fork on). On an H100 the defaults took 0.18 ms a V4.1 token less than ("side", False) (BENCHMARKS.md).
+    `ffn_mixes_late` (default False; with `ffn_mixes_apart`) forks the FFN's mixes onto the mix stream after the
+    routing instead of after the FFN's norm: with `shared_expert_at` "side" the routing then has the GPU to itself
+    (beside it the mixes and the shared expert held the SMs its blocks waited for: 20.8 us a call in the step, 8.4
+    alone, H200).
     `attn_mixes_early` (default False) runs the attention's mHC mixes on the mix stream, forked right after the
     attention norm (beside the query path: wq_a, the q latent's norm, wq_b) and joined before the attention's
     hc_post; False keeps them on the side stream after the window key, beside the scores and values.
@@ -171,7 +175,8 @@ class CudaBackend:
     simulated = _SIM               # under the CUDA simulator: nothing compiles (Engine.warm_up skips its run)
 
     def __init__(self, ctx, gains=None, bias=None, *, weights: CudaWeights | None = None, graphs: bool | None = None,
-                 shared_expert_at: str = "early", ffn_mixes_apart: bool = True, attn_mixes_early: bool = False):
+                 shared_expert_at: str = "early", ffn_mixes_apart: bool = True, attn_mixes_early: bool = False,
+                 ffn_mixes_late: bool = False):
         from ds4lib.engine.engine import EngineError
         self.ctx = ctx
         self.cfg = cfg = ctx.cfg
@@ -213,6 +218,7 @@ class CudaBackend:
         self.shared_expert_at = shared_expert_at
         self.ffn_mixes_apart = ffn_mixes_apart
         self.attn_mixes_early = attn_mixes_early
+        self.ffn_mixes_late = ffn_mixes_late
         self.l2_prefetch = ()
         self.scr = {}                 # scratch of fixed shapes (reused by every call of the same size)
         self.scr_var = {}             # scratch whose shapes follow the context length (pruned)
@@ -283,6 +289,17 @@ class CudaBackend:
         if not isinstance(apart, bool):
             raise ValueError(f"ffn_mixes_apart {apart!r}: expected True or False")
         self._ffn_mixes_apart = apart
+
+    @property
+    def ffn_mixes_late(self) -> bool:
+        """Whether `_layer` forks the FFN's mixes onto the mix stream after the routing (class docstring)."""
+        return self._ffn_mixes_late
+
+    @ffn_mixes_late.setter
+    def ffn_mixes_late(self, late):
+        if not isinstance(late, bool):
+            raise ValueError(f"ffn_mixes_late {late!r}: expected True or False")
+        self._ffn_mixes_late = late
 
     @property
     def attn_mixes_early(self) -> bool:
@@ -1141,10 +1158,14 @@ class CudaBackend:
         def mixes_f(stream, scratch):
             hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
                         **{**kw, "stream": stream, "scratch": scratch})
-        if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE
-            self._fork_mix()
-            mixes_f(self.mix, self.scr_mix)
-            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im)
+        if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE (or, late,
+            def mixes_apart():                           # beside the routed experts)
+                self._fork_mix()
+                mixes_f(self.mix, self.scr_mix)
+            if not self.ffn_mixes_late:
+                mixes_apart()
+            terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
+                              after_route=mixes_apart if self.ffn_mixes_late else None)
         else:                                            # on the side stream, ahead of the shared expert
             terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
                               beside=lambda: mixes_f(self.side, self.scr_side))
@@ -1459,13 +1480,14 @@ class CudaBackend:
             observer(l, "topk", topk.copy_to_host().astype(np.int64))
 
     # ------------------------------------------------------------------ MoE
-    def _moe(self, l, c, x, xq, observer, beside=None, staged=None, sh_staged=None):
+    def _moe(self, l, c, x, xq, observer, beside=None, staged=None, sh_staged=None, after_route=None):
         """The layer's MoE over x [T, D] (xq: its act_quant_fp8 values; `staged`: xq as the VQ GEMV's B operand,
         written by the norm that made xq, else staged by the gate / up call; `sh_staged`: xq as the shared expert's
         gate / up integer-path operand, likewise (`_shared_im_staging`)): routing (with the expert plan for one
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
-        the side stream from the fork on -> the combine's terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
+        the side stream from the fork on, `after_route()` (the caller's) once the routing is queued -> the combine's
+        terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
         which the caller's hc_post forms (`_layer`). The side stream's work reads only xq, h and weights, and writes
         only its own buffers and scratch: the routing may run beside it ("early")."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
@@ -1491,6 +1513,8 @@ class CudaBackend:
         _, ids, rw = rout
         plan = plan._replace(ids=ids) if T == 1 else vq_gemv.vq_plan(ids, E, tile_rows=plan.tile_rows, out=plan,
                                                                       stream=s)
+        if after_route is not None:
+            after_route()
         if at == "side":
             ysh = fork(True)                             # after the routing, beside the routed experts
         elif at == "main":

@@ -236,12 +236,13 @@ def test_micro_shared_expert_placements_give_the_same_bits(micro):
     """`shared_expert_at` moves the shared expert (forked before the routing, after it, or on the main stream with
     the main scratch), `ffn_mixes_apart` the FFN's mixes (their own stream and scratch, or the side stream's) and
     `attn_mixes_early` the attention's (the mix stream from the attention norm on, sharing its scratch with the FFN's
-    mixes, or the side stream after the window key) without changing a bit: one decode step per placement against
-    the default placement's, eager (a pooled state's graph would replay the placement it was captured with; the
-    default's graphs are the other tests')."""
+    mixes, or the side stream after the window key) and `ffn_mixes_late` the FFN's mixes after the routing, without
+    changing a bit: one decode step per placement against the default placement's, eager (a pooled state's graph
+    would replay the placement it was captured with; the default's graphs are the other tests')."""
     _, cuda = micro
     be = cuda.backend
-    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early) == ("early", True, False)
+    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early, be.ffn_mixes_late) == \
+        ("early", True, False, False)
     got = {}
     graphs, be.graphs = be.graphs, False
     try:
@@ -251,8 +252,11 @@ def test_micro_shared_expert_placements_give_the_same_bits(micro):
                 got[at, apart] = cuda.logits([0], split=0)
         be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early = "early", True, True
         got["early", True, "attention's mixes early"] = cuda.logits([0], split=0)
+        be.shared_expert_at, be.attn_mixes_early, be.ffn_mixes_late = "side", False, True
+        got["side", True, "FFN's mixes after the routing"] = cuda.logits([0], split=0)
     finally:
-        be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early, be.graphs = "early", True, False, graphs
+        be.shared_expert_at, be.ffn_mixes_apart, be.graphs = "early", True, graphs
+        be.attn_mixes_early = be.ffn_mixes_late = False
     want = got["early", True]
     assert np.isfinite(want).all()
     assert be.scr_mix, "the mix stream's launchers made no scratch of their own"
@@ -268,7 +272,10 @@ def test_micro_shared_expert_placement_refuses_unknown_values(micro):
         be.ffn_mixes_apart = "yes"
     with pytest.raises(ValueError, match=r"attn_mixes_early 1: expected True or False"):
         be.attn_mixes_early = 1
-    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early) == ("early", True, False)
+    with pytest.raises(ValueError, match=r"ffn_mixes_late None: expected True or False"):
+        be.ffn_mixes_late = None
+    assert (be.shared_expert_at, be.ffn_mixes_apart, be.attn_mixes_early, be.ffn_mixes_late) == \
+        ("early", True, False, False)
 
 
 def test_micro_l2_prefetch_gives_the_same_bits(micro, monkeypatch):

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The fortieth session's second driver: whole decode steps with the attention's mixes beside the scores (default)
-# and early on the mix stream (--attn-mixes early), alternating; then the placement test on the GPU.
+# The fortieth session's second driver (prepared, not run): whole decode steps of the default stream placement, the
+# attention's mixes early (--attn-mixes early), the FFN's mixes after the routing with the shared expert after it too
+# (--ffn-mixes late --shared-expert side), and both, in turn, ROUNDS (default 2) times; then the placement test on
+# the GPU. Run from the repository root of a staged checkout: bash bench/results/h200_20261207_s40/s40_call2.sh
 set -u
 ROOT=$OUT
 T0=$(date +%s)
@@ -13,12 +15,16 @@ echo "$GPU" > "$ROOT/gpu.txt"
 EXTRA=(); CTX=1024,65536
 if [[ "$GPU" == *H100* ]]; then EXTRA=(--experts 160); CTX=1024; fi
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
-for r in 1 2; do
-    for v in beside early; do
+VARIANTS=("default:" "attn_early:--attn-mixes early" "ffn_late:--ffn-mixes late --shared-expert side"
+          "both:--attn-mixes early --ffn-mixes late --shared-expert side")
+for r in $(seq 1 "${ROUNDS:-2}"); do
+    for spec in "${VARIANTS[@]}"; do
+        v=${spec%%:*}
+        read -r -a ARGS <<< "${spec#*:}"
         l=$(left); [ "$l" -lt 50 ] && { echo "skip $v r$r" >> "$ROOT/summary.txt"; continue; }
         t=$(date +%s)
         timeout $(( l < 200 ? l : 200 )) python3 bench/bench_v41_decode.py --contexts $CTX --rounds 3 --trace-steps 0 \
-            --graph-only --attn-mixes $v "${EXTRA[@]}" --out "$ROOT/decode_${v}_r$r.jsonl" > "$ROOT/decode_${v}_r$r.log" 2>&1
+            --graph-only "${ARGS[@]}" "${EXTRA[@]}" --out "$ROOT/decode_${v}_r$r.jsonl" > "$ROOT/decode_${v}_r$r.log" 2>&1
         echo "rc=$? $v r$r $(( $(date +%s) - t ))s" >> "$ROOT/summary.txt"
     done
 done
