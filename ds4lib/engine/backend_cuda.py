@@ -122,6 +122,21 @@ STAGE_Q_IN_NORM = True             # the q latent's norm stages its readers' ope
 STAGE_W2_IN_SWIGLU = True          # the shared expert's SwiGLU stages w2's operands (`_shared_expert`; tests compare)
 
 
+def _flag(name: str, doc: str) -> property:
+    """A CudaBackend placement option that is True or False: a property over `_name` whose setter refuses anything
+    else with a ValueError naming the option."""
+    attr = "_" + name
+
+    def get(self):
+        return getattr(self, attr)
+
+    def set_(self, value):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} {value!r}: expected True or False")
+        setattr(self, attr, value)
+    return property(get, set_, doc=doc)
+
+
 def _bucket(n: int, min_rows: int = BUCKET_MIN_ROWS) -> int:
     """The cache view of a decode step whose owner holds n rows: n rounded up to a multiple of max(min_rows, 1/8 of
     the next power of two), so a long session re-captures its graph every ~1/8 of its length and a short one once
@@ -279,39 +294,12 @@ class CudaBackend:
             raise ValueError(f"shared_expert_at {at!r}: expected one of {', '.join(SHARED_EXPERT_AT)}")
         self._shared_expert_at = at
 
-    @property
-    def ffn_mixes_apart(self) -> bool:
-        """Whether `_layer` runs the FFN's mixes on the mix stream (class docstring)."""
-        return self._ffn_mixes_apart
-
-    @ffn_mixes_apart.setter
-    def ffn_mixes_apart(self, apart):
-        if not isinstance(apart, bool):
-            raise ValueError(f"ffn_mixes_apart {apart!r}: expected True or False")
-        self._ffn_mixes_apart = apart
-
-    @property
-    def ffn_mixes_late(self) -> bool:
-        """Whether `_layer` forks the FFN's mixes onto the mix stream after the routing (class docstring)."""
-        return self._ffn_mixes_late
-
-    @ffn_mixes_late.setter
-    def ffn_mixes_late(self, late):
-        if not isinstance(late, bool):
-            raise ValueError(f"ffn_mixes_late {late!r}: expected True or False")
-        self._ffn_mixes_late = late
-
-    @property
-    def attn_mixes_early(self) -> bool:
-        """Whether `_layer` runs the attention's mixes on the mix stream from the attention norm on (class
-        docstring)."""
-        return self._attn_mixes_early
-
-    @attn_mixes_early.setter
-    def attn_mixes_early(self, early):
-        if not isinstance(early, bool):
-            raise ValueError(f"attn_mixes_early {early!r}: expected True or False")
-        self._attn_mixes_early = early
+    ffn_mixes_apart = _flag("ffn_mixes_apart", "Whether `_layer` runs the FFN's mixes on the mix stream (class "
+                            "docstring).")
+    ffn_mixes_late = _flag("ffn_mixes_late", "Whether `_layer` forks the FFN's mixes onto the mix stream after the "
+                           "routing (class docstring).")
+    attn_mixes_early = _flag("attn_mixes_early", "Whether `_layer` runs the attention's mixes on the mix stream from "
+                             "the attention norm on (class docstring).")
 
     @property
     def l2_prefetch(self) -> tuple:
