@@ -1110,26 +1110,25 @@ class CudaBackend:
         # collapse), so they run on the side stream: after the collapse, beside the attention / the routed experts.
         # The attention's mixes go after the side stream's share of the attention (the window key, the compressor),
         # which the attention waits for: not ahead of it
-        kw = dict(norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=self.scr_side,
-                  stream=self.side)
+        def mixes(part, out, stream=self.side, scratch=self.scr_side):   # part: "attn" or "ffn"
+            hc.hc_mixes(h, w[f"hc_{part}_fn"], w[f"hc_{part}_base"], w[f"hc_{part}_scale"], out=out,
+                        norm_eps=cfg.norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, scratch=scratch,
+                        stream=stream)
         mix_a = (self._buf("a_pre", (T, 4)), self._buf("a_post", (T, 4)), self._buf("a_comb", (T, 4, 4)))
         x, xq = self._buf("x_attn", (T, D)), self._buf("x_attn_q", (T, D))
         a_im = self._xq_im_staging(l, T) if attend is None else None
         rms_norm.hc_rms_norm(h, c.pre, w["attn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, im=a_im, stream=s)
         self._fork()                                     # after the collapse: it has the GPU to itself
-
-        def mixes_a(stream=self.side, scratch=self.scr_side):
-            hc.hc_mixes(h, w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"], out=mix_a,
-                        **{**kw, "stream": stream, "scratch": scratch})
         early = self.attn_mixes_early and attend is None
         if early:                                        # on the mix stream, beside the query path
             self._fork_mix()
-            mixes_a(self.mix, self.scr_mix)
+            mixes("attn", mix_a, self.mix, self.scr_mix)
         if attend is not None:                           # a draft stage's attention: the mixes first, beside it
-            mixes_a()
+            mixes("attn", mix_a)
             y = attend(x)
         else:
-            y = self._attention(l, st, c, x, xq, observer, beside=None if early else mixes_a, xq_im=a_im)
+            y = self._attention(l, st, c, x, xq, observer, beside=None if early else lambda: mixes("attn", mix_a),
+                                xq_im=a_im)
         if observer:
             observer(l, "attn_out", y.copy_to_host())
         self._join()
@@ -1142,21 +1141,17 @@ class CudaBackend:
         sh_im = self._shared_im_staging(l, T)
         rms_norm.hc_rms_norm(h, mix_a[0], w["ffn_norm.weight"], cfg.norm_eps, out=x, out_q=xq, vq=staged, im=sh_im,
                              stream=s)
-
-        def mixes_f(stream, scratch):
-            hc.hc_mixes(h, w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"], out=mix_f,
-                        **{**kw, "stream": stream, "scratch": scratch})
         if self.ffn_mixes_apart:                         # on the mix stream, beside the whole MoE (or, late,
             def mixes_apart():                           # beside the routed experts)
                 self._fork_mix()
-                mixes_f(self.mix, self.scr_mix)
+                mixes("ffn", mix_f, self.mix, self.scr_mix)
             if not self.ffn_mixes_late:
                 mixes_apart()
             terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
                               after_route=mixes_apart if self.ffn_mixes_late else None)
         else:                                            # on the side stream, ahead of the shared expert
             terms = self._moe(l, c, x, xq, observer, staged=staged, sh_staged=sh_im,
-                              beside=lambda: mixes_f(self.side, self.scr_side))
+                              beside=lambda: mixes("ffn", mix_f))
         if self.ffn_mixes_apart or self._l2_prefetch:    # the mixes and the prefetches are done
             self._join_mix()
         if observer or not COMBINE_IN_POST:               # the combine on its own (the observer reads its output)
