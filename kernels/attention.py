@@ -374,6 +374,23 @@ def _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0, n, tid, kr, words):
         words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
 
 
+@inline_device
+def _first_group_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r_lo, r_hi, tid, kr, words):
+    """What _value_group_device gives for the split's first group (rows r_lo + g, g < VALUE_GROUP, of its first tile),
+    from the key indices themselves rather than the tile's staging, so that its loads go out before the softmax: the
+    group's 8 index loads together, then its 8 word loads. For a split with rows (r_lo < r_hi)."""
+    kw = win_idx.shape[1]
+    inw = cuda.local.array(VALUE_GROUP, np.bool_)
+    for g in range(VALUE_GROUP):              # every slot below r_hi <= kw + Kc is a row of one of the indices
+        r = min(r_lo + g, r_hi - 1)
+        inw[g] = r < kw
+        ia = win_idx[t] if inw[g] else cmp_idx[t]
+        i = ia[r if inw[g] else r - kw]
+        kr[g] = i if r_lo + g < r_hi else np.int64(-1)
+    for g in range(VALUE_GROUP):
+        words[g] = _value_word_device(win_keys, cmp_keys, kr[g], inw[g], tid)
+
+
 @cuda.jit(cache=True)
 def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     """The softmax and the weighted sum of the values. Warp w takes head h0 + w: the scores' max m over all rows
@@ -383,7 +400,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     last chunk may be short); each chunk is summed from zero in row order and the chunk sums are added in order, so
     the result does not depend on how many chunks a split holds as long as the splits are 1 or one per chunk (the
     launcher's choices). Rows go in groups of VALUE_GROUP with the group's key loads issued before its
-    arithmetic."""
+    arithmetic, the next group's before the current group's sums, and the first group's before the softmax."""
     grid_entry_device()
     tid = cuda.threadIdx.x
     s = cuda.blockIdx.x
@@ -399,7 +416,11 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     lane = tid % WARP
     hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
     row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid)   # the first
-    m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)          # tile's, before the softmax (no need of its max)
+    kr = cuda.local.array(VALUE_GROUP, np.int64)                   # tile's, and its first group's key words,
+    words = cuda.local.array(VALUE_GROUP, np.uint64)               # before the softmax (no need of its max)
+    if tid < nw and r_lo < r_hi and n_rows <= win_idx.shape[1] + cmp_idx.shape[1]:   # (no key rows: one invalid
+        _first_group_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r_lo, r_hi, tid, kr, words)   # row, staged)
+    m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)
     if s == 0 and lane == 0:
         den[t, hw] = dv
     if lane == 0:
@@ -410,8 +431,6 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
     acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
     tot = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
-    kr = cuda.local.array(VALUE_GROUP, np.int64)
-    words = cuda.local.array(VALUE_GROUP, np.uint64)
     kr2 = cuda.local.array(VALUE_GROUP, np.int64)
     words2 = cuda.local.array(VALUE_GROUP, np.uint64)
     for hh in range(HEADS_PER_BLOCK):
@@ -430,7 +449,8 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
             e_sh[HEADS_PER_BLOCK * tid + 3] = round_bf16_device(exp_f32_device(z3 - m_sh[3]))
         cuda.syncthreads()
         if tid < nw:
-            _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
+            if base != r_lo or n_rows > win_idx.shape[1] + cmp_idx.shape[1]:
+                _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
             for k0 in range(0, n, VALUE_GROUP):
                 _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0 + VALUE_GROUP, n, tid, kr2, words2)   # the
                 for g in range(VALUE_GROUP):                            # next group's loads before this one's sums

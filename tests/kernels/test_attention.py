@@ -216,6 +216,35 @@ def test_value_kernel_softmax_denominator_and_scores(cuda_ready, n):
     assert (outs[0][2] == 0).all()
 
 
+def test_value_splits_whose_first_group_straddles_the_window_end(cuda_ready):
+    """The value kernel loads each split's first group of key words from the key indices before the softmax. With 36
+    window slots and 32-row splits, split 1's first group holds window rows 32..35 and compressed rows 36..39, and the
+    last split holds 3 rows (a group past its end); invalid slots on both sides. Each split count gives the
+    reference's output."""
+    from kernels.attention import sparse_attention
+    rng = np.random.default_rng(36)
+    n_win, kw, n_cmp, kc = 40, 36, 50, 31            # 67 rows: splits of 32, 32 and 3
+    win, cmp = _rows(rng, n_win), _rows(rng, n_cmp)
+    win_idx = np.stack([rng.permutation(n_win)[:kw] for _ in range(2)]).astype(np.int32)
+    cmp_idx = np.stack([rng.permutation(n_cmp)[:kc] for _ in range(2)]).astype(np.int32)
+    win_idx[0, 33], cmp_idx[1, 1], cmp_idx[0, -1] = -1, -1, -1
+    q = round_bf16(rng.standard_normal((2, 4, DH)))
+    sink = rng.standard_normal(4).astype(np.float32)
+    scale = DH ** -0.5
+    mask = np.zeros((2, n_win), bool)
+    for t in range(2):
+        mask[t, win_idx[t][win_idx[t] >= 0]] = True
+    want = ref_attention(q, win, mask, cmp[np.maximum(cmp_idx, 0)], cmp_idx >= 0, sink, scale)
+    outs = []
+    for n_split in (1, 3):
+        got = sparse_attention(cuda_ready.to_device(q), cuda_ready.to_device(f32_to_bf16_bits(win)),
+                               cuda_ready.to_device(win_idx), cuda_ready.to_device(f32_to_bf16_bits(cmp)),
+                               cuda_ready.to_device(cmp_idx), cuda_ready.to_device(sink), scale, n_split=n_split)
+        outs.append(got.copy_to_host())
+        assert_matches("sparse_attention", outs[-1], want)
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
 def test_sparse_attention_at_the_v41_head_dim(cuda_ready):
     """Head dim 512, V4.1's: a score lane loads 32 words of a row, in four groups of 8, before its products, and
     the value kernel 32 rows' words; every word and row counts (against the reference, and a score against its
