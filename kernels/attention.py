@@ -179,29 +179,44 @@ def _key_view_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r):
 def _score_words_device(kr, w0, nw):
     """The 8 key words w0, w0 + 4, ..., w0 + 28 of a score lane (SCORE_GROUP), each clamped to the row's last word:
     loads issued together."""
-    last = nw - 1
-    return (kr[min(w0, last)], kr[min(w0 + 4, last)], kr[min(w0 + 8, last)], kr[min(w0 + 12, last)],
-            kr[min(w0 + 16, last)], kr[min(w0 + 20, last)], kr[min(w0 + 24, last)], kr[min(w0 + 28, last)])
+    last = np.uint32(nw - 1)
+    b = np.uint32(w0)
+    return (kr[min(b, last)], kr[_min_u32(b, 4, last)], kr[_min_u32(b, 8, last)], kr[_min_u32(b, 12, last)],
+            kr[_min_u32(b, 16, last)], kr[_min_u32(b, 20, last)], kr[_min_u32(b, 24, last)], kr[_min_u32(b, 28, last)])
+
+
+@inline_device
+def _min_u32(b, k, last):
+    """min(b + k, last) in 32-bit unsigned arithmetic (numba widens b + k to 64 bits: a 64-bit compare, select and
+    address each): a key word's index, so that its address is one wide multiply-add."""
+    return min(np.uint32(b + np.uint32(k)), last)
 
 
 @inline_device
 def _score_word_device(q_sh, w, word, nw, a0, a1, a2, a3):
-    """(a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3) when w < nw, else a_h. q_sh
-    holds head h's query at h * DH_MAX: a head's 4 values are one 16-byte shared load (load4_device)."""
+    """_score_word_in_row_device when w < nw, else (a0, a1, a2, a3)."""
     if w < nw:
-        k0 = bf16x4_device(word, 0)
-        k1 = bf16x4_device(word, 1)
-        k2 = bf16x4_device(word, 2)
-        k3 = bf16x4_device(word, 3)
-        i = 4 * w
-        q0, q1, q2, q3 = load4_device(q_sh, i)
-        a0 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
-        q0, q1, q2, q3 = load4_device(q_sh, DH_MAX + i)
-        a1 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
-        q0, q1, q2, q3 = load4_device(q_sh, 2 * DH_MAX + i)
-        a2 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
-        q0, q1, q2, q3 = load4_device(q_sh, 3 * DH_MAX + i)
-        a3 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+        a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w, word, a0, a1, a2, a3)
+    return a0, a1, a2, a3
+
+
+@inline_device
+def _score_word_in_row_device(q_sh, w, word, a0, a1, a2, a3):
+    """a_h + q[h, 4w .. 4w+3] . the word's 4 values for the block's heads h = 0..3. q_sh holds head h's query at
+    h * DH_MAX: a head's 4 values are one 16-byte shared load (load4_device)."""
+    k0 = bf16x4_device(word, 0)
+    k1 = bf16x4_device(word, 1)
+    k2 = bf16x4_device(word, 2)
+    k3 = bf16x4_device(word, 3)
+    i = 4 * w
+    q0, q1, q2, q3 = load4_device(q_sh, i)
+    a0 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+    q0, q1, q2, q3 = load4_device(q_sh, DH_MAX + i)
+    a1 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+    q0, q1, q2, q3 = load4_device(q_sh, 2 * DH_MAX + i)
+    a2 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
+    q0, q1, q2, q3 = load4_device(q_sh, 3 * DH_MAX + i)
+    a3 += q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3
     return a0, a1, a2, a3
 
 
@@ -273,14 +288,24 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             for w0 in range(qd, nw, 4 * SCORE_GROUP):
                 y = _score_words_device(kr, w0 + 4 * SCORE_GROUP, nw)   # the next group's loads (clamped past
                 x0, x1, x2, x3, x4, x5, x6, x7 = x                      # the end) before this group's products
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)   # products in word order
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x3, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 16, x4, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x5, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x6, nw, a0, a1, a2, a3)
-                a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 28, x7, nw, a0, a1, a2, a3)
+                if w0 + 4 * (SCORE_GROUP - 1) < nw:                     # the whole group in the row (every group
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0, x0, a0, a1, a2, a3)   # when Dh % 128 == 0):
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 4, x1, a0, a1, a2, a3)   # no word's guard
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 8, x2, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 12, x3, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 16, x4, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 20, x5, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 24, x6, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 28, x7, a0, a1, a2, a3)
+                else:                                                   # products in word order, past the row's
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)      # end none
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x3, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 16, x4, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 20, x5, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 24, x6, nw, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 28, x7, nw, a0, a1, a2, a3)
                 x = y
         red[rr * HEADS_PER_BLOCK, tid] = a0
         red[rr * HEADS_PER_BLOCK + 1, tid] = a1
