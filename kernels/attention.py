@@ -327,9 +327,9 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
 def _scores_device(z, t, h, r, v):
     """v[i] = z[t, h, r + 32 i] for i < SOFTMAX_LOADS, the row clamped to the last (every load goes out before any
     is used: a lane's rows are otherwise one dependent L2 round trip each)."""
-    last = z.shape[2] - 1
+    last = np.uint32(z.shape[2] - 1)
     for i in range(SOFTMAX_LOADS):
-        v[i] = z[t, h, min(r + WARP * i, last)]
+        v[i] = z[t, h, _min_u32(r, WARP * i, last)]
 
 
 @inline_device
@@ -385,8 +385,9 @@ def _tile_loads_device(z, win_idx, cmp_idx, t, h0, k):
 def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
     """Key word `col` of a row (8 bytes, 4 BF16): row kr of the window buffer or of the compressed cache; row 0
     of it when kr < 0 (a load that is never used, so that the loads of a group go out together)."""
-    r = max(kr, 0)
-    return win_keys[r, col] if from_win else cmp_keys[r, col]
+    r = np.uint32(max(kr, 0))                     # unsigned indices: no wraparound arithmetic in the address
+    c = np.uint32(col)
+    return win_keys[r, c] if from_win else cmp_keys[r, c]
 
 
 @inline_device
@@ -394,7 +395,7 @@ def _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0, n, tid, kr, words):
     """kr[g], words[g] = the key row and word `tid` of staged row k0 + g of the tile (g < VALUE_GROUP), -1 and row
     0's word past its n rows: the group's loads issued together."""
     for g in range(VALUE_GROUP):
-        k = min(k0 + g, n - 1)
+        k = np.uint32(min(k0 + g, n - 1))
         kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
         words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
 
