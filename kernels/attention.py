@@ -333,14 +333,11 @@ def _scores_device(z, t, h, r, v):
 
 
 @inline_device
-def _softmax_device(z, sink, t, h, lane, want_den):
-    """(m, den) of (t, h) in every lane of the warp: m the largest score over its rows (each lane its rows lane,
-    lane + 32, ... in order, then xor shuffles), NEG_BIG in place of -inf when no row is valid; den, when
-    `want_den`, the float64 sum of exp(z - m) over the rows (lane-strided in row order, then the warp's tree) plus
-    exp(sink - m), as FP32, 0 when no row is valid (valid in lane 0; 0 when not wanted). Up to WARP * SOFTMAX_LOADS
-    rows (V4.1's 640) are one batch of loads, which the denominator reuses; more are read again."""
+def _softmax_max_device(z, t, h, lane, v):
+    """(m, has) of (t, h) in every lane of the warp: m the largest score over its rows (each lane its rows lane,
+    lane + 32, ... in order, then xor shuffles), NEG_BIG in place of -inf when no row is valid (has False). Up to
+    WARP * SOFTMAX_LOADS rows (V4.1's 640) are one batch of loads, left in v for _softmax_den_device."""
     n = z.shape[2]
-    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
     m = NEG_INF
     r = lane
     while r < n:
@@ -354,21 +351,26 @@ def _softmax_device(z, sink, t, h, lane, want_den):
         m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
         off //= 2
     has = m > NEG_INF
-    m = m if has else NEG_BIG
-    dv = np.float32(0.0)
-    if want_den:                                  # (warp-uniform)
-        acc = 0.0
-        r = lane
-        while r < n:
-            if n > WARP * SOFTMAX_LOADS:
-                _scores_device(z, t, h, r, v)
-            for i in range(SOFTMAX_LOADS):
-                if r + WARP * i < n:
-                    acc += np.float64(exp_f32_device(v[i] - m))
-            r += WARP * SOFTMAX_LOADS
-        acc = warp_tree_sum_device(acc)
-        dv = np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
-    return m, dv
+    return (m if has else NEG_BIG), has
+
+
+@inline_device
+def _softmax_den_device(z, sink, t, h, lane, m, has, v):
+    """The softmax's denominator of (t, h) for _softmax_max_device's (m, has) and batch v: the float64 sum of
+    exp(z - m) over the rows (lane-strided in row order, then the warp's tree) plus exp(sink - m), as FP32, 0 when no
+    row is valid (valid in lane 0). Rows past one batch are read again."""
+    n = z.shape[2]
+    acc = 0.0
+    r = lane
+    while r < n:
+        if n > WARP * SOFTMAX_LOADS:
+            _scores_device(z, t, h, r, v)
+        for i in range(SOFTMAX_LOADS):
+            if r + WARP * i < n:
+                acc += np.float64(exp_f32_device(v[i] - m))
+        r += WARP * SOFTMAX_LOADS
+    acc = warp_tree_sum_device(acc)
+    return np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
 
 
 @inline_device
@@ -401,18 +403,23 @@ def _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0, n, tid, kr, words):
 
 
 @inline_device
-def _first_group_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r_lo, r_hi, tid, kr, words):
-    """What _value_group_device gives for the split's first group (rows r_lo + g, g < VALUE_GROUP, of its first tile),
-    from the key indices themselves rather than the tile's staging, so that its loads go out before the softmax: the
-    group's 8 index loads together, then its 8 word loads. For a split with rows (r_lo < r_hi)."""
+def _first_rows_device(win_idx, cmp_idx, t, r_lo, r_hi, kr, inw):
+    """kr[g], inw[g]: the key row (-1 past r_hi) and its buffer of the split's first group of rows, r_lo + g (g <
+    VALUE_GROUP), from the key indices themselves (what the first tile's staging will hold): the 8 index loads go out
+    together before the softmax, and _first_words_device's word loads after its max. For a split with rows
+    (r_lo < r_hi)."""
     kw = win_idx.shape[1]
-    inw = cuda.local.array(VALUE_GROUP, np.bool_)
     for g in range(VALUE_GROUP):              # every slot below r_hi <= kw + Kc is a row of one of the indices
         r = min(r_lo + g, r_hi - 1)
         inw[g] = r < kw
         ia = win_idx[t] if inw[g] else cmp_idx[t]
         i = ia[r if inw[g] else r - kw]
         kr[g] = i if r_lo + g < r_hi else np.int64(-1)
+
+
+@inline_device
+def _first_words_device(win_keys, cmp_keys, kr, inw, tid, words):
+    """words[g]: what _value_group_device loads for the first group's rows (_first_rows_device's kr, inw)."""
     for g in range(VALUE_GROUP):
         words[g] = _value_word_device(win_keys, cmp_keys, kr[g], inw[g], tid)
 
@@ -442,13 +449,20 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     lane = tid % WARP
     hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
     row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid)   # the first
-    kr = cuda.local.array(VALUE_GROUP, np.int64)                   # tile's, and its first group's key words,
-    words = cuda.local.array(VALUE_GROUP, np.uint64)               # before the softmax (no need of its max)
-    if tid < nw and r_lo < r_hi and n_rows <= win_idx.shape[1] + cmp_idx.shape[1]:   # (no key rows: one invalid
-        _first_group_device(win_keys, win_idx, cmp_keys, cmp_idx, t, r_lo, r_hi, tid, kr, words)   # row, staged)
-    m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)
-    if s == 0 and lane == 0:
-        den[t, hw] = dv
+    kr = cuda.local.array(VALUE_GROUP, np.int64)                   # tile's, and its first group's key rows,
+    in_win = cuda.local.array(VALUE_GROUP, np.bool_)               # before the softmax (no need of its max)
+    words = cuda.local.array(VALUE_GROUP, np.uint64)
+    first = tid < nw and r_lo < r_hi and n_rows <= win_idx.shape[1] + cmp_idx.shape[1]   # (no key rows: one
+    if first:                                                                           # invalid row, staged)
+        _first_rows_device(win_idx, cmp_idx, t, r_lo, r_hi, kr, in_win)
+    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
+    m, has = _softmax_max_device(z, t, hw, lane, v)
+    if first:                                     # the first group's words: their rows have arrived by now
+        _first_words_device(win_keys, cmp_keys, kr, in_win, tid, words)
+    if s == 0:                                    # (block-uniform)
+        dv = _softmax_den_device(z, sink, t, hw, lane, m, has, v)
+        if lane == 0:
+            den[t, hw] = dv
     if lane == 0:
         m_sh[tid // WARP] = m
     cuda.syncthreads()
@@ -475,7 +489,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
             e_sh[HEADS_PER_BLOCK * tid + 3] = round_bf16_device(exp_f32_device(z3 - m_sh[3]))
         cuda.syncthreads()
         if tid < nw:
-            if base != r_lo or n_rows > win_idx.shape[1] + cmp_idx.shape[1]:
+            if base != r_lo or not first:
                 _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
             for k0 in range(0, n, VALUE_GROUP):
                 _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0 + VALUE_GROUP, n, tid, kr2, words2)   # the
@@ -536,11 +550,11 @@ def attn_combine_kernel(part, den, positions, cos, sin, has_rope, kv, kv_pos, ri
         sn = -sin[positions[t], p]
     num = part[t, 0, h, d]
     v = cuda.local.array(COMBINE_LOADS, np.float32)
-    last = n_split - 1
+    last = np.uint32(n_split - 1)
     s = 1
     while s < n_split:                               # the splits added in order, COMBINE_LOADS loads in flight
         for i in range(COMBINE_LOADS):
-            v[i] = part[t, min(s + i, last), h, d]
+            v[i] = part[t, _min_u32(s, i, last), h, d]
         for i in range(COMBINE_LOADS):
             if s + i < n_split:
                 num += v[i]
