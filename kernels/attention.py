@@ -327,17 +327,20 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
 def _scores_device(z, t, h, r, v):
     """v[i] = z[t, h, r + 32 i] for i < SOFTMAX_LOADS, the row clamped to the last (every load goes out before any
     is used: a lane's rows are otherwise one dependent L2 round trip each)."""
-    last = np.uint32(z.shape[2] - 1)
+    last = z.shape[2] - 1
     for i in range(SOFTMAX_LOADS):
-        v[i] = z[t, h, _min_u32(r, WARP * i, last)]
+        v[i] = z[t, h, min(r + WARP * i, last)]
 
 
 @inline_device
-def _softmax_max_device(z, t, h, lane, v):
-    """(m, has) of (t, h) in every lane of the warp: m the largest score over its rows (each lane its rows lane,
-    lane + 32, ... in order, then xor shuffles), NEG_BIG in place of -inf when no row is valid (has False). Up to
-    WARP * SOFTMAX_LOADS rows (V4.1's 640) are one batch of loads, left in v for _softmax_den_device."""
+def _softmax_device(z, sink, t, h, lane, want_den):
+    """(m, den) of (t, h) in every lane of the warp: m the largest score over its rows (each lane its rows lane,
+    lane + 32, ... in order, then xor shuffles), NEG_BIG in place of -inf when no row is valid; den, when
+    `want_den`, the float64 sum of exp(z - m) over the rows (lane-strided in row order, then the warp's tree) plus
+    exp(sink - m), as FP32, 0 when no row is valid (valid in lane 0; 0 when not wanted). Up to WARP * SOFTMAX_LOADS
+    rows (V4.1's 640) are one batch of loads, which the denominator reuses; more are read again."""
     n = z.shape[2]
+    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
     m = NEG_INF
     r = lane
     while r < n:
@@ -351,26 +354,21 @@ def _softmax_max_device(z, t, h, lane, v):
         m = max(m, cuda.shfl_xor_sync(0xFFFFFFFF, m, off))
         off //= 2
     has = m > NEG_INF
-    return (m if has else NEG_BIG), has
-
-
-@inline_device
-def _softmax_den_device(z, sink, t, h, lane, m, has, v):
-    """The softmax's denominator of (t, h) for _softmax_max_device's (m, has) and batch v: the float64 sum of
-    exp(z - m) over the rows (lane-strided in row order, then the warp's tree) plus exp(sink - m), as FP32, 0 when no
-    row is valid (valid in lane 0). Rows past one batch are read again."""
-    n = z.shape[2]
-    acc = 0.0
-    r = lane
-    while r < n:
-        if n > WARP * SOFTMAX_LOADS:
-            _scores_device(z, t, h, r, v)
-        for i in range(SOFTMAX_LOADS):
-            if r + WARP * i < n:
-                acc += np.float64(exp_f32_device(v[i] - m))
-        r += WARP * SOFTMAX_LOADS
-    acc = warp_tree_sum_device(acc)
-    return np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+    m = m if has else NEG_BIG
+    dv = np.float32(0.0)
+    if want_den:                                  # (warp-uniform)
+        acc = 0.0
+        r = lane
+        while r < n:
+            if n > WARP * SOFTMAX_LOADS:
+                _scores_device(z, t, h, r, v)
+            for i in range(SOFTMAX_LOADS):
+                if r + WARP * i < n:
+                    acc += np.float64(exp_f32_device(v[i] - m))
+            r += WARP * SOFTMAX_LOADS
+        acc = warp_tree_sum_device(acc)
+        dv = np.float32(acc) + exp_f32_device(sink[h] - m) if has else np.float32(0.0)
+    return m, dv
 
 
 @inline_device
@@ -387,9 +385,8 @@ def _tile_loads_device(z, win_idx, cmp_idx, t, h0, k):
 def _value_word_device(win_keys, cmp_keys, kr, from_win, col):
     """Key word `col` of a row (8 bytes, 4 BF16): row kr of the window buffer or of the compressed cache; row 0
     of it when kr < 0 (a load that is never used, so that the loads of a group go out together)."""
-    r = np.uint32(max(kr, 0))                     # unsigned indices: no wraparound arithmetic in the address
-    c = np.uint32(col)
-    return win_keys[r, c] if from_win else cmp_keys[r, c]
+    r = max(kr, 0)
+    return win_keys[r, col] if from_win else cmp_keys[r, col]
 
 
 @inline_device
@@ -397,31 +394,9 @@ def _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0, n, tid, kr, words):
     """kr[g], words[g] = the key row and word `tid` of staged row k0 + g of the tile (g < VALUE_GROUP), -1 and row
     0's word past its n rows: the group's loads issued together."""
     for g in range(VALUE_GROUP):
-        k = np.uint32(min(k0 + g, n - 1))
+        k = min(k0 + g, n - 1)
         kr[g] = k_sh[k] if k0 + g < n else np.int64(-1)
         words[g] = _value_word_device(win_keys, cmp_keys, kr[g], w_sh[k], tid)
-
-
-@inline_device
-def _first_rows_device(win_idx, cmp_idx, t, r_lo, r_hi, kr, inw):
-    """kr[g], inw[g]: the key row (-1 past r_hi) and its buffer of the split's first group of rows, r_lo + g (g <
-    VALUE_GROUP), from the key indices themselves (what the first tile's staging will hold): the 8 index loads go out
-    together before the softmax, and _first_words_device's word loads after its max. For a split with rows
-    (r_lo < r_hi)."""
-    kw = win_idx.shape[1]
-    for g in range(VALUE_GROUP):              # every slot below r_hi <= kw + Kc is a row of one of the indices
-        r = min(r_lo + g, r_hi - 1)
-        inw[g] = r < kw
-        ia = win_idx[t] if inw[g] else cmp_idx[t]
-        i = ia[r if inw[g] else r - kw]
-        kr[g] = i if r_lo + g < r_hi else np.int64(-1)
-
-
-@inline_device
-def _first_words_device(win_keys, cmp_keys, kr, inw, tid, words):
-    """words[g]: what _value_group_device loads for the first group's rows (_first_rows_device's kr, inw)."""
-    for g in range(VALUE_GROUP):
-        words[g] = _value_word_device(win_keys, cmp_keys, kr[g], inw[g], tid)
 
 
 @cuda.jit(cache=True)
@@ -433,7 +408,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     last chunk may be short); each chunk is summed from zero in row order and the chunk sums are added in order, so
     the result does not depend on how many chunks a split holds as long as the splits are 1 or one per chunk (the
     launcher's choices). Rows go in groups of VALUE_GROUP with the group's key loads issued before its
-    arithmetic, the next group's before the current group's sums, and the first group's before the softmax."""
+    arithmetic."""
     grid_entry_device()
     tid = cuda.threadIdx.x
     s = cuda.blockIdx.x
@@ -449,20 +424,9 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     lane = tid % WARP
     hw = h0 + tid // WARP                         # the warp's head (THREADS // WARP == HEADS_PER_BLOCK)
     row, inw, z0, z1, z2, z3 = _tile_loads_device(z, win_idx, cmp_idx, t, h0, r_lo + tid)   # the first
-    kr = cuda.local.array(VALUE_GROUP, np.int64)                   # tile's, and its first group's key rows,
-    in_win = cuda.local.array(VALUE_GROUP, np.bool_)               # before the softmax (no need of its max)
-    words = cuda.local.array(VALUE_GROUP, np.uint64)
-    first = tid < nw and r_lo < r_hi and n_rows <= win_idx.shape[1] + cmp_idx.shape[1]   # (no key rows: one
-    if first:                                                                           # invalid row, staged)
-        _first_rows_device(win_idx, cmp_idx, t, r_lo, r_hi, kr, in_win)
-    v = cuda.local.array(SOFTMAX_LOADS, np.float32)
-    m, has = _softmax_max_device(z, t, hw, lane, v)
-    if first:                                     # the first group's words: their rows have arrived by now
-        _first_words_device(win_keys, cmp_keys, kr, in_win, tid, words)
-    if s == 0:                                    # (block-uniform)
-        dv = _softmax_den_device(z, sink, t, hw, lane, m, has, v)
-        if lane == 0:
-            den[t, hw] = dv
+    m, dv = _softmax_device(z, sink, t, hw, lane, s == 0)          # tile's, before the softmax (no need of its max)
+    if s == 0 and lane == 0:
+        den[t, hw] = dv
     if lane == 0:
         m_sh[tid // WARP] = m
     cuda.syncthreads()
@@ -471,6 +435,8 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
     w_sh = cuda.shared.array(VALUE_TILE, np.bool_)
     acc = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
     tot = cuda.local.array((HEADS_PER_BLOCK, 4), np.float32)
+    kr = cuda.local.array(VALUE_GROUP, np.int64)
+    words = cuda.local.array(VALUE_GROUP, np.uint64)
     kr2 = cuda.local.array(VALUE_GROUP, np.int64)
     words2 = cuda.local.array(VALUE_GROUP, np.uint64)
     for hh in range(HEADS_PER_BLOCK):
@@ -489,8 +455,7 @@ def attn_value_kernel(z, sink, win_keys, win_idx, cmp_keys, cmp_idx, den, part):
             e_sh[HEADS_PER_BLOCK * tid + 3] = round_bf16_device(exp_f32_device(z3 - m_sh[3]))
         cuda.syncthreads()
         if tid < nw:
-            if base != r_lo or not first:
-                _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
+            _value_group_device(win_keys, cmp_keys, k_sh, w_sh, 0, n, tid, kr, words)
             for k0 in range(0, n, VALUE_GROUP):
                 _value_group_device(win_keys, cmp_keys, k_sh, w_sh, k0 + VALUE_GROUP, n, tid, kr2, words2)   # the
                 for g in range(VALUE_GROUP):                            # next group's loads before this one's sums
