@@ -180,6 +180,8 @@ class CudaBackend:
     `attn_mixes_early` (default False) runs the attention's mHC mixes on the mix stream, forked right after the
     attention norm (beside the query path: wq_a, the q latent's norm, wq_b) and joined before the attention's
     hc_post; False keeps them on the side stream after the window key, beside the scores and values.
+    Neither gained on an H100 (whole V4.1 steps, each alone and both, with `shared_expert_at` "side": all within the
+    lease's drift; BENCHMARKS.md, forty-first session), so both stay off.
     `l2_prefetch` (a tuple of L2_PREFETCH's names; empty, the default, until timed) asks L2 for weights on the mix
     stream ahead of the GEMVs that read them (kernels.prefetch; the same bits): "wo" the layer's wo_a and wo_b,
     forked once its query projections are queued (beside the rope, scores and values); "wq" the next layer's wq_a
