@@ -288,17 +288,19 @@ def attn_score_kernel(q, win_keys, win_idx, cmp_keys, cmp_idx, scale, rows_per_q
             for w0 in range(qd, nw, 4 * SCORE_GROUP):
                 y = _score_words_device(kr, w0 + 4 * SCORE_GROUP, nw)   # the next group's loads (clamped past
                 x0, x1, x2, x3, x4, x5, x6, x7 = x                      # the end) before this group's products
-                if w0 + 4 * (SCORE_GROUP - 1) < nw:                     # the whole group in the row (every group
-                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0, x0, a0, a1, a2, a3)   # when Dh % 128 == 0):
-                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 4, x1, a0, a1, a2, a3)   # no word's guard
+                # products in word order; a group wholly inside the row (every group when Dh % 128 == 0) takes
+                # them without the per-word guard, any other group only for its words inside the row
+                if w0 + 4 * (SCORE_GROUP - 1) < nw:
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0, x0, a0, a1, a2, a3)
+                    a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 4, x1, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 8, x2, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 12, x3, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 16, x4, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 20, x5, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 24, x6, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_in_row_device(q_sh, w0 + 28, x7, a0, a1, a2, a3)
-                else:                                                   # products in word order, past the row's
-                    a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)      # end none
+                else:
+                    a0, a1, a2, a3 = _score_word_device(q_sh, w0, x0, nw, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 4, x1, nw, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 8, x2, nw, a0, a1, a2, a3)
                     a0, a1, a2, a3 = _score_word_device(q_sh, w0 + 12, x3, nw, a0, a1, a2, a3)
