@@ -1472,9 +1472,9 @@ class CudaBackend:
         token), the VQ experts with SwiGLU folded into the down projection's staging, the shared expert
         (`_shared_expert`) placed by `shared_expert_at` (class docstring), `beside()` (launches of the caller's) on
         the side stream from the fork on, `after_route()` (the caller's) once the routing is queued -> the combine's
-        terms (ye, ids, shared) of kernels.vq_gemv.moe_combine,
-        which the caller's hc_post forms (`_layer`). The side stream's work reads only xq, h and weights, and writes
-        only its own buffers and scratch: the routing may run beside it ("early")."""
+        terms (ye, ids, shared) of kernels.vq_gemv.moe_combine, which the caller's hc_post forms (`_layer`). The side
+        stream's work reads only xq, h and weights, and writes only its own buffers and scratch: the routing may run
+        beside it ("early")."""
         cfg, s, w, role = self.cfg, self.stream, self.L[l], self.roles[l]
         T, D, F, K = c.T, cfg.dim, cfg.moe_inter_dim, role.top_k
         E = w["vq_experts"]

@@ -217,10 +217,9 @@ def test_value_kernel_softmax_denominator_and_scores(cuda_ready, n):
 
 
 def test_value_splits_whose_first_group_straddles_the_window_end(cuda_ready):
-    """The value kernel loads each split's first group of key words from the key indices before the softmax. With 36
-    window slots and 32-row splits, split 1's first group holds window rows 32..35 and compressed rows 36..39, and the
-    last split holds 3 rows (a group past its end); invalid slots on both sides. Each split count gives the
-    reference's output."""
+    """Value splits across the window's end: with 36 window slots and 32-row splits, split 1's first group of rows
+    holds window rows 32..35 and compressed rows 36..39, and the last split holds 3 rows (a group past its end);
+    invalid slots on both sides. Each split count gives the reference's output, and both give the same bits."""
     from kernels.attention import sparse_attention
     rng = np.random.default_rng(36)
     n_win, kw, n_cmp, kc = 40, 36, 50, 31            # 67 rows: splits of 32, 32 and 3
