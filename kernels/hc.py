@@ -14,8 +14,10 @@ projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and
   `hc_mix_fused_kernel` (the finishing kernel alone cost 6.3 us a call on the H200, the pair 11.5 us, 80 calls a
   token) runs the same device functions, so it gives the same bits: every block writes its partials, and the last
   block to take a ticket from a device counter sums and finishes every token (its 128 threads take the 200 (mix, part)
-  sums of each token in turn, warp w finishes tokens w, w+4, ...) and puts the counter back to zero, so a captured
-  graph replays it and eager calls follow. Memory order: kernels.ticket's last-block pattern (as
+  sums of each token two at a time, both parts' loads in flight together; warp w finishes tokens w, w+4, ...) and
+  puts the counter back to zero, so a captured graph replays it and eager calls follow. Both mix kernels load their
+  first column's 24 weights before the grid entry (EARLY_READS, kernels.pdl): with a programmatic edge those loads
+  overlap the kernel before, and the block's work after the entry starts from its state column's load. Memory order: kernels.ticket's last-block pattern (as
   q4k_gemv.q4k_mma_kernel's split rows): a block barrier after the partial stores, thread 0's acquire-release atomic
   ticket, a second barrier before the last block's loads. The acquire invalidates the SM's L1 (CCTL.IVALL on sm_90; L1
   is not coherent across SMs), so the plain loads after it cannot be served stale lines (checked with nvdisasm; Numba
@@ -55,16 +57,30 @@ WARP = 32
 COLS_PER_BLOCK = 128          # S*D columns per partial block (V4.1: 160 blocks, one column per thread)
 FIN_PARTS = 8                 # threads summing one mix's partials in the finishing kernel
 FIN_THREADS = 256             # >= N_ACC * FIN_PARTS
-PART_LOADS = 10               # loads in flight per thread summing a part (_part_sum_device; V4.1: 20 a part)
+PART_LOADS = 20               # loads in flight per thread summing a part (_part_sum_device; V4.1: 20 a part)
 FUSED_T_MAX = 4               # tokens up to which hc_mixes takes the one-launch kernel (module docstring)
+MIX_MIN_BLOCKS = 4            # launch bounds of the mixes' kernels: 128 registers a thread at most, as before
+EARLY_READS = {"hc_mix_partial_kernel": ("fn", "cols"),     # parameters read before the grid entry (kernels.pdl):
+               "hc_mix_fused_kernel": ("fn", "cols")}       # the first column's weights
 
 
 @inline_device
-def _mix_partial_device(h2, fn, cols, partial):
+def _fn_column_device(fn, cols, fv):
+    """fv[m] = fn[m, k] (m < 24) for this thread's first column k = blockIdx.x * cols + threadIdx.x of its block
+    (clamped to the last column: a thread without one loads a valid word it never uses). Reads fn alone, so the
+    kernels take it before their grid entry (EARLY_READS: no step's kernel writes the mixes' weights)."""
+    k = min(cuda.blockIdx.x * cols + cuda.threadIdx.x, fn.shape[1] - 1)
+    for m in range(N_MIX):
+        fv[m] = fn[m, k]
+
+
+@inline_device
+def _mix_partial_device(h2, fn, cols, partial, fv):
     """partial[t, b, m] = sum over block b's columns k of fn[m, k] h2[t, k] (m < 24), partial[t, b, 24] the
-    sum of squares; float64. Each thread keeps its columns' 25 sums; they meet in shared memory, where thread
-    (m, q) adds the 32 values of quarter q of row m in lane order, then thread m the four quarters: two
-    barriers, a fixed order. Every thread of the block (THREADS) calls it."""
+    sum of squares; float64. Each thread keeps its columns' 25 sums (its first column's weights fv from
+    _fn_column_device, the others loaded here); they meet in shared memory, where thread (m, q) adds the 32 values
+    of quarter q of row m in lane order, then thread m the four quarters: two barriers, a fixed order. Every thread
+    of the block (THREADS) calls it."""
     tid = cuda.threadIdx.x
     b = cuda.blockIdx.x
     n_tok, n_cols = h2.shape
@@ -76,7 +92,12 @@ def _mix_partial_device(h2, fn, cols, partial):
     for t in range(n_tok):
         for m in range(N_ACC):
             acc[m] = 0.0
-        for k in range(k0 + tid, k1, THREADS):
+        if k0 + tid < k1:                        # the first column: its weights already in fv
+            hv = np.float64(h2[t, k0 + tid])
+            acc[N_MIX] += hv * hv
+            for m in range(N_MIX):
+                acc[m] += np.float64(fv[m]) * hv
+        for k in range(k0 + tid + THREADS, k1, THREADS):
             hv = np.float64(h2[t, k])
             acc[N_MIX] += hv * hv
             for m in range(N_MIX):
@@ -97,11 +118,14 @@ def _mix_partial_device(h2, fn, cols, partial):
         # the next token's first barrier orders these reads of `quarter` before its overwrites
 
 
-@bounded_jit(THREADS)
+@bounded_jit(THREADS, MIX_MIN_BLOCKS)
 def hc_mix_partial_kernel(h2, fn, cols, partial):
-    """The partials of every token, one block per COLS_PER_BLOCK columns (_mix_partial_device)."""
+    """The partials of every token, one block per COLS_PER_BLOCK columns (_mix_partial_device); the first column's
+    weights are loaded before the grid entry (EARLY_READS)."""
+    fv = cuda.local.array(N_MIX, np.float32)
+    _fn_column_device(fn, cols, fv)
     grid_entry_device()
-    _mix_partial_device(h2, fn, cols, partial)
+    _mix_partial_device(h2, fn, cols, partial, fv)
 
 
 @inline_device
@@ -119,30 +143,64 @@ def _gather_sum_device(c, src0, stride):
 
 
 @inline_device
+def _part_loads_device(partial, t, m_, p, r, n_blk, v):
+    """v[i] = partial[t, b, m_] for b = p + (r + i) FIN_PARTS, i < PART_LOADS: one batch of loads in flight, without
+    branches (b past n_blk reads block n_blk - 1's, which _part_adds_device leaves out)."""
+    tu = np.uint32(t)                            # unsigned indices: no negative-index wraparound (docs/toolchain.md)
+    mu = np.uint32(m_)
+    last = np.uint32(n_blk - 1)
+    b0 = np.uint32(p + r * FIN_PARTS)
+    for i in range(PART_LOADS):
+        v[i] = partial[tu, min(b0 + np.uint32(i * FIN_PARTS), last), mu]
+
+
+@inline_device
+def _part_adds_device(s, p, r, n_blk, v):
+    """s plus the batch's values v[i] (b = p + (r + i) FIN_PARTS < n_blk), one at a time in b order."""
+    for i in range(PART_LOADS):
+        if p + (r + i) * FIN_PARTS < n_blk:
+            s += v[i]
+    return s
+
+
+@inline_device
 def _part_sum_device(partial, t, m_, p, n_blk):
     """Part p of mix m_ of token t: partial[t, b, m_] for b = p, p + FIN_PARTS, ... added in that order, PART_LOADS
-    loads in flight, then four, then one: V4.1's 20 partials a part take two rounds of dependent L2 loads, where
-    four at a time took five."""
+    loads in flight (V4.1's 20 partials a part: one round of L2 loads)."""
     s = 0.0
     v = cuda.local.array(PART_LOADS, np.float64)
-    b = p
-    while b + (PART_LOADS - 1) * FIN_PARTS < n_blk:
-        for i in range(PART_LOADS):
-            v[i] = partial[t, b + i * FIN_PARTS, m_]
-        for i in range(PART_LOADS):
-            s += v[i]
-        b += PART_LOADS * FIN_PARTS
-    while b + 3 * FIN_PARTS < n_blk:
-        v0 = partial[t, b, m_]
-        v1 = partial[t, b + FIN_PARTS, m_]
-        v2 = partial[t, b + 2 * FIN_PARTS, m_]
-        v3 = partial[t, b + 3 * FIN_PARTS, m_]
-        s = (((s + v0) + v1) + v2) + v3
-        b += 4 * FIN_PARTS
-    while b < n_blk:
-        s += partial[t, b, m_]
-        b += FIN_PARTS
+    r = 0
+    while p + r * FIN_PARTS < n_blk:
+        _part_loads_device(partial, t, m_, p, r, n_blk, v)
+        s = _part_adds_device(s, p, r, n_blk, v)
+        r += PART_LOADS
     return s
+
+
+@inline_device
+def _part_sum_pair_device(partial, i0, i1, n_blk):
+    """_part_sum_device of flat parts i0 and i1 (i = (t * N_ACC + m) * FIN_PARTS + p; i1 past the last: none, 0.0),
+    both parts' loads in flight together: the last block's thread takes its parts two at a time, one round of loads
+    where two parts one after the other took two (or four at V4.1's 20 partials and the old 10 loads a batch)."""
+    n_all = partial.shape[0] * N_ACC * FIN_PARTS
+    live1 = i1 < n_all
+    j1 = min(i1, n_all - 1)
+    t0, q0 = i0 // (N_ACC * FIN_PARTS), i0 % (N_ACC * FIN_PARTS)
+    t1, q1 = j1 // (N_ACC * FIN_PARTS), j1 % (N_ACC * FIN_PARTS)
+    m0, p0 = q0 // FIN_PARTS, q0 % FIN_PARTS
+    m1, p1 = q1 // FIN_PARTS, q1 % FIN_PARTS
+    s0 = 0.0
+    s1 = 0.0
+    v0 = cuda.local.array(PART_LOADS, np.float64)
+    v1 = cuda.local.array(PART_LOADS, np.float64)
+    r = 0
+    while p0 + r * FIN_PARTS < n_blk or (live1 and p1 + r * FIN_PARTS < n_blk):
+        _part_loads_device(partial, t0, m0, p0, r, n_blk, v0)
+        _part_loads_device(partial, t1, m1, p1, r, n_blk, v1)
+        s0 = _part_adds_device(s0, p0, r, n_blk, v0)
+        s1 = _part_adds_device(s1, p1, r, n_blk, v1)
+        r += PART_LOADS
+    return s0, s1
 
 
 @inline_device
@@ -199,26 +257,32 @@ def hc_mix_finish_kernel(partial, base, scale, n_cols, norm_eps, hc_eps, iters, 
     _mix_finish_device(parts, 0, t, tid, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
 
 
-@bounded_jit(THREADS)
+@bounded_jit(THREADS, MIX_MIN_BLOCKS)
 def hc_mix_fused_kernel(h2, fn, cols, partial, counter, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post,
                         comb):
     """hc_mix_partial_kernel and hc_mix_finish_kernel in one launch (T <= FUSED_T_MAX, THREADS threads a block):
     each block writes its partials, then the block that draws the last ticket of `counter` (int32 [1], zero on
     entry; left zero) sums every token's partials and finishes them, warp w taking tokens w, w + 4, ... The
     same device functions as the two kernels, so the same bits (module docstring: memory order)."""
+    fv = cuda.local.array(N_MIX, np.float32)
+    _fn_column_device(fn, cols, fv)                 # before the entry: the weights (EARLY_READS)
     grid_entry_device()
     tid = cuda.threadIdx.x
     n_tok = h2.shape[0]
     n_blk = cuda.gridDim.x
     parts = cuda.shared.array((FUSED_T_MAX, N_ACC, FIN_PARTS), np.float64)
-    _mix_partial_device(h2, fn, cols, partial)
+    _mix_partial_device(h2, fn, cols, partial, fv)
     if not last_block_device(counter, 0, n_blk):     # the block's partials, then its ticket (kernels.ticket)
         return                                   # block-uniform
     n_pairs = N_ACC * FIN_PARTS
-    for i in range(tid, n_tok * n_pairs, THREADS):
-        t = i // n_pairs
+    for i in range(tid, n_tok * n_pairs, 2 * THREADS):    # parts i and i + THREADS, their loads together
+        s0, s1 = _part_sum_pair_device(partial, i, i + THREADS, n_blk)
         q = i % n_pairs
-        parts[t, q // FIN_PARTS, q % FIN_PARTS] = _part_sum_device(partial, t, q // FIN_PARTS, q % FIN_PARTS, n_blk)
+        parts[i // n_pairs, q // FIN_PARTS, q % FIN_PARTS] = s0
+        j = i + THREADS
+        if j < n_tok * n_pairs:
+            q = j % n_pairs
+            parts[j // n_pairs, q // FIN_PARTS, q % FIN_PARTS] = s1
     cuda.syncthreads()
     for t in range(tid // WARP, n_tok, THREADS // WARP):     # warp-uniform; no barrier after this
         _mix_finish_device(parts, t, t, tid % WARP, base, scale, n_cols, norm_eps, hc_eps, iters, pre, post, comb)
@@ -271,23 +335,46 @@ def hc_post_kernel(y, h, post, comb, out):
         t += cuda.gridDim.y
 
 
+@inline_device
+def _post_values_device(yv, hv, c, pv, cv, out, t, k):
+    """_post_column_device's arithmetic on values already loaded: hv[i, c] = h[t, i, k], pv = post[t], cv =
+    comb[t]."""
+    for j in range(HC):
+        acc = 0.0
+        for i in range(HC):
+            acc += np.float64(cv[i, j]) * np.float64(hv[i, c])
+        out[t, j, k] = round_bf16_device(mul_rn_device(pv[j], yv) + np.float32(acc))
+
+
 @bounded_jit(THREADS)
 def hc_post_moe_kernel(ye, ids, shared, h, post, comb, out):
     """hc_post_kernel of y = moe_combine(ye, ids, shared), y formed in registers (kernels.vq_gemv.combine_group_device,
-    the combine kernel's arithmetic) and never written: a thread takes the combine's four columns of one token."""
+    the combine kernel's arithmetic) and never written: a thread takes the combine's four columns of one token. Its
+    state columns, post and comb are loaded first, then the combine's terms, all before the first use (one memory
+    round trip where the combine's and then hc_post's loads took two or three); every column is read before any is
+    written, so out may alias h."""
     grid_entry_device()
     n_tok, n_s, d = h.shape
     live, t, d0 = combine_slot_device(n_tok, d)
     if not live:
         return
+    hv = cuda.local.array((HC, COMBINE_COLS), np.float32)    # constant indices only: registers
+    pv = cuda.local.array(HC, np.float32)
+    cv = cuda.local.array((HC, HC), np.float32)
+    for i in range(HC):
+        pv[i] = post[t, i]
+        for j in range(HC):
+            cv[i, j] = comb[t, i, j]
+        for c in range(COMBINE_COLS):
+            hv[i, c] = h[t, i, min(d0 + c, d - 1)]
     y0, y1, y2, y3 = combine_group_device(ye, ids, shared, t, d0, d)
-    _post_column_device(y0, h, post, comb, out, t, d0)
+    _post_values_device(y0, hv, 0, pv, cv, out, t, d0)
     if d0 + 1 < d:
-        _post_column_device(y1, h, post, comb, out, t, d0 + 1)
+        _post_values_device(y1, hv, 1, pv, cv, out, t, d0 + 1)
     if d0 + 2 < d:
-        _post_column_device(y2, h, post, comb, out, t, d0 + 2)
+        _post_values_device(y2, hv, 2, pv, cv, out, t, d0 + 2)
     if d0 + 3 < d:
-        _post_column_device(y3, h, post, comb, out, t, d0 + 3)
+        _post_values_device(y3, hv, 3, pv, cv, out, t, d0 + 3)
 
 
 SIGNATURES = {

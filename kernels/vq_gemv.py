@@ -744,38 +744,39 @@ def combine_slot_device(n_tok, d_len):
 def combine_group_device(ye, ids, shared, t, d0, d_len):
     """moe_combine's outputs for token t's columns d0 .. d0 + 3: bf16(sum over k in ascending ids[t, k] of ye[t*K + k,
     d] + shared[t, d]), each column adding its terms in that order (columns past d_len are computed from column
-    d_len - 1 and must not be stored). The expert order is found once for the four columns (a selection over the
-    token's K ids per step). Up to COMBINE_K_FAST experts the ids and the order live in registers and every expert's
-    columns are loaded before the first add (one memory round trip, not one per expert); more take the order one
-    expert at a time. The one definition of the combine's arithmetic (moe_combine_kernel, kernels.hc's hc_post of
-    the MoE's terms)."""
+    d_len - 1 and must not be stored). Up to COMBINE_K_FAST experts the token's ids, every slot's four columns and
+    the shared expert's are loaded at once, in slot order (one memory round trip, none waiting for the ids), and
+    the adds then take the slots by ascending id, a selection over the K ids per step whose winner's values are
+    picked in registers. More experts take the order one expert at a time. The one definition of the combine's
+    arithmetic (moe_combine_kernel, kernels.hc's hc_post of the MoE's terms)."""
     k_act = ids.shape[1]
     y0 = y1 = y2 = y3 = np.float32(0.0)
     if k_act <= COMBINE_K_FAST:
         idv = cuda.local.array(COMBINE_K_FAST, np.int32)       # constant indices only: registers
-        rows = cuda.local.array(COMBINE_K_FAST, np.int64)
         vals = cuda.local.array((COMBINE_K_FAST, COMBINE_COLS), np.float32)
-        for k in range(COMBINE_K_FAST):
-            idv[k] = ids[t, min(k, k_act - 1)]
+        for k in range(COMBINE_K_FAST):                       # past k_act: the last slot again, never added
+            kk = min(k, k_act - 1)
+            idv[k] = ids[t, kk]
+            vals[k, 0], vals[k, 1], vals[k, 2], vals[k, 3] = _combine_group_device(ye, t * k_act + kk, d0, d_len)
+        s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
         prev = -1
         for j in range(COMBINE_K_FAST):                   # selection by ascending expert id (ids are distinct)
             best = 0x7FFFFFFF
-            kb = 0
+            v0 = v1 = v2 = v3 = np.float32(0.0)
             for k in range(COMBINE_K_FAST):
                 v = idv[k]
                 if k < k_act and v > prev and v < best:
                     best = v
-                    kb = k
-            rows[j] = t * k_act + kb                       # past k_act: a live row, loaded and not added
-            prev = best
-        for j in range(COMBINE_K_FAST):
-            vals[j, 0], vals[j, 1], vals[j, 2], vals[j, 3] = _combine_group_device(ye, rows[j], d0, d_len)
-        for j in range(COMBINE_K_FAST):
+                    v0 = vals[k, 0]
+                    v1 = vals[k, 1]
+                    v2 = vals[k, 2]
+                    v3 = vals[k, 3]
             if j < k_act:
-                y0 += vals[j, 0]
-                y1 += vals[j, 1]
-                y2 += vals[j, 2]
-                y3 += vals[j, 3]
+                y0 += v0
+                y1 += v1
+                y2 += v2
+                y3 += v3
+            prev = best
     else:
         prev = -1
         for _ in range(k_act):
@@ -792,7 +793,7 @@ def combine_group_device(ye, ids, shared, t, d0, d_len):
             y2 += a2
             y3 += a3
             prev = best
-    s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
+        s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
     return (round_bf16_device(y0 + s0), round_bf16_device(y1 + s1), round_bf16_device(y2 + s2),
             round_bf16_device(y3 + s3))
 

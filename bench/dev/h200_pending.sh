@@ -95,6 +95,9 @@
 #             kernel (the score kernel with and without the query's RoPE, the launcher's rows a quad and 1), on the
 #             tree (attn.jsonl) and with ab_head/'s files (attn_base.jsonl), two rounds alternating (the fortieth
 #             session's; not in the default list)
+#   hc        bench/dev/hc_probe.py: the mHC mixes (cold weights), hc_post of the MoE's terms and hc_post of one
+#             decode token, on the tree (hc.jsonl) and with ab_head/'s files (hc_base.jsonl), two rounds alternating
+#             (the forty-second session's; not in the default list)
 # DS4_PARTS=tests,vq limits the run to those parts; DS4_TEST_FILES / DS4_TESTS_CAP pick the test part's files and cap,
 # DS4_GRAPH_ONLY=1 drops the decode part's eager runs; DS4_CONTEXTS (default 1024,65536) sets every decode run's
 # contexts; DS4_ROUNDS=N runs the decode variants (decode, base, before, flags, unfused*: those asked for) N times
@@ -305,6 +308,16 @@ if want attn; then                 # the tree's attention and, with ab_head/'s f
         if have_ab "$AB_HEAD"; then
             swap_in "$AB_HEAD"
             run "attn_probe (base), round $R" 90 attn_base.jsonl $PY bench/dev/attn_probe.py --rpq 0,1
+            swap_out
+        fi
+    done
+fi
+if want hc; then                   # the tree's mHC kernels and, with ab_head/'s files, its base's, alternating
+    for R in 1 2; do
+        run "hc_probe, round $R" 60 hc.jsonl $PY bench/dev/hc_probe.py
+        if have_ab "$AB_HEAD"; then
+            swap_in "$AB_HEAD"
+            run "hc_probe (base), round $R" 60 hc_base.jsonl $PY bench/dev/hc_probe.py
             swap_out
         fi
     done

@@ -150,7 +150,8 @@ def _part_sums_kernel():
     return part_sums
 
 
-@pytest.mark.parametrize("n_blk", [160, 82, 37, 7])   # V4.1's 160 blocks (two rounds of PART_LOADS a part), ragged
+@pytest.mark.parametrize("n_blk", [161, 160, 82, 37, 7])   # V4.1's 160 blocks (one batch of PART_LOADS a part),
+                                                             # one past them (a second batch), ragged
 def test_part_sums_in_block_order(cuda_ready, n_blk):
     """The finishing sums add part p's partials b = p, p + FIN_PARTS, ... one by one in that order, whatever loads
     are in flight: bit for bit against that sequence in float64, on values whose sum depends on the order."""
@@ -167,6 +168,44 @@ def test_part_sums_in_block_order(cuda_ready, n_blk):
         want[i] = s
     got = out.copy_to_host()
     assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
+
+
+def _part_pairs_kernel():
+    """A kernel whose thread i of THREADS returns flat parts i + 2 THREADS r and i + 2 THREADS r + THREADS for r =
+    0, 1, ... (_part_sum_pair_device, the fused kernel's last block), NaN where a part is past the last."""
+    from kernels.hc import THREADS, _part_sum_pair_device
+
+    @cuda.jit
+    def part_pairs(partial, n_blk, out):
+        i = cuda.threadIdx.x
+        while i < out.shape[0]:
+            s0, s1 = _part_sum_pair_device(partial, i, i + THREADS, n_blk)
+            out[i] = s0
+            if i + THREADS < out.shape[0]:
+                out[i + THREADS] = s1
+            i += 2 * THREADS
+    return part_pairs
+
+
+@pytest.mark.parametrize("T,n_blk", [(1, 160), (1, 161), (2, 37), (3, 7), (1, 1)])
+def test_part_pairs_in_block_order(cuda_ready, T, n_blk):
+    """The fused kernel's last block sums two parts at once (their loads together): each part still adds its
+    partials b = p, p + FIN_PARTS, ... one by one in that order, for parts in one token or across two, a second part
+    past the last (T = 1: 200 parts over 128 threads), one and two batches of loads, and a single block."""
+    from kernels.hc import FIN_PARTS, N_ACC, THREADS
+    rng = np.random.default_rng(T * 1000 + n_blk)
+    partial = rng.standard_normal((T, n_blk, N_ACC)) * 10.0 ** rng.uniform(-8, 8, (T, n_blk, N_ACC))
+    n = T * N_ACC * FIN_PARTS
+    out = cuda_ready.to_device(np.full(n, np.nan))
+    _part_pairs_kernel()[1, THREADS](cuda_ready.to_device(partial), n_blk, out)
+    want = np.zeros(n)
+    for i in range(n):
+        t, q = divmod(i, N_ACC * FIN_PARTS)
+        s = 0.0
+        for b in range(q % FIN_PARTS, n_blk, FIN_PARTS):
+            s += float(partial[t, b, q // FIN_PARTS])
+        want[i] = s
+    assert np.array_equal(out.copy_to_host().view(np.uint64), want.view(np.uint64))
 
 
 def test_hc_empty(cuda_ready):

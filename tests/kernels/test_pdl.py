@@ -110,7 +110,8 @@ def test_the_early_kernels_are_listed():
     assert listed == {"q4k_gemv": {"q4k_mma_kernel": ("w1", "n_words", "sps"),
                                    "q4k_imma_kernel": ("w1", "n_words", "rows_per_group", "kx")},
                       "q4k_dp4a": {"q4k_dp_kernel": ("w4", "n_words4", "rows_per_group")},
-                      "vq_gemv": {"vq_gemv_kernel": ("cb_g",)}}
+                      "vq_gemv": {"vq_gemv_kernel": ("cb_g",)},
+                      "hc": {"hc_mix_partial_kernel": ("fn", "cols"), "hc_mix_fused_kernel": ("fn", "cols")}}
     for stem, early in listed.items():
         fns = {fn.name: fn for fn in _kernels(ROOT / "kernels" / f"{stem}.py")}
         for name, params in early.items():
