@@ -17,15 +17,16 @@ projection, sigmoid pre/post, Sinkhorn on the SxS comb), the collapse hc_pre and
   sums of each token two at a time, both parts' loads in flight together; warp w finishes tokens w, w+4, ...) and
   puts the counter back to zero, so a captured graph replays it and eager calls follow. Both mix kernels load their
   first column's 24 weights before the grid entry (EARLY_READS, kernels.pdl): with a programmatic edge those loads
-  overlap the kernel before, and the block's work after the entry starts from its state column's load. Memory order: kernels.ticket's last-block pattern (as
-  q4k_gemv.q4k_mma_kernel's split rows): a block barrier after the partial stores, thread 0's acquire-release atomic
-  ticket, a second barrier before the last block's loads. The acquire invalidates the SM's L1 (CCTL.IVALL on sm_90; L1
-  is not coherent across SMs), so the plain loads after it cannot be served stale lines (checked with nvdisasm; Numba
-  emits generic ld, never ld.global.nc, for `partial`). The work of the last block grows with T (ceil(200 T / 128)
-  rounds of dependent loads, T/4 Sinkhorn runs per warp) while the two-kernel path finishes tokens in parallel blocks:
-  hence FUSED_T_MAX = 4 (not measured yet). The counter (int32 [1]) comes from the caller's scratch dict, zero-filled
-  when created (scratch_array zero=True, a host-to-device copy): make it with an eager call before capturing a graph
-  that uses it (the CUDA backend warms every shape eagerly), and share it only among launches on one stream.
+  overlap the kernel before, and the block's work after the entry starts from its state column's load.
+  Memory order: kernels.ticket's last-block pattern (as q4k_gemv.q4k_mma_kernel's split rows): a block barrier after
+  the partial stores, thread 0's acquire-release atomic ticket, a second barrier before the last block's loads. The
+  acquire invalidates the SM's L1 (CCTL.IVALL on sm_90; L1 is not coherent across SMs), so the plain loads after it
+  cannot be served stale lines (checked with nvdisasm; Numba emits generic ld, never ld.global.nc, for `partial`). The
+  work of the last block grows with T (ceil(200 T / 256) rounds of dependent loads, T/4 Sinkhorn runs per warp) while
+  the two-kernel path finishes tokens in parallel blocks: hence FUSED_T_MAX = 4 (not measured yet). The counter (int32
+  [1]) comes from the caller's scratch dict, zero-filled when created (scratch_array zero=True, a host-to-device
+  copy): make it with an eager call before capturing a graph that uses it (the CUDA backend warms every shape
+  eagerly), and share it only among launches on one stream.
 - `hc_pre`: out[t, d] = bf16(sum_i pre[t, i] h[t, i, d]), the four exact products summed in float64.
 - `hc_post`: out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread owns a
   column (t, d) and reads it whole before writing, so out may alias h (in-place update of the state). With `moe`
