@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-__all__ = ["graph_time", "eager_time", "probe_time", "use_simulator"]
+__all__ = ["graph_time", "eager_time", "probe_time", "empty_node", "use_simulator"]
 
 
 def use_simulator():
@@ -15,6 +15,22 @@ def use_simulator():
     sys.setswitchinterval(1e-4)
     from tests.kernels.cudasim_shim import install
     install()
+
+
+_EMPTY = []
+
+
+def empty_node(threads, stream):
+    """Launch a kernel of one block of `threads` that does nothing: a dev probe's `empty` form, the cost of a graph
+    node alone, which it subtracts from the others."""
+    if not _EMPTY:
+        from numba import cuda
+
+        @cuda.jit
+        def empty_kernel():
+            pass
+        _EMPTY.append(empty_kernel)
+    _EMPTY[0][1, threads, stream]()
 
 
 def _stream_handle(stream):

@@ -22,18 +22,13 @@ import os
 import sys
 
 sys.path.insert(0, ".")
+from bench.timing import empty_node, probe_time, use_simulator  # noqa: E402
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":    # a tiny --eager check on the CPU: the warp-intrinsic shim
-    from tests.kernels.cudasim_shim import install
-    install()
+    use_simulator()
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from kernels import attention as at  # noqa: E402
-
-
-@cuda.jit
-def _empty_kernel():
-    pass
 
 
 def _bf16_rows(rng, n, dh):
@@ -55,7 +50,6 @@ def main(argv):
     ap.add_argument("--calls", type=int, default=0, help="calls a graph (0: enough to cycle the copies 4 times)")
     ap.add_argument("--eager", action="store_true", help="eager calls only (for Nsight Compute), no timing")
     a = ap.parse_args(argv)
-    from bench.timing import probe_time
     s = cuda.stream()
     rng = np.random.default_rng(0)
     H, Dh, W, P = a.heads, a.head_dim, a.window, 4096
@@ -117,7 +111,7 @@ def main(argv):
                 sc["no_positions"], False, sc["no_digits"], sc["no_pairs"], False, out)
 
         def empty():
-            _empty_kernel[1, at.THREADS, s]()
+            empty_node(at.THREADS, s)
         forms = []
         for name in a.forms.split(","):
             if name in ("score", "score_norope"):

@@ -23,18 +23,13 @@ import os
 import sys
 
 sys.path.insert(0, ".")
+from bench.timing import empty_node, probe_time, use_simulator  # noqa: E402
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":    # a tiny --eager check on the CPU: the warp-intrinsic shim
-    from tests.kernels.cudasim_shim import install
-    install()
+    use_simulator()
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from kernels import hc  # noqa: E402
-
-
-@cuda.jit
-def _empty_kernel():
-    pass
 
 
 def main(argv):
@@ -47,7 +42,6 @@ def main(argv):
     ap.add_argument("--calls", type=int, default=0, help="calls a graph (0: enough to cycle the copies 4 times)")
     ap.add_argument("--eager", action="store_true", help="eager calls only (for Nsight Compute), no timing")
     a = ap.parse_args(argv)
-    from bench.timing import probe_time
     s = cuda.stream()
     rng = np.random.default_rng(0)
     D, K, S = a.dim, a.top_k, hc.HC
@@ -81,7 +75,7 @@ def main(argv):
         hc.hc_post(y, h, post, comb, out=h, stream=s)
 
     def empty():
-        _empty_kernel[1, hc.THREADS, s]()
+        empty_node(hc.THREADS, s)
     forms = {"mixes": mixes, "post_moe": post_moe, "post": post_y, "empty": empty}
     for name in a.forms.split(","):
         it[0] = 0

@@ -18,20 +18,19 @@ experts, where the H200's table had 10.9 with 384: this says which part takes th
 import argparse
 import json
 import math
+import os
 import sys
 
 sys.path.insert(0, ".")
+from bench.timing import empty_node, probe_time, use_simulator  # noqa: E402
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":    # a tiny --eager check on the CPU: the warp-intrinsic shim
+    use_simulator()
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import kernels.moe as moe  # noqa: E402
 from kernels.gemv import gemv  # noqa: E402
 from kernels.vq_gemv import vq_plan  # noqa: E402
-
-
-@cuda.jit
-def _empty_kernel():
-    pass
 
 
 def main(argv):
@@ -43,7 +42,6 @@ def main(argv):
     ap.add_argument("--calls", type=int, default=0, help="calls a graph (0: enough to cycle the copies 4 times)")
     ap.add_argument("--eager", action="store_true", help="eager calls only (for Nsight Compute), no timing")
     a = ap.parse_args(argv)
-    from bench.timing import probe_time
     s = cuda.stream()
     rng = np.random.default_rng(0)
     D, K = a.dim, a.top_k
@@ -82,7 +80,7 @@ def main(argv):
             moe.route_topk_kernel[1, moe.THREADS, s](logits, bias, bias, False, np.float32(1.0), K, np.float32(2.5),
                                                      True, *out, True, plan.pairs, plan.tiles, plan.n_tiles)
         def empty():
-            _empty_kernel[1, moe.THREADS, s]()
+            empty_node(moe.THREADS, s)
         forms = {"fused": fused, "split": split, "gemv": gemv_only, "topk": topk_only, "empty": empty}
         for name in a.forms.split(","):
             it[0] = 0
