@@ -17,7 +17,9 @@
 # - untracks the three large paths with `git rm --cached`, keeping the files here;
 # - lists them in .git/info/exclude, between marker lines.
 # It then prints the size of what the device will get. The engine tests fall back to the random tiny stack there.
-# Nothing is committed: commit only with explicit paths (`git commit -- paths`) while staged.
+# Nothing is committed: commit only with explicit paths (`git commit -- paths`) while staged. Do not `git stash` while
+# staged: `git stash pop` restores the files but not the index, so the large paths are tracked again (and sent);
+# `git rm -r --cached` them again, or --undo and stage anew.
 set -eu
 cd "$(git rev-parse --show-toplevel)"
 BIG=(models/ds4-tiny models/ds4-tiny-base.gguf tests/golden/official_v41_tiny)
