@@ -180,9 +180,10 @@ def _part_sum_device(partial, t, m_, p, n_blk):
 
 @inline_device
 def _part_sum_pair_device(partial, i0, i1, n_blk):
-    """_part_sum_device of flat parts i0 and i1 (i = (t * N_ACC + m) * FIN_PARTS + p; i1 past the last: none, 0.0),
-    both parts' loads in flight together: the last block's thread takes its parts two at a time, one round of loads
-    where two parts one after the other took two (or four at V4.1's 20 partials and the old 10 loads a batch)."""
+    """_part_sum_device of flat parts i0 and i1 (i = (t * N_ACC + m) * FIN_PARTS + p), both parts' loads in flight
+    together: the last block's thread takes its parts two at a time, one round of loads where two parts one after
+    the other took two (or four at V4.1's 20 partials and the old 10 loads a batch). i1 past the last part reads the
+    last part's partials instead; its sum is then meaningless and the caller must not store it."""
     n_all = partial.shape[0] * N_ACC * FIN_PARTS
     live1 = i1 < n_all
     j1 = min(i1, n_all - 1)
