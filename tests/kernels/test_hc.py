@@ -172,7 +172,7 @@ def test_part_sums_in_block_order(cuda_ready, n_blk):
 
 def _part_pairs_kernel():
     """A kernel whose thread i of THREADS returns flat parts i + 2 THREADS r and i + 2 THREADS r + THREADS for r =
-    0, 1, ... (_part_sum_pair_device, the fused kernel's last block), NaN where a part is past the last."""
+    0, 1, ... (_part_sum_pair_device, the fused kernel's last block); a second part past the last is not stored."""
     from kernels.hc import THREADS, _part_sum_pair_device
 
     @cuda.jit
@@ -196,7 +196,7 @@ def test_part_pairs_in_block_order(cuda_ready, T, n_blk):
     rng = np.random.default_rng(T * 1000 + n_blk)
     partial = rng.standard_normal((T, n_blk, N_ACC)) * 10.0 ** rng.uniform(-8, 8, (T, n_blk, N_ACC))
     n = T * N_ACC * FIN_PARTS
-    out = cuda_ready.to_device(np.full(n, np.nan))
+    out = cuda_ready.to_device(np.full(n, np.nan))          # a part left unwritten fails the comparison
     _part_pairs_kernel()[1, THREADS](cuda_ready.to_device(partial), n_blk, out)
     want = np.zeros(n)
     for i in range(n):
