@@ -309,43 +309,48 @@ def hc_pre_kernel(h, pre, out):
 
 
 @inline_device
-def _post_column_device(yv, h, post, comb, out, t, k):
-    """out[t, j, k] = bf16(post[t, j] yv + sum_i comb[t, i, j] h[t, i, k]) for the four streams j (hc_post's
-    arithmetic: the products exact in float64, added in stream order)."""
-    col = cuda.local.array(HC, np.float64)
+def _post_operands_device(post, comb, t, pv, cv):
+    """pv = post[t], cv = comb[t]: the expand's 20 mixing values of token t, loaded together."""
     for i in range(HC):
-        col[i] = np.float64(h[t, i, k])
-    for j in range(HC):
-        acc = 0.0
-        for i in range(HC):
-            acc += np.float64(comb[t, i, j]) * col[i]
-        out[t, j, k] = round_bf16_device(mul_rn_device(post[t, j], yv) + np.float32(acc))
-
-
-@bounded_jit(THREADS)
-def hc_post_kernel(y, h, post, comb, out):
-    """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d), laid out
-    as hc_pre_kernel's."""
-    grid_entry_device()
-    n_tok, n_s, d = h.shape
-    k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if k >= d:
-        return
-    t = cuda.blockIdx.y
-    while t < n_tok:
-        _post_column_device(y[t, k], h, post, comb, out, t, k)
-        t += cuda.gridDim.y
+        pv[i] = post[t, i]
+        for j in range(HC):
+            cv[i, j] = comb[t, i, j]
 
 
 @inline_device
 def _post_values_device(yv, hv, c, pv, cv, out, t, k):
-    """_post_column_device's arithmetic on values already loaded: hv[i, c] = h[t, i, k], pv = post[t], cv =
-    comb[t]."""
+    """out[t, j, k] = bf16(post[t, j] yv + sum_i comb[t, i, j] h[t, i, k]) for the four streams j (hc_post's
+    arithmetic: the products exact in float64, added in stream order) on values already loaded: hv[i, c] = h[t, i,
+    k], pv = post[t], cv = comb[t]."""
     for j in range(HC):
         acc = 0.0
         for i in range(HC):
             acc += np.float64(cv[i, j]) * np.float64(hv[i, c])
         out[t, j, k] = round_bf16_device(mul_rn_device(pv[j], yv) + np.float32(acc))
+
+
+@bounded_jit(THREADS)
+def hc_post_kernel(y, h, post, comb, out):
+    """out[t, j, d] = bf16(post[t, j] y[t, d] + sum_i comb[t, i, j] h[t, i, d]); one thread per (t, d), laid out
+    as hc_pre_kernel's. A thread loads its column, y, post and comb before its first store (one memory round trip:
+    out may alias h, so a load after a store waited for it, and comb's and post's loads of the next stream came
+    after the store of the one before)."""
+    grid_entry_device()
+    n_tok, n_s, d = h.shape
+    k = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if k >= d:
+        return
+    hv = cuda.local.array((HC, 1), np.float32)              # constant indices only: registers
+    pv = cuda.local.array(HC, np.float32)
+    cv = cuda.local.array((HC, HC), np.float32)
+    t = cuda.blockIdx.y
+    while t < n_tok:
+        yv = y[t, k]
+        for i in range(HC):
+            hv[i, 0] = h[t, i, k]
+        _post_operands_device(post, comb, t, pv, cv)
+        _post_values_device(yv, hv, 0, pv, cv, out, t, k)
+        t += cuda.gridDim.y
 
 
 @bounded_jit(THREADS)
@@ -363,10 +368,8 @@ def hc_post_moe_kernel(ye, ids, shared, h, post, comb, out):
     hv = cuda.local.array((HC, COMBINE_COLS), np.float32)    # constant indices only: registers
     pv = cuda.local.array(HC, np.float32)
     cv = cuda.local.array((HC, HC), np.float32)
+    _post_operands_device(post, comb, t, pv, cv)
     for i in range(HC):
-        pv[i] = post[t, i]
-        for j in range(HC):
-            cv[i, j] = comb[t, i, j]
         for c in range(COMBINE_COLS):
             hv[i, c] = h[t, i, min(d0 + c, d - 1)]
     y0, y1, y2, y3 = combine_group_device(ye, ids, shared, t, d0, d)

@@ -41,8 +41,8 @@ from kernels.pdl import grid_entry_device
 from kernels.scratch import scratch_array as _scratch
 from kernels.ticket import last_block_device
 
-__all__ = ["route", "swiglu", "swiglu_value_device", "route_topk_kernel", "route_gemv_kernel", "route_in_gemv",
-           "swiglu_kernel", "swiglu_q_kernel", "swiglu_qi_kernel", "SIGNATURES"]
+__all__ = ["route", "swiglu", "swiglu_value_device", "swiglu_scaled_device", "route_topk_kernel", "route_gemv_kernel",
+           "route_in_gemv", "swiglu_kernel", "swiglu_q_kernel", "swiglu_qi_kernel", "SIGNATURES"]
 
 WARP = 32
 LOG2_WARP = WARP.bit_length() - 1
@@ -232,16 +232,23 @@ def route_gemv_kernel(x64, w64, split, logits, counter, bias, delta, has_delta, 
 
 
 @inline_device
-def swiglu_value_device(gv, uv, w, has_w, r, limit):
-    """bf16(w[r] * (silu(min(g, limit)) * clamp(u, +-limit))) of one element's g and u; limit <= 0: no clamp, no
-    weight unless has_w. The one definition of the step's arithmetic (swiglu's kernels, kernels.vq_gemv's staging)."""
+def swiglu_scaled_device(gv, uv, wr, has_w, limit):
+    """bf16(wr * (silu(min(g, limit)) * clamp(u, +-limit))) of one element's g and u, wr its row's weight w[r]
+    (used only when has_w); limit <= 0: no clamp. The one definition of the step's arithmetic (swiglu's kernels
+    through swiglu_value_device; kernels.vq_gemv's staging, which loads a row's weight once for its 8 elements)."""
     if limit > np.float32(0.0):
         uv = min(max(uv, -limit), limit)
         gv = min(gv, limit)
     a = gv / (np.float32(1.0) + exp_f32_device(-gv)) * uv
     if has_w:
-        a = w[r] * a
+        a = wr * a
     return round_bf16_device(a)
+
+
+@inline_device
+def swiglu_value_device(gv, uv, w, has_w, r, limit):
+    """swiglu_scaled_device with the weight read from w[r] (only when has_w)."""
+    return swiglu_scaled_device(gv, uv, w[r] if has_w else np.float32(0.0), has_w, limit)
 
 
 @inline_device

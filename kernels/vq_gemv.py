@@ -16,7 +16,7 @@ Owns:
   w2) applied to the row sum, BF16 result. The sum is formed by the tensor cores (below), so it matches the
   reference within a tolerance, not bit for bit. `swiglu=(u, weights, limit)` (w2, quantize=True): x is an expert's
   gate g and the staging computes a = swiglu(g, u, limit, weights) as it loads (`vq_stage_swiglu_kernel`; one launch
-  fewer per MoE layer than kernels.moe.swiglu then vq_gemv, the same bits: both run kernels.moe.swiglu_value_device,
+  fewer per MoE layer than kernels.moe.swiglu then vq_gemv, the same bits: both run kernels.moe.swiglu_scaled_device,
   and a test holds the two paths bit-equal).
 - `vq_stage`: the activations as the GEMV's B operand (what `vq_gemv` launches first unless given it as `staged`).
 - `moe_combine`: y[t] = bf16( sum over the token's experts in ascending id of ye[t*K + k] + shared[t] ) (FP32,
@@ -78,7 +78,7 @@ from kernels import bounded_jit, inline_device, rows_grid, smem_launch
 from kernels.bf16 import f16_bits_device, round_bf16_device
 from kernels.fp8 import (code_word_device, f16_of_e4m3_value_device, fp8_block_scale_device, pow2_inverse_device,
                          quant8_device)
-from kernels.moe import swiglu_value_device
+from kernels.moe import swiglu_scaled_device
 from kernels.mma import MMA_EX_WORDS, byte_perm_device, e4m3x8_to_f16x2_device, load4_device, mma_f16_device
 from kernels.pdl import grid_entry_device
 from kernels.scratch import check_arrays, scratch_array as _scratch, scratch_arrays
@@ -437,7 +437,8 @@ def vq_stage_kernel(x, raw, J, n_cwp, xh, scl1):
 @cuda.jit(cache=True)
 def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
     """vq_stage_kernel (raw) over a = swiglu(g, u, limit, w) computed as its values are loaded
-    (kernels.moe.swiglu_value_device): the SwiGLU step of an expert folded into its down projection's staging.
+    (kernels.moe.swiglu_scaled_device, the row's weight loaded once): the SwiGLU step of an expert folded into its
+    down projection's staging.
     g, u float32 [n, 8J], w float32 [n]."""
     grid_entry_device()
     red = cuda.shared.array((STAGE_WARPS, WARP), np.float32)     # the simulator's quad exchange
@@ -448,10 +449,11 @@ def vq_stage_swiglu_kernel(g, u, w, has_w, limit, J, n_cwp, xh, scl1):
         if c < J:
             g0, g1, g2, g3, g4, g5, g6, g7 = _row8_device(g, r, VQ_DIM * c)
             u0, u1, u2, u3, u4, u5, u6, u7 = _row8_device(u, r, VQ_DIM * c)
-            v0, v1 = swiglu_value_device(g0, u0, w, has_w, r, limit), swiglu_value_device(g1, u1, w, has_w, r, limit)
-            v2, v3 = swiglu_value_device(g2, u2, w, has_w, r, limit), swiglu_value_device(g3, u3, w, has_w, r, limit)
-            v4, v5 = swiglu_value_device(g4, u4, w, has_w, r, limit), swiglu_value_device(g5, u5, w, has_w, r, limit)
-            v6, v7 = swiglu_value_device(g6, u6, w, has_w, r, limit), swiglu_value_device(g7, u7, w, has_w, r, limit)
+            wr = w[r] if has_w else np.float32(0.0)               # once for the 8 (was a load before each)
+            v0, v1 = swiglu_scaled_device(g0, u0, wr, has_w, limit), swiglu_scaled_device(g1, u1, wr, has_w, limit)
+            v2, v3 = swiglu_scaled_device(g2, u2, wr, has_w, limit), swiglu_scaled_device(g3, u3, wr, has_w, limit)
+            v4, v5 = swiglu_scaled_device(g4, u4, wr, has_w, limit), swiglu_scaled_device(g5, u5, wr, has_w, limit)
+            v6, v7 = swiglu_scaled_device(g6, u6, wr, has_w, limit), swiglu_scaled_device(g7, u7, wr, has_w, limit)
         _stage_word_device(v0, v1, v2, v3, v4, v5, v6, v7, True, ok, r, c, n_cwp, xh, scl1, red)
         r += cuda.gridDim.y
 
