@@ -753,6 +753,7 @@ def combine_group_device(ye, ids, shared, t, d0, d_len):
     arithmetic (moe_combine_kernel, kernels.hc's hc_post of the MoE's terms)."""
     k_act = ids.shape[1]
     y0 = y1 = y2 = y3 = np.float32(0.0)
+    s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
     if k_act <= COMBINE_K_FAST:
         idv = cuda.local.array(COMBINE_K_FAST, np.int32)       # constant indices only: registers
         vals = cuda.local.array((COMBINE_K_FAST, COMBINE_COLS), np.float32)
@@ -760,7 +761,6 @@ def combine_group_device(ye, ids, shared, t, d0, d_len):
             kk = min(k, k_act - 1)
             idv[k] = ids[t, kk]
             vals[k, 0], vals[k, 1], vals[k, 2], vals[k, 3] = _combine_group_device(ye, t * k_act + kk, d0, d_len)
-        s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
         prev = -1
         for j in range(COMBINE_K_FAST):                   # selection by ascending expert id (ids are distinct)
             best = 0x7FFFFFFF
@@ -795,7 +795,6 @@ def combine_group_device(ye, ids, shared, t, d0, d_len):
             y2 += a2
             y3 += a3
             prev = best
-        s0, s1, s2, s3 = _combine_group_device(shared, t, d0, d_len)
     return (round_bf16_device(y0 + s0), round_bf16_device(y1 + s1), round_bf16_device(y2 + s2),
             round_bf16_device(y3 + s3))
 
